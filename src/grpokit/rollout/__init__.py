@@ -1,0 +1,50 @@
+"""Rollout engines: one protocol, several engines.
+
+An engine turns tokenized prompts into G sampled completions each and reports, for every
+completion, its tokens, its mask, why it ended and the log-probs it was sampled with. Nothing
+downstream infers a mask from a pad id (the pad id of SmolLM2 *is* its EOS id).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k filter
+
+
+@dataclass
+class RolloutBatch:
+    """N = num_prompts * n completions; the n completions of one prompt are contiguous."""
+
+    prompt_ids: torch.Tensor  # (N, Lp) left-padded
+    prompt_mask: torch.Tensor  # (N, Lp) 1 on prompt tokens
+    completion_ids: torch.Tensor  # (N, T) right-padded
+    completion_mask: torch.Tensor  # (N, T) 1 on generated tokens, the EOS included
+    sampling_logps: torch.Tensor  # (N, T) log-prob of each token under the sampling distribution
+    entropies: torch.Tensor  # (N, T) entropy of the tempered policy distribution each token came from
+    finish_reasons: list[str]  # "stop" (an EOS was sampled) or "length" (hit max_tokens)
+
+
+class RolloutEngine(Protocol):
+    def generate(
+        self, prompts: list[list[int]], n: int, params: SamplingParams, generator: torch.Generator
+    ) -> RolloutBatch: ...
+
+
+def make_engine(name: str, model, tokenizer, eos_ids: list[int]) -> RolloutEngine:
+    if name == "transformers":
+        from grpokit.rollout.transformers_engine import TransformersEngine
+
+        return TransformersEngine(model, pad_id=tokenizer.pad_token_id, eos_ids=eos_ids)
+    raise ValueError(
+        f"rollout.engine={name!r} is not available; the engines implemented are: transformers"
+    )

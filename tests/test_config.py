@@ -1,0 +1,73 @@
+import pytest
+import yaml
+
+from grpokit.cli import main
+from grpokit.config import Config, ConfigError, describe, load_config
+
+
+def test_defaults_are_valid_and_overrides_apply(tmp_path):
+    path = tmp_path / "my.yaml"
+    path.write_text(yaml.safe_dump({"algorithm": {"beta": 0.04, "loss_type": "dapo"}, "train": {"max_steps": 7}}))
+    c = load_config(path, ["algorithm.beta=0.001", "train.max_steps=50", "algorithm.epsilon_high=null"])
+    assert c.algorithm.beta == 0.001  # the override wins over the file
+    assert c.algorithm.loss_type == "dapo"
+    assert c.train.max_steps == 50
+    assert c.algorithm.epsilon_high is None
+    assert isinstance(load_config(None, ["train.learning_rate=1"]).train.learning_rate, float)
+    assert load_config(None, ["train.learning_rate=1e-5"]).train.learning_rate == 1e-5
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("train.lr=1e-5", "train.lr"),  # unknown key
+        ("train.learning_rat=1e-5", "did you mean 'train.learning_rate'"),
+        ("trian.max_steps=3", "trian"),
+        ("train.max_steps=abc", "train.max_steps"),  # wrong type
+        ("train.max_steps=1.5", "train.max_steps"),
+        ("algorithm.beta=true", "algorithm.beta"),
+        ("rollout.num_generations=1", "rollout.num_generations"),
+        ("algorithm.loss_type=bnpo", "algorithm.loss_type"),
+        ("train.updates_per_step=3", "train.updates_per_step"),  # 4 x 8 = 32 is not divisible by 3
+        ("train.micro_batch_size=5", "train.micro_batch_size"),
+        ("rollout.temperature=0", "rollout.temperature"),
+    ],
+)
+def test_bad_values_fail_naming_the_field(override, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_every_problem_is_reported_at_once():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["rollout.num_generations=1", "algorithm.beta=-1"])
+    assert "rollout.num_generations" in str(e.value) and "algorithm.beta" in str(e.value)
+
+
+def test_yaml_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  nonsense: 1\n")
+    with pytest.raises(ConfigError, match="train.nonsense"):
+        load_config(bad)
+
+
+def test_derived_batch_values():
+    c = load_config(None, ["train.prompts_per_step=4", "rollout.num_generations=8", "train.updates_per_step=2"])
+    assert (c.completions_per_step, c.completions_per_update, c.micro_batch) == (32, 16, 16)
+    assert c.needs_old_logps
+    assert not Config().needs_old_logps
+
+
+def test_cli_reports_config_errors(capsys):
+    assert main(["train", "rollout.num_generations=1"]) == 2
+    assert "rollout.num_generations" in capsys.readouterr().err
+
+
+def test_reference_lists_every_field():
+    text = describe()
+    for section in ("model", "data", "rollout", "algorithm", "train"):
+        assert f"{section}:" in text
+    for field in ("num_generations", "loss_type", "kl_estimator", "scale_rewards", "micro_batch_size", "eval_every"):
+        assert f"  {field}:" in text

@@ -1,0 +1,86 @@
+import torch
+
+from grpokit.models import eos_token_ids
+from grpokit.rollout import SamplingParams
+from grpokit.rollout.transformers_engine import TransformersEngine, sample_next
+
+
+
+
+def test_pad_equal_to_eos_keeps_the_eos_in_the_mask(tiny):
+    model, tokenizer = tiny
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id  # the trap in SmolLM2's tokenizer
+    eos = tokenizer.eos_token_id
+    engine = TransformersEngine(model, pad_id=eos, eos_ids=[eos])
+    g = torch.Generator().manual_seed(0)
+    batch = engine.generate([[5, 6, 7], [8, 9]], 3, SamplingParams(max_tokens=6), g)
+    N, T = batch.completion_ids.shape
+    assert N == 6 and T <= 6
+    assert batch.prompt_ids.shape == (6, 3) and batch.prompt_mask[3:].tolist()[0] == [0, 1, 1]
+    for i in range(N):
+        ids, m = batch.completion_ids[i].tolist(), batch.completion_mask[i].tolist()
+        n = sum(m)
+        assert m == [1] * n + [0] * (T - n)
+        if batch.finish_reasons[i] == "stop":
+            assert ids[n - 1] == eos and eos not in ids[: n - 1]
+        else:
+            assert n == 6 and eos not in ids
+    assert batch.entropies.shape == (N, T) and (batch.entropies[batch.completion_mask == 0] == 0).all()
+
+
+def test_forced_eos_gives_stop_and_mask_with_eos(tiny):
+    """Force EOS as the 3rd token by biasing the output layer: masks include it, pad after it."""
+    model, tokenizer = tiny
+    eos = eos_token_ids(model, tokenizer)[0]
+
+    class Biased(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.step = model, 0
+            self.parameters = model.parameters
+
+        def forward(self, **kw):
+            out = self.inner(**kw)
+            if self.step == 2:  # third sampled token: prefill, decode 1, decode 2
+                out.logits[..., eos] = 1e4
+            self.step += 1
+            return out
+
+    engine = TransformersEngine(Biased(), pad_id=eos, eos_ids=[eos])
+    engine.model.training, engine.model.eval, engine.model.train = False, lambda: None, lambda mode=True: None
+    batch = engine.generate([[5, 6, 7]], 4, SamplingParams(max_tokens=8), torch.Generator().manual_seed(1))
+    assert batch.finish_reasons == ["stop"] * 4
+    assert batch.completion_ids.shape[1] == 3
+    assert (batch.completion_ids[:, 2] == eos).all()
+    assert batch.completion_mask.tolist() == [[1, 1, 1]] * 4
+
+
+def test_sampling_is_seeded_and_greedy_is_argmax(tiny):
+    model, tokenizer = tiny
+    engine = TransformersEngine(model, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id])
+    params = SamplingParams(max_tokens=5)
+    a = engine.generate([[1, 2, 3]], 4, params, torch.Generator().manual_seed(3))
+    b = engine.generate([[1, 2, 3]], 4, params, torch.Generator().manual_seed(3))
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    greedy = engine.generate([[1, 2, 3]], 2, SamplingParams(max_tokens=5, temperature=0), torch.Generator())
+    assert torch.equal(greedy.completion_ids[0], greedy.completion_ids[1])
+
+
+def test_sampling_logps_and_filters():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    g = torch.Generator().manual_seed(0)
+    seen = set()
+    for _ in range(200):
+        tok, lp, ent = sample_next(logits, SamplingParams(1, temperature=1.0, top_k=2), g)
+        seen.add(tok.item())
+        expected = torch.log_softmax(logits[0, :2], -1)[tok.item()]
+        assert abs(lp.item() - expected.item()) < 1e-6
+    assert seen == {0, 1}
+    # top_p=0.5: token 0 alone has p=0.64 >= 0.5, so it is the only one kept.
+    for _ in range(20):
+        tok, lp, _ = sample_next(logits, SamplingParams(1, temperature=1.0, top_p=0.5), g)
+        assert tok.item() == 0 and abs(lp.item()) < 1e-6
+    # Entropy is the unfiltered tempered distribution's.
+    p = torch.softmax(logits[0] / 0.5, -1)
+    _, _, ent = sample_next(logits, SamplingParams(1, temperature=0.5, top_k=1), g)
+    assert abs(ent.item() - (-(p * p.log()).sum()).item()) < 1e-5

@@ -1,0 +1,115 @@
+"""Training steps on tiny-random: parameters move, the run directory is complete, final/ reloads."""
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from grpokit.config import load_config
+from grpokit.trainer import RewardSet, Trainer
+
+
+def shortness(completions, **columns):
+    """A test reward with variance on a random model: shorter completions score higher."""
+    return [-float(len(c[0]["content"])) for c in completions]
+
+
+@pytest.fixture
+def make_trainer(tmp_path, monkeypatch):
+    monkeypatch.setitem(__import__("grpokit.rewards", fromlist=["x"]).REWARD_FUNCTIONS, "shortness", shortness)
+
+    def make(*overrides, reward="shortness"):
+        config = load_config(None, [
+            "model.name=tiny-random", "data.eval_size=6", "train.prompts_per_step=2",
+            "rollout.num_generations=4", "rollout.max_completion_length=6", "train.learning_rate=1e-3",
+            f"train.output_dir={tmp_path / 'run'}", *overrides,
+        ])
+        trainer = Trainer(config, progress=False)
+        trainer.rewards = RewardSet(((reward, 1.0),))
+        return trainer
+
+    return make
+
+
+def test_two_steps_change_every_parameter_and_write_the_run_dir(make_trainer, tmp_path):
+    trainer = make_trainer("train.max_steps=2", "algorithm.beta=0.01", "train.eval_every=1")
+    before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
+    result = trainer.train()
+    for name, p in trainer.policy.named_parameters():
+        assert not torch.equal(p, before[name]), f"{name} did not change"
+    # The reference model is a frozen copy of the initial policy.
+    for name, p in trainer.reference.named_parameters():
+        assert torch.equal(p, before[name]) and not p.requires_grad
+
+    run = tmp_path / "run"
+    assert yaml.safe_load((run / "config.yaml").read_text())["algorithm"]["beta"] == 0.01
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval/reward" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert [r["step"] for r in evals] == [0, 1, 2]  # before, during (eval_every=1), after
+    required = {
+        "step", "loss", "reward", "reward_std", "rewards/shortness/mean", "frac_reward_zero_std", "kl",
+        "entropy", "clip_ratio/region_mean", "grad_norm", "learning_rate", "completions/mean_length",
+        "completions/clipped_ratio", "step_time", "num_tokens",
+    }
+    assert required <= steps[0].keys()
+    assert steps[0]["grad_norm"] > 0 and steps[0]["kl"] == 0  # policy == reference before update 1
+    assert steps[1]["kl"] > 0 and steps[1]["num_tokens"] > steps[0]["num_tokens"]
+    assert result.eval_history[0]["step"] == 0
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    reloaded = AutoModelForCausalLM.from_pretrained(run / "final")
+    tokenizer = AutoTokenizer.from_pretrained(run / "final")
+    assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
+    for name, p in reloaded.named_parameters():
+        assert torch.equal(p, dict(trainer.policy.named_parameters())[name])
+
+
+def test_no_reference_model_when_beta_is_zero(make_trainer):
+    trainer = make_trainer("train.max_steps=1")
+    assert trainer.reference is None
+    trainer.train()
+    rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert "kl" not in next(r for r in rows if "loss" in r)
+
+
+def test_a_step_without_signal_still_steps(make_trainer, monkeypatch):
+    """Every group constant: no forward/backward is needed, the step completes with zero gradient."""
+    monkeypatch.setitem(__import__("grpokit.rewards", fromlist=["x"]).REWARD_FUNCTIONS, "zero", lambda completions, **_: [0.0] * len(completions))
+    trainer = make_trainer("train.max_steps=1", "data.eval_size=0", reward="zero")
+    before = [p.detach().clone() for p in trainer.policy.parameters()]
+    trainer.train()
+    row = json.loads((trainer.run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["frac_reward_zero_std"] == 1.0 and row["loss"] == 0 and row["grad_norm"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.policy.parameters()))
+
+
+def test_zero_advantage_rows_add_nothing():
+    """The trainer skips zero-advantage completions when beta is 0: loss and gradient are unchanged."""
+    from grpokit.loss import grpo_loss
+
+    for loss_type in ("grpo", "dapo", "dr_grpo"):
+        logps = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+        old = logps.detach() + 0.1
+        adv = torch.tensor([0.5, 0.0, -0.5, 0.0], dtype=torch.float64)
+        mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1]])
+        full, full_m = grpo_loss(logps, old, None, adv, mask, loss_type=loss_type)
+        full.backward()
+        kept = torch.tensor([0, 2])
+        sub = logps.detach().clone().requires_grad_(True)
+        part, part_m = grpo_loss(
+            sub[kept], old[kept], None, adv[kept], mask[kept], loss_type=loss_type, num_sequences=4, num_tokens=9
+        )
+        part.backward()
+        assert abs(part.item() - full.item()) < 1e-15
+        assert torch.equal(sub.grad, logps.grad)
+        assert all(abs(part_m[k] - full_m[k]) < 1e-15 for k in full_m)
+
+
+def test_refuses_to_overwrite_a_previous_run(make_trainer):
+    make_trainer("train.max_steps=1", "data.eval_size=0").train()
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        make_trainer("train.max_steps=1")
