@@ -28,7 +28,7 @@ def test_defaults_are_valid_and_overrides_apply(tmp_path):
         ("algorithm.beta=true", "algorithm.beta"),
         ("rollout.num_generations=1", "rollout.num_generations"),
         ("algorithm.loss_type=bnpo", "algorithm.loss_type"),
-        ("train.updates_per_step=3", "train.updates_per_step"),  # 4 x 8 = 32 is not divisible by 3
+        ("train.updates_per_step=3", "train.updates_per_step"),  # 8 x 8 = 64 is not divisible by 3
         ("train.micro_batch_size=5", "train.micro_batch_size"),
         ("rollout.temperature=0", "rollout.temperature"),
     ],
@@ -71,3 +71,10 @@ def test_reference_lists_every_field():
         assert f"{section}:" in text
     for field in ("num_generations", "loss_type", "kl_estimator", "scale_rewards", "micro_batch_size", "eval_every"):
         assert f"  {field}:" in text
+
+
+def test_readme_config_reference_is_current():
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert describe() in readme, "README's config reference is stale: paste the output of `grpokit config`"

@@ -46,7 +46,7 @@ class DataConfig:
 class RolloutConfig:
     engine: str = _f("transformers", "generation engine: transformers (sampling with the policy in-process)")
     num_generations: int = _f(8, "completions sampled per prompt (the group size G); at least 2")
-    max_completion_length: int = _f(8, "new tokens per completion at most; longer ones end with finish reason 'length'")
+    max_completion_length: int = _f(6, "new tokens per completion at most; longer ones end with finish reason 'length'")
     temperature: float = _f(1.0, "sampling temperature (> 0); log-probs are computed at the same temperature")
     top_p: float = _f(1.0, "nucleus sampling: keep the smallest set of tokens with this much probability")
     top_k: int = _f(0, "keep only the k most likely tokens; 0 turns the filter off")
@@ -73,7 +73,7 @@ class AlgorithmConfig:
 
 @dataclass
 class TrainConfig:
-    prompts_per_step: int = _f(4, "prompts per step; each gets num_generations completions")
+    prompts_per_step: int = _f(8, "prompts per step; each gets num_generations completions")
     updates_per_step: int = _f(1, "optimizer updates fed by one step's completions (per iteration)")
     micro_batch_size: int | None = _f(
         None,
@@ -83,11 +83,11 @@ class TrainConfig:
     learning_rate: float = _f(2e-5, "AdamW peak learning rate")
     warmup_steps: int = _f(0, "linear warm-up, in optimizer updates; constant afterwards")
     weight_decay: float = _f(0.0, "AdamW weight decay")
-    max_steps: int = _f(40, "training steps (each: generate, score, update)")
+    max_steps: int = _f(140, "training steps (each: generate, score, update)")
     max_grad_norm: float = _f(1.0, "gradient norm clip; 0 turns clipping off")
     seed: int = _f(0, "seed for sampling, the task stream and initialisation")
     output_dir: str | None = _f(None, "run directory; null means runs/<task>-<date>-<time>")
-    eval_every: int = _f(10, "evaluate every N steps (also always before and after training); 0 turns periodic evaluation off")
+    eval_every: int = _f(20, "evaluate every N steps (also always before and after training); 0 turns periodic evaluation off")
     save_every: int = _f(0, "save the model every N steps under checkpoints/step-N; 0 turns periodic saving off")
 
 

@@ -46,7 +46,7 @@ def _bundled_gguf_folder() -> str:
 
 def bundled_model_path() -> Path:
     """The converted SmolLM2 folder, created on first use (atomically: a crash leaves no half cache)."""
-    target = cache_dir() / BUNDLED
+    target = cache_dir() / f"{BUNDLED}-v2"  # bump when the conversion changes
     if (target / "config.json").exists():
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -54,8 +54,12 @@ def bundled_model_path() -> Path:
     folder = _bundled_gguf_folder()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=_GGUF_FILE)
     gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=_GGUF_FILE, dtype=torch.float32)
-    # A model loaded from GGUF refuses save_pretrained; one built from its config does not.
-    model = AutoModelForCausalLM.from_config(gguf_model.config, dtype=torch.float32)
+    # A model loaded from GGUF refuses save_pretrained; one built from its config, without the
+    # GGUF quantization record (the weights are now plain float32), does not.
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(gguf_model.state_dict())
     model.generation_config = gguf_model.generation_config
     target.parent.mkdir(parents=True, exist_ok=True)
