@@ -16,10 +16,9 @@ def _train(args) -> int:
     history = result.eval_history
     if history:
         first, last = history[0], history[-1]
-        print(
-            f"held-out greedy reward: {first['eval/reward']:.3f} at step {first['step']} -> "
-            f"{last['eval/reward']:.3f} at step {last['step']}"
-        )
+        for key in (k for k in first if k.startswith("eval/rewards/") or k == "eval/reward"):
+            print(f"held-out greedy {key}: {first[key]:.3f} at step {first['step']} -> "
+                  f"{last[key]:.3f} at step {last['step']}")
     print(f"run directory: {result.run_dir}  (metrics.jsonl, config.yaml, final/)")
     return 0
 

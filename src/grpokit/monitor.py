@@ -38,7 +38,9 @@ class Monitor:
         self.log({"step": step, **metrics})
         self._postfix["eval"] = f"{metrics['eval/reward']:.3f}"
         self.bar.set_postfix(self._postfix)
-        self.write(f"step {step}: eval/reward {metrics['eval/reward']:.3f}")
+        parts = [f"{k.removeprefix('eval/rewards/').removesuffix('/mean')} {v:.3f}"
+                 for k, v in metrics.items() if k.startswith("eval/rewards/")]
+        self.write(f"step {step}: eval/reward {metrics['eval/reward']:.3f} (" + ", ".join(parts) + ")")
 
     def write(self, text: str) -> None:
         self.bar.write(text)
