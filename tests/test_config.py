@@ -29,7 +29,7 @@ def test_defaults_are_valid_and_overrides_apply(tmp_path):
         ("rollout.num_generations=1", "rollout.num_generations"),
         ("algorithm.loss_type=bnpo", "algorithm.loss_type"),
         ("train.updates_per_step=3", "train.updates_per_step"),  # 8 x 8 = 64 is not divisible by 3
-        ("train.micro_batch_size=5", "train.micro_batch_size"),
+        ("train.micro_batch_size=0", "train.micro_batch_size"),
         ("rollout.temperature=0", "rollout.temperature"),
     ],
 )
@@ -55,9 +55,23 @@ def test_yaml_file_errors(tmp_path):
 
 def test_derived_batch_values():
     c = load_config(None, ["train.prompts_per_step=4", "rollout.num_generations=8", "train.updates_per_step=2"])
-    assert (c.completions_per_step, c.completions_per_update, c.micro_batch) == (32, 16, 16)
+    assert (c.completions_per_step, c.completions_per_update) == (32, 16)
     assert c.needs_old_logps
     assert not Config().needs_old_logps
+    c.validate(world_size=4)  # 16 completions per update: 4 per process
+    with pytest.raises(ConfigError, match="cannot be split evenly over 3 processes"):
+        c.validate(world_size=3)
+
+
+def test_reward_functions_field(tmp_path):
+    from grpokit.config import reward_weights
+
+    c = load_config(None, ["reward.functions=[exact_answer, {name: my.py:f, weight: 0.5}]"])
+    assert reward_weights(c, (("x", 1.0),)) == (("exact_answer", 1.0), ("my.py:f", 0.5))
+    assert reward_weights(Config(), (("x", 1.0),)) == (("x", 1.0),)
+    for bad in ("[{weight: 1}]", "[{name: f, weight: heavy}]", "[]", "[{name: f, scale: 2}]"):
+        with pytest.raises(ConfigError, match="reward.functions"):
+            load_config(None, [f"reward.functions={bad}"])
 
 
 def test_cli_reports_config_errors(capsys):

@@ -30,3 +30,22 @@ def test_registry_names_unknown_functions():
 
     with pytest.raises(ValueError, match="exact_answer"):
         get_reward_function("accuracy")
+
+
+def test_reward_functions_from_a_module_or_a_file(tmp_path, monkeypatch):
+    import pytest
+
+    from grpokit.config import ConfigError
+
+    (tmp_path / "my_rewards.py").write_text("def brevity(completions, **kw):\n    return [1.0 for _ in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert get_reward_function("my_rewards:brevity")([msg("a")]) == [1.0]
+    assert get_reward_function(f"{tmp_path}/my_rewards.py:brevity")([msg("a"), msg("b")]) == [1.0, 1.0]
+    for name, problem in (
+        (f"{tmp_path}/missing.py:f", "does not exist"),
+        (f"{tmp_path}/my_rewards.py:nothing", "no function named 'nothing'"),
+        ("no_such_module_xyz:f", "cannot import module"),
+        ("accuracy", "built-in ones are"),
+    ):
+        with pytest.raises(ConfigError, match=problem):
+            get_reward_function(name)

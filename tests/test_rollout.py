@@ -84,3 +84,21 @@ def test_sampling_logps_and_filters():
     p = torch.softmax(logits[0] / 0.5, -1)
     _, _, ent = sample_next(logits, SamplingParams(1, temperature=0.5, top_k=1), g)
     assert abs(ent.item() - (-(p * p.log()).sum()).item()) < 1e-5
+
+
+def test_per_prompt_counts_and_select(tiny):
+    """A data-parallel process may own part of a group: n per prompt, and prompt_index names each."""
+    model, tokenizer = tiny
+    engine = TransformersEngine(model, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id])
+    params = SamplingParams(max_tokens=4)
+    batch = engine.generate([[5, 6, 7], [8, 9]], [1, 3], params, torch.Generator().manual_seed(0))
+    assert batch.prompt_index.tolist() == [0, 1, 1, 1]
+    assert batch.prompt_mask.tolist() == [[1, 1, 1]] + [[0, 1, 1]] * 3
+    # One prompt with count n is the same request as the int n.
+    a = engine.generate([[5, 6, 7]], [3], params, torch.Generator().manual_seed(4))
+    b = engine.generate([[5, 6, 7]], 3, params, torch.Generator().manual_seed(4))
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    picked = batch.select(torch.tensor([3, 0]))
+    assert picked.prompt_index.tolist() == [1, 0]
+    assert torch.equal(picked.completion_ids, batch.completion_ids[[3, 0]])
+    assert picked.finish_reasons == [batch.finish_reasons[3], batch.finish_reasons[0]]

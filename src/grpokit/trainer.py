@@ -19,6 +19,8 @@ Deliberate choices, stated once:
   normalizers still count them, so the update is the same as if they had been computed.
 - Evaluation is greedy on the task's held-out split, before training, every `eval_every` steps and
   after the last step.
+- On several processes (see distributed.py) every process draws the same prompts, generates and
+  scores only the completions it owns, and takes part in every reduction; process 0 alone writes.
 """
 
 from __future__ import annotations
@@ -28,14 +30,14 @@ import datetime
 import math
 import random
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from grpokit import distributed
 from grpokit.advantages import group_advantages
-from grpokit.config import Config, save_config
+from grpokit.config import Config, reward_weights, save_config
 from grpokit.logprobs import completion_logprobs
 from grpokit.loss import CLIP_METRICS, grpo_loss
 from grpokit.models import eos_token_ids, load_model, load_tokenizer, save_model
@@ -69,7 +71,7 @@ def prepare_run_dir(config: Config) -> Path:
 
 
 class RewardSet:
-    """The task's reward functions, called with TRL's convention, summed with weights."""
+    """Reward functions, called with TRL's convention, summed with weights."""
 
     def __init__(self, weighted: tuple[tuple[str, float], ...]):
         self.names = [name for name, _ in weighted]
@@ -103,16 +105,35 @@ class RewardSet:
 
 class Trainer:
     def __init__(self, config: Config, progress: bool = True):
-        config.validate()
+        self.device = distributed.init()
+        W, rank = distributed.world_size(), distributed.rank()
+        config.validate(world_size=W)
         self.config = config
-        self.run_dir = prepare_run_dir(config)
         seed = config.train.seed
+        # Resolve the task and reward functions before anything is written: a bad name fails here.
+        self.task = make_task(config.data.task, seed=seed, eval_size=config.data.eval_size)
+        self.rewards = RewardSet(reward_weights(config, self.task.reward_functions))
+        self.stream = self.task.train_stream()
+        # Process 0 alone owns the run directory; the others learn its path (a default one is
+        # stamped with process 0's clock) or its refusal.
+        error = None
+        if distributed.is_main():
+            try:
+                prepare_run_dir(config)
+            except (FileExistsError, OSError) as e:
+                error = e
+        distributed.raise_everywhere(error)
+        config.train.output_dir = distributed.broadcast(config.train.output_dir)
+        self.run_dir = Path(config.train.output_dir)
+
         random.seed(seed)
-        torch.manual_seed(seed)
-        self.generator = torch.Generator().manual_seed(seed)  # sampling draws only from this
+        torch.manual_seed(seed)  # the same on every process: they must start from the same weights
+        # Sampling draws only from this generator; each process samples its own completions.
+        self.generator = torch.Generator(device=self.device).manual_seed(seed + 1_000_003 * rank)
 
         self.tokenizer = load_tokenizer(config.model.name)
-        self.policy = load_model(config.model.name, config.model.dtype)
+        self.policy = load_model(config.model.name, config.model.dtype).to(self.device)
+        distributed.broadcast_parameters(self.policy)
         # The reference model exists only when the KL term does (CONTEXT.md, report 1).
         self.reference = None
         if config.algorithm.beta > 0:
@@ -120,11 +141,11 @@ class Trainer:
         self.engine = make_engine(
             config.rollout.engine, self.policy, self.tokenizer, eos_token_ids(self.policy, self.tokenizer)
         )
-        self.task = make_task(config.data.task, seed=seed, eval_size=config.data.eval_size)
-        self.rewards = RewardSet(self.task.reward_functions)
-        self.stream = self.task.train_stream()
 
         t = config.train
+        # The global completions of a step this process owns, in update order (distributed.py).
+        self.rows = distributed.shard_rows(config.completions_per_step, config.completions_per_update, W, rank)
+        self.micro_batch = t.micro_batch_size or config.completions_per_update // W
         self.params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=t.learning_rate, weight_decay=t.weight_decay)
         for p in self.params:  # see update(): gradients are zeroed in place, never dropped
@@ -136,57 +157,98 @@ class Trainer:
         r = config.rollout
         self.sampling = SamplingParams(r.max_completion_length, r.temperature, r.top_p, r.top_k)
         self.greedy = SamplingParams(r.max_completion_length, temperature=0.0)
-        self.monitor = Monitor(self.run_dir, t.max_steps, enabled=progress)
-        self.num_tokens = 0  # prompt + completion tokens seen so far (TRL's `num_tokens`)
+        self.monitor = Monitor(self.run_dir if distributed.is_main() else None, t.max_steps, enabled=progress)
+        self.num_tokens = 0  # prompt + completion tokens seen so far, all processes (TRL's `num_tokens`)
 
     # ------------------------------------------------------------------ the loop
 
     def train(self) -> TrainResult:
         t = self.config.train
+        main = distributed.is_main()
         history = [self.evaluate(step=0)]
         try:
             for step in range(1, t.max_steps + 1):
-                examples = [next(self.stream) for _ in range(t.prompts_per_step)]
+                examples = [next(self.stream) for _ in range(t.prompts_per_step)]  # the same on every process
                 self.monitor.step(self.train_step(step, examples))
                 if t.eval_every and step % t.eval_every == 0 and step != t.max_steps:
                     history.append(self.evaluate(step))
-                if t.save_every and step % t.save_every == 0:
+                if main and t.save_every and step % t.save_every == 0:
                     save_model(self.policy, self.tokenizer, self.run_dir / "checkpoints" / f"step-{step}")
             if t.max_steps > 0:
                 history.append(self.evaluate(t.max_steps))
-            save_model(self.policy, self.tokenizer, self.run_dir / "final")
+            if main:
+                save_model(self.policy, self.tokenizer, self.run_dir / "final")
         finally:
             self.monitor.close()
         return TrainResult(self.run_dir, [h for h in history if h])
 
     def train_step(self, step: int, examples: list[Example]) -> dict:
-        cfg, G = self.config, self.config.rollout.num_generations
+        """Generate this process's completions for the step's `examples`, then learn from them."""
         start = time.perf_counter()
-
-        batch = self.engine.generate([self.encode(e) for e in examples], G, self.sampling, self.generator)
+        batch = self.generate(examples)
         t_generate = time.perf_counter() - start
-        grouped = [e for e in examples for _ in range(G)]  # (N,) the example of each completion
-        rewards, per_function = self.rewards(grouped, self.decode(batch), batch.finish_reasons)  # (N,)
-        advantages = group_advantages(rewards, G, cfg.algorithm.scale_rewards)  # (N,)
+        metrics = self.learn(examples, batch)
+        times = torch.tensor([t_generate, metrics.pop("time/logprobs"), metrics.pop("time/update"),
+                              time.perf_counter() - start])
+        times = distributed.all_max(times).tolist()  # the slowest process sets the pace
+        return {
+            "step": step,
+            **metrics,
+            "time/generate": times[0],
+            "time/logprobs": times[1],
+            "time/update": times[2],
+            "step_time": times[3],
+        }
+
+    def generate(self, examples: list[Example]) -> RolloutBatch:
+        """The completions this process owns (rows `self.rows` of the step), grouped by prompt."""
+        G = self.config.rollout.num_generations
+        prompts, counts = torch.unique_consecutive(self.rows // G, return_counts=True)
+        return self.engine.generate(
+            [self.encode(examples[p]) for p in prompts.tolist()], counts.tolist(), self.sampling, self.generator
+        )
+
+    def learn(self, examples: list[Example], batch: RolloutBatch) -> dict:
+        """Score this process's completions `batch` (rows `self.rows` of the step), then update.
+
+        Every statistic of the batch (advantages, every logged metric) is one of the whole step,
+        over all processes.
+        """
+        cfg, a, G = self.config, self.config.algorithm, self.config.rollout.num_generations
+        N, U = cfg.completions_per_step, cfg.completions_per_update
+        owned = [examples[r // G] for r in self.rows.tolist()]
+        local_rewards, local_per_function = self.rewards(owned, self.decode(batch), batch.finish_reasons)  # (n,)
+        rewards = distributed.gather_rows(local_rewards, N, U)  # (N,) in global order
+        per_function = {k: distributed.gather_rows(v, N, U) for k, v in local_per_function.items()}
+        # Whole groups and the whole batch, wherever their completions were generated.
+        advantages = group_advantages(rewards, G, a.scale_rewards)[self.rows]  # (n,)
+        # With no KL term, a completion with advantage exactly 0 adds exactly 0 to the loss, its
+        # gradient and the clip metrics: it needs no forward/backward at all.
+        active = advantages != 0 if a.beta == 0 else torch.ones_like(advantages, dtype=torch.bool)  # (n,)
 
         t0 = time.perf_counter()
-        ref_logps = self.batch_logprobs(self.reference, batch) if self.reference is not None else None
-        old_logps = self.batch_logprobs(self.policy, batch) if cfg.needs_old_logps else None
+        ref_logps = self.batch_logprobs(self.reference, batch, active) if self.reference is not None else None
+        old_logps = self.batch_logprobs(self.policy, batch, active) if cfg.needs_old_logps else None
         t_logprobs = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        update_metrics = self.update(batch, advantages, old_logps, ref_logps)
+        update_metrics = self.update(batch, advantages.to(self.device), active, old_logps, ref_logps)
         t_update = time.perf_counter() - t0
 
-        mask = batch.completion_mask
-        lengths = mask.sum(-1).float()  # (N,)
-        self.num_tokens += int(batch.prompt_mask.sum() + mask.sum())
+        mask = batch.completion_mask.cpu()  # (n, T)
+        lengths = distributed.gather_rows(mask.sum(-1).float(), N, U)  # (N,)
+        truncated = torch.tensor([r == "length" for r in batch.finish_reasons], dtype=torch.float32)
+        truncated = distributed.gather_rows(truncated, N, U)  # (N,)
+        totals = distributed.all_sum(torch.stack([
+            (batch.entropies.cpu().double() * mask).sum(),
+            mask.sum().double(),
+            batch.prompt_mask.sum().cpu().double() + mask.sum(),
+        ])).tolist()
+        self.num_tokens += int(totals[2])
         group_std = rewards.view(-1, G).std(dim=1)  # (P,)
-        entropy = (batch.entropies * mask).sum() / mask.sum().clamp(min=1)
-        metrics = {
-            "step": step,
+        return {
             **update_metrics,
-            "entropy": entropy.item(),
+            "entropy": totals[0] / max(totals[1], 1.0),
             "reward": rewards.mean().item(),
             "reward_std": group_std.mean().item(),
             "frac_reward_zero_std": (group_std == 0).float().mean().item(),
@@ -195,34 +257,34 @@ class Trainer:
             "completions/mean_length": lengths.mean().item(),
             "completions/min_length": lengths.min().item(),
             "completions/max_length": lengths.max().item(),
-            "completions/clipped_ratio": sum(r == "length" for r in batch.finish_reasons) / len(lengths),
+            "completions/clipped_ratio": truncated.mean().item(),
             "num_tokens": self.num_tokens,
-            "time/generate": t_generate,
             "time/logprobs": t_logprobs,
             "time/update": t_update,
-            "step_time": time.perf_counter() - start,
         }
-        return metrics
 
-    def update(self, batch: RolloutBatch, advantages, old_logps, ref_logps) -> dict:
-        """num_iterations x updates_per_step optimizer updates on one rollout batch."""
+    def update(self, batch: RolloutBatch, advantages, active, old_logps, ref_logps) -> dict:
+        """num_iterations x updates_per_step optimizer updates on this process's completions.
+
+        advantages (n,), active (n,) bool, old_logps / ref_logps (n, T) or None. This process's
+        rows are in update order: update u uses local rows [u*S, (u+1)*S), S = U / processes.
+        """
         cfg, a = self.config, self.config.algorithm
-        U, M = cfg.completions_per_update, cfg.micro_batch
-        mask = batch.completion_mask  # (N, T)
-        # Present even when every completion was skipped (then they are exactly 0).
-        sums: dict[str, float] = defaultdict(float, dict.fromkeys(("loss", *CLIP_METRICS), 0.0))
+        U = cfg.completions_per_update
+        share = U // distributed.world_size()
+        mask = batch.completion_mask  # (n, T)
+        # Partial sums (this process's rows; summed over processes at the end) and shared values.
+        partial = dict.fromkeys(("loss", *CLIP_METRICS, *(("kl",) if a.beta > 0 else ())), 0.0)
+        shared = {"grad_norm": 0.0, "learning_rate": 0.0}
         num_updates = 0
         self.policy.train()
         for _ in range(a.num_iterations):
-            for u0 in range(0, cfg.completions_per_step, U):
-                # The whole update batch's counts normalize every micro-batch's loss.
-                num_tokens = mask[u0 : u0 + U].sum().item()
-                rows = torch.arange(u0, u0 + U)
-                if a.beta == 0:
-                    # With no KL term, a completion with advantage exactly 0 adds exactly 0 to the
-                    # loss and its gradient (and to the clip metrics): skip its forward/backward.
-                    rows = rows[advantages[rows] != 0]
-                for mb in rows.split(M) if len(rows) else ():
+            for u0 in range(0, len(advantages), share):
+                local = torch.arange(u0, u0 + share)
+                # The whole update batch's counts, all processes, normalize every micro-batch's loss.
+                num_tokens = distributed.all_sum(mask[local].sum().double()).item()
+                rows = local[active[local]]
+                for mb in rows.split(self.micro_batch) if len(rows) else ():  # split() of nothing gives one empty part
                     logps = self.logprobs(self.policy, batch, mb)  # (M, T)
                     loss, metrics = grpo_loss(
                         logps,
@@ -240,18 +302,21 @@ class Trainer:
                         num_tokens=num_tokens,
                     )
                     loss.backward()
-                    sums["loss"] += loss.item()
+                    partial["loss"] += loss.item()
                     for k, v in metrics.items():
-                        sums[k] += v.item()
-                sums["learning_rate"] += self.optimizer.param_groups[0]["lr"]
+                        partial[k] += v.item()
+                # Each process's loss is its share of the whole-batch loss: sum, never average.
+                distributed.sum_gradients(self.params)
+                shared["learning_rate"] += self.optimizer.param_groups[0]["lr"]
                 clip = cfg.train.max_grad_norm or float("inf")
-                sums["grad_norm"] += torch.nn.utils.clip_grad_norm_(self.params, clip).item()
+                shared["grad_norm"] += torch.nn.utils.clip_grad_norm_(self.params, clip).item()
                 self.optimizer.step()
                 self.scheduler.step()
                 # Zeros, not None: AdamW must step every parameter even when no row was active.
                 self.optimizer.zero_grad(set_to_none=False)
                 num_updates += 1
-        return {k: v / num_updates for k, v in sums.items()}
+        summed = distributed.all_sum(torch.tensor(list(partial.values()), dtype=torch.float64)).tolist()
+        return {k: v / num_updates for k, v in (*zip(partial, summed), *shared.items())}
 
     # ------------------------------------------------------------------ helpers
 
@@ -270,47 +335,57 @@ class Trainer:
 
     def logprobs(self, model, batch: RolloutBatch, rows: torch.Tensor) -> torch.Tensor:
         """Log-probs (len(rows), T) of completions `rows`, each distinct prompt run once."""
-        G = self.config.rollout.num_generations
-        groups, prompt_index = torch.unique(rows // G, return_inverse=True)
-        first_rows = groups * G  # batch.prompt_ids repeats each prompt G times
+        groups, prompt_index = torch.unique(batch.prompt_index[rows], return_inverse=True)
+        # One row per distinct prompt; which one does not matter, they hold the same prompt tokens.
+        first = torch.empty_like(groups)
+        first[prompt_index] = rows
         return completion_logprobs(
-            model, batch.prompt_ids[first_rows], batch.prompt_mask[first_rows],
-            batch.completion_ids[rows], prompt_index, self.config.rollout.temperature,
+            model, batch.prompt_ids[first], batch.prompt_mask[first],
+            batch.completion_ids[rows], prompt_index.to(self.device), self.config.rollout.temperature,
         )
 
     @torch.no_grad()
-    def batch_logprobs(self, model, batch: RolloutBatch) -> torch.Tensor:
-        """Log-probs (N, T) of the sampled completions under `model`, in micro-batches, no gradient."""
+    def batch_logprobs(self, model, batch: RolloutBatch, active: torch.Tensor) -> torch.Tensor:
+        """Log-probs (n, T) under `model` of the `active` completions, in micro-batches, no gradient;
+        the inactive rows (never used) are 0."""
         was_training = model.training
         model.eval()
         try:
-            rows = torch.arange(batch.completion_ids.shape[0])
-            return torch.cat([self.logprobs(model, batch, mb) for mb in rows.split(self.config.micro_batch)])
+            out = None
+            rows = torch.nonzero(active).view(-1)
+            for mb in rows.split(self.micro_batch) if len(rows) else ():
+                logps = self.logprobs(model, batch, mb)  # (M, T)
+                if out is None:
+                    out = logps.new_zeros(batch.completion_ids.shape)  # (n, T)
+                out[mb] = logps
+            return out if out is not None else torch.zeros(batch.completion_ids.shape, device=self.device)
         finally:
             model.train(was_training)
 
     @torch.no_grad()
     def evaluate(self, step: int, batch_size: int = 64) -> dict:
-        """Greedy completions on the held-out split, scored with the task's rewards."""
+        """Greedy completions on the held-out split, each process scoring its slice; gathered."""
         examples = self.task.eval_examples
         if not examples:
             return {}
-        rewards, lengths, clipped = [], [], 0
-        per_function = defaultdict(list)
-        for i in range(0, len(examples), batch_size):
-            chunk = examples[i : i + batch_size]
+        W, rank = distributed.world_size(), distributed.rank()
+        mine = examples[rank * len(examples) // W : (rank + 1) * len(examples) // W]
+        records = []  # (total reward, {function: reward}, length, truncated) per example
+        for i in range(0, len(mine), batch_size):
+            chunk = mine[i : i + batch_size]
             batch = self.engine.generate([self.encode(e) for e in chunk], 1, self.greedy, self.generator)
             total, by_name = self.rewards(chunk, self.decode(batch), batch.finish_reasons)
-            rewards.append(total)
-            for name, values in by_name.items():
-                per_function[name].append(values)
-            lengths.append(batch.completion_mask.sum(-1).float())
-            clipped += sum(r == "length" for r in batch.finish_reasons)
+            lengths = batch.completion_mask.sum(-1).tolist()
+            for j in range(len(chunk)):
+                records.append((total[j].item(), {n: v[j].item() for n, v in by_name.items()},
+                                lengths[j], batch.finish_reasons[j] == "length"))
+        records = distributed.gather_lists(records)
+        n = len(records)
         metrics = {
-            "eval/reward": torch.cat(rewards).mean().item(),
-            **{f"eval/rewards/{n}/mean": torch.cat(v).mean().item() for n, v in per_function.items()},
-            "eval/completions/mean_length": torch.cat(lengths).mean().item(),
-            "eval/completions/clipped_ratio": clipped / len(examples),
+            "eval/reward": sum(r[0] for r in records) / n,
+            **{f"eval/rewards/{name}/mean": sum(r[1][name] for r in records) / n for name in self.rewards.names},
+            "eval/completions/mean_length": sum(r[2] for r in records) / n,
+            "eval/completions/clipped_ratio": sum(r[3] for r in records) / n,
         }
         self.monitor.eval(step, metrics)
         return {"step": step, **metrics}

@@ -7,7 +7,8 @@ downstream infers a mask from a pad id (the pad id of SmolLM2 *is* its EOS id).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
 from typing import Protocol
 
 import torch
@@ -23,8 +24,9 @@ class SamplingParams:
 
 @dataclass
 class RolloutBatch:
-    """N = num_prompts * n completions; the n completions of one prompt are contiguous."""
+    """N completions; those of one prompt are contiguous, in the order of the prompts."""
 
+    prompt_index: torch.Tensor  # (N,) which prompt of the request each completion continues
     prompt_ids: torch.Tensor  # (N, Lp) left-padded
     prompt_mask: torch.Tensor  # (N, Lp) 1 on prompt tokens
     completion_ids: torch.Tensor  # (N, T) right-padded
@@ -33,11 +35,26 @@ class RolloutBatch:
     entropies: torch.Tensor  # (N, T) entropy of the tempered policy distribution each token came from
     finish_reasons: list[str]  # "stop" (an EOS was sampled) or "length" (hit max_tokens)
 
+    def select(self, rows: torch.Tensor) -> RolloutBatch:
+        """The completions `rows` (R,), in that order; `prompt_index` keeps naming the same prompts."""
+        picked = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            picked[f.name] = [value[i] for i in rows.tolist()] if isinstance(value, list) else value[rows.to(value.device)]
+        return RolloutBatch(**picked)
+
 
 class RolloutEngine(Protocol):
     def generate(
-        self, prompts: list[list[int]], n: int, params: SamplingParams, generator: torch.Generator
-    ) -> RolloutBatch: ...
+        self,
+        prompts: list[list[int]],
+        n: int | Sequence[int],
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> RolloutBatch:
+        """`n` completions of every prompt, or n[i] of prompt i (a process of a data-parallel run
+        may own only part of a group)."""
+        ...
 
 
 def make_engine(name: str, model, tokenizer, eos_ids: list[int]) -> RolloutEngine:

@@ -6,6 +6,8 @@ is run through the model once; its key/value cache is then repeated for its n co
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers import DynamicCache
 
@@ -55,7 +57,11 @@ class TransformersEngine:
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], n: int, params: SamplingParams, generator: torch.Generator
+        self,
+        prompts: list[list[int]],
+        n: int | Sequence[int],
+        params: SamplingParams,
+        generator: torch.Generator,
     ) -> RolloutBatch:
         model = self.model
         was_training = model.training
@@ -84,11 +90,13 @@ class TransformersEngine:
             use_cache=True,
             logits_to_keep=1,
         )
-        # The n completions of a prompt share its prefill: repeat the cache instead of recomputing.
-        cache.batch_repeat_interleave(n)
-        logits = out.logits[:, -1].repeat_interleave(n, dim=0)  # (N, V)
-        prompt_ids = prompt_ids.repeat_interleave(n, dim=0)  # (N, Lp)
-        prompt_mask = prompt_mask.repeat_interleave(n, dim=0)  # (N, Lp)
+        # The completions of a prompt share its prefill: index the cache instead of recomputing.
+        counts = torch.tensor([n] * len(prompts) if isinstance(n, int) else list(n))  # (P,)
+        prompt_index = torch.repeat_interleave(torch.arange(len(prompts)), counts)  # (N,)
+        index = prompt_index.to(device)
+        cache.batch_select_indices(index)
+        logits = out.logits[:, -1][index]  # (N, V)
+        prompt_ids, prompt_mask = prompt_ids[index], prompt_mask[index]  # (N, Lp)
         N = prompt_ids.shape[0]
 
         eos_ids = self.eos_ids.to(device)
@@ -121,6 +129,7 @@ class TransformersEngine:
         completion_ids = torch.stack(tokens, dim=1)  # (N, T)
         completion_mask = torch.stack(masks, dim=1).long()  # (N, T)
         return RolloutBatch(
+            prompt_index=prompt_index,
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
             completion_ids=completion_ids,

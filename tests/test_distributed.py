@@ -1,0 +1,245 @@
+"""The central promise (DESIGN.md, "Batch knobs"): micro-batch size and process count never change
+the update. Checked in float64 (see exact.py) on a fixed rollout batch, and with real multi-process
+runs (torchrun / accelerate launch, gloo) of `Trainer.learn` and of `grpokit train`."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from exact import rmsnorm_in_input_dtype, update_difference
+from transformers.models.llama import modeling_llama
+
+from grpokit.config import load_config
+from grpokit.distributed import shard_rows
+from grpokit.loss import LOSS_TYPES
+from grpokit.rewards import REWARD_FUNCTIONS
+from grpokit.trainer import Trainer
+
+TESTS = Path(__file__).parent
+# float64 end to end: agreement to ~1e-13 is typical; 1e-9 leaves room and still catches any
+# normalization or accumulation bug, which shows up at 1e-3 or more.
+EXACT = 1e-9
+
+
+def shortness(completions, **columns):
+    """A reward with variance on a random model: shorter completions score higher."""
+    return [-float(len(c[0]["content"])) for c in completions]
+
+
+def test_shard_rows_split_every_update_evenly():
+    N, U, W = 16, 8, 2
+    owned = [shard_rows(N, U, W, r) for r in range(W)]
+    assert owned[0].tolist() == [0, 1, 2, 3, 8, 9, 10, 11]  # update 0's first half, update 1's first half
+    assert owned[1].tolist() == [4, 5, 6, 7, 12, 13, 14, 15]
+    assert sorted(torch.cat(owned).tolist()) == list(range(N))
+    assert shard_rows(N, U, 1, 0).tolist() == list(range(N))
+    with pytest.raises(ValueError, match="cannot be split over 3 processes"):
+        shard_rows(N, U, 3, 0)
+
+
+@pytest.fixture
+def make_trainer(tmp_path, monkeypatch):
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", rmsnorm_in_input_dtype)
+    monkeypatch.setitem(REWARD_FUNCTIONS, "shortness", shortness)
+    runs = iter(range(1000))
+
+    def make(*overrides):
+        config = load_config(None, [
+            "model.name=tiny-random", "model.dtype=float64", "reward.functions=[shortness]",
+            "data.eval_size=0", "train.prompts_per_step=2", "rollout.num_generations=4",
+            "rollout.max_completion_length=6", "train.learning_rate=1e-3",
+            f"train.output_dir={tmp_path / f'run{next(runs)}'}", *overrides,
+        ])
+        return Trainer(config, progress=False)
+
+    return make
+
+
+def one_step(trainer, examples, batch):
+    """Parameters before and after `learn` on a fixed rollout batch, and its metrics."""
+    start = {k: v.detach().clone() for k, v in trainer.policy.named_parameters()}
+    metrics = trainer.learn(examples, batch)
+    return start, {k: v.detach().clone() for k, v in trainer.policy.named_parameters()}, metrics
+
+
+def fixed_batch(trainer, seed=7):
+    """A rollout batch of the trainer's first prompts; a random model never samples EOS, so the
+    completions are cut to ragged lengths (ending in EOS) for the normalizers to matter."""
+    examples = [next(trainer.stream) for _ in range(trainer.config.train.prompts_per_step)]
+    batch = trainer.engine.generate(
+        [trainer.encode(e) for e in examples], trainer.config.rollout.num_generations, trainer.sampling,
+        torch.Generator().manual_seed(seed),
+    )
+    eos, T = trainer.tokenizer.eos_token_id, batch.completion_ids.shape[1]
+    for i in range(len(batch.finish_reasons)):
+        n = 1 + (3 * i) % T
+        if n < T:
+            batch.completion_ids[i, n - 1 :] = eos  # EOS, then padding (SmolLM2 pads with EOS)
+            batch.completion_mask[i, n:] = 0
+            batch.finish_reasons[i] = "stop"
+    return examples, batch
+
+
+CASES = [(loss, beta, iters, 1) for loss in LOSS_TYPES for beta in (0.0, 0.04) for iters in (1, 2)]
+CASES += [("grpo", 0.04, 1, 2), ("dapo", 0.0, 2, 2)]  # two optimizer updates per step as well
+
+
+@pytest.mark.parametrize("loss_type,beta,num_iterations,updates_per_step", CASES)
+def test_micro_batch_size_never_changes_the_update(make_trainer, loss_type, beta, num_iterations, updates_per_step):
+    knobs = [f"algorithm.loss_type={loss_type}", f"algorithm.beta={beta}",
+             f"algorithm.num_iterations={num_iterations}", f"train.updates_per_step={updates_per_step}"]
+    examples, batch = fixed_batch(make_trainer(*knobs))
+    assert batch.completion_mask.sum(-1).unique().numel() > 1  # ragged lengths: normalizers matter
+    per_update = 8 // updates_per_step
+    results = {m: one_step(make_trainer(*knobs, f"train.micro_batch_size={m}"), examples, batch)
+               for m in (per_update, per_update // 2, 1)}
+    start, whole, whole_metrics = results[per_update]
+    assert whole_metrics["reward_std"] > 0 and update_difference(start, whole, start) > 0
+    for m in (per_update // 2, 1):
+        _, params, metrics = results[m]
+        # The parameters, and (since AdamW's first step and clipping hide a constant factor on the
+        # gradient) the loss and the gradient norm before clipping.
+        assert update_difference(start, whole, params) < EXACT, f"micro_batch_size={m}"
+        for key in ("loss", "grad_norm", "clip_ratio/region_mean", *(("kl",) if beta else ())):
+            assert metrics[key] == pytest.approx(whole_metrics[key], rel=1e-9, abs=1e-12), key
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_field_report_5_accumulation_equivalence(make_trainer, loss_type):
+    """num_generations 4: (4 completions per micro-batch, 1 accumulation step) == (2 per micro-batch, 2 steps).
+
+    AdamW's first step (about lr * sign(grad)) and gradient clipping hide a gradient scaled by a
+    constant, so the loss and the gradient norm before clipping are compared too.
+    """
+    knobs = ["train.prompts_per_step=1", "rollout.num_generations=4", "algorithm.beta=0.04",
+             f"algorithm.loss_type={loss_type}"]
+    examples, batch = fixed_batch(make_trainer(*knobs), seed=3)
+    start, four, four_metrics = one_step(make_trainer(*knobs, "train.micro_batch_size=4"), examples, batch)
+    _, two, two_metrics = one_step(make_trainer(*knobs, "train.micro_batch_size=2"), examples, batch)
+    assert update_difference(start, four, two) < EXACT
+    for key in ("loss", "grad_norm", "kl"):
+        assert two_metrics[key] == pytest.approx(four_metrics[key], rel=1e-9), key
+
+
+def test_old_logps_cost_a_forward_only_when_samples_are_reused(make_trainer, monkeypatch):
+    for overrides, expected in ((["algorithm.num_iterations=1"], 0), (["algorithm.num_iterations=2"], 1),
+                                (["train.updates_per_step=2"], 1)):
+        trainer = make_trainer("algorithm.beta=0.04", *overrides)
+        calls = []
+        original = trainer.batch_logprobs
+        monkeypatch.setattr(trainer, "batch_logprobs", lambda model, *a: calls.append(model) or original(model, *a))
+        trainer.learn(*fixed_batch(trainer))
+        assert sum(model is trainer.policy for model in calls) == expected, overrides
+        assert sum(model is trainer.reference for model in calls) == 1
+
+
+def test_same_seed_same_run(make_trainer):
+    def run(seed):
+        trainer = make_trainer("train.max_steps=2", f"train.seed={seed}", "model.dtype=float32")
+        trainer.train()
+        rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if "time" not in k} for r in rows]
+
+    first = run(0)
+    assert run(0) == first
+    assert run(1) != first
+
+
+# ---------------------------------------------------------------- real processes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(nproc: int, args: list[str], cwd: Path, launcher: str = "torchrun") -> subprocess.CompletedProcess:
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--master_port={free_port()}", *args]
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={nproc}",
+               "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no",
+               f"--main_process_port={free_port()}", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS)}
+    result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result
+
+
+@pytest.mark.parametrize("overrides", [
+    # 4 completions per update, 2 per process: every group is split across the two processes.
+    ["train.prompts_per_step=2", "rollout.num_generations=4", "train.updates_per_step=2", "algorithm.beta=0.04",
+     "algorithm.num_iterations=2", "algorithm.scale_rewards=batch", "train.micro_batch_size=1"],
+    ["train.prompts_per_step=4", "rollout.num_generations=4", "algorithm.loss_type=dapo"],
+], ids=["groups-span-processes", "dapo-whole-groups"])
+def test_two_processes_compute_the_one_process_update(tmp_path, overrides):
+    for nproc in (1, 2):
+        (tmp_path / f"p{nproc}").mkdir()
+        launch(nproc, [str(TESTS / "update_worker.py"), str(tmp_path / f"p{nproc}"), json.dumps(overrides)], tmp_path)
+    one = torch.load(tmp_path / "p1" / "rank0.pt")
+    two = [torch.load(tmp_path / "p2" / f"rank{r}.pt") for r in (0, 1)]
+    assert sorted(torch.cat([t["rows"] for t in two]).tolist()) == one["rows"].tolist()
+    for name in one["params"]:  # the processes stay in lockstep, bit for bit
+        assert torch.equal(two[0]["params"][name], two[1]["params"][name]), name
+    assert update_difference(one["start"], one["params"], two[0]["params"]) < EXACT
+    for key, value in one["metrics"].items():
+        if not key.startswith("time/"):
+            assert two[0]["metrics"][key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+            assert two[1]["metrics"][key] == two[0]["metrics"][key], key
+
+
+RECORDING_REWARD = '''
+import json, os
+
+def shortness(completions, **columns):
+    values = [-float(len(c[0]["content"])) for c in completions]
+    with open(f"rewards-rank{os.environ.get('RANK', '0')}.jsonl", "a") as f:
+        f.write(json.dumps(values) + "\\n")
+    return values
+'''
+
+
+def test_two_process_grpokit_train(tmp_path):
+    """`grpokit train` on 2 processes: one run directory, metrics of all completions, sharded eval."""
+    (tmp_path / "rec.py").write_text(RECORDING_REWARD)
+    args = ["model.name=tiny-random", "reward.functions=[rec.py:shortness]", "train.prompts_per_step=2",
+            "rollout.num_generations=4", "train.max_steps=2", "data.eval_size=7", "train.eval_every=0",
+            "train.learning_rate=1e-3"]
+    launch(2, ["-m", "grpokit", "train", "--no-progress", *args], tmp_path, launcher="accelerate")
+    runs = list((tmp_path / "runs").iterdir())
+    assert len(runs) == 1, runs  # process 1 wrote nothing of its own
+    assert (runs[0] / "final" / "model.safetensors").exists()
+    rows = [json.loads(line) for line in (runs[0] / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval/reward" in r]
+    assert [r["step"] for r in steps] == [1, 2] and [r["step"] for r in evals] == [0, 2]
+
+    # Calls per process: eval (step 0), step 1, step 2, eval (step 2).
+    calls = [[json.loads(line) for line in (tmp_path / f"rewards-rank{r}.jsonl").read_text().splitlines()]
+             for r in (0, 1)]
+    assert [len(c) for c in calls[0]] == [3, 4, 4, 3] and [len(c) for c in calls[1]] == [4, 4, 4, 4]
+    for i, step in ((1, steps[0]), (2, steps[1])):
+        everything = calls[0][i] + calls[1][i]
+        assert step["reward"] == pytest.approx(sum(everything) / 8, rel=1e-6)
+        assert step["completions/max_length"] >= step["completions/mean_length"] >= step["completions/min_length"]
+    for i, row in ((0, evals[0]), (3, evals[1])):
+        everything = calls[0][i] + calls[1][i]
+        assert row["eval/reward"] == pytest.approx(sum(everything) / 7, rel=1e-6)
+
+    # Evaluation before training, on one process, scores the same 7 greedy completions.
+    (tmp_path / "single").mkdir()
+    (tmp_path / "rec.py").rename(tmp_path / "single" / "rec.py")
+    result = subprocess.run(
+        [sys.executable, "-m", "grpokit", "train", "--no-progress", *args, "train.max_steps=0", "train.output_dir=one"],
+        cwd=tmp_path / "single", capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    single = json.loads((tmp_path / "single" / "one" / "metrics.jsonl").read_text().splitlines()[0])
+    assert single["eval/reward"] == pytest.approx(evals[0]["eval/reward"], rel=1e-6)
