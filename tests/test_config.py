@@ -69,7 +69,8 @@ def test_reward_functions_field(tmp_path):
     c = load_config(None, ["reward.functions=[exact_answer, {name: my.py:f, weight: 0.5}]"])
     assert reward_weights(c, (("x", 1.0),)) == (("exact_answer", 1.0), ("my.py:f", 0.5))
     assert reward_weights(Config(), (("x", 1.0),)) == (("x", 1.0),)
-    for bad in ("[{weight: 1}]", "[{name: f, weight: heavy}]", "[]", "[{name: f, scale: 2}]"):
+    assert load_config(None, ["reward.functions=my.py:f"]).reward.functions == ["my.py:f"]  # one, no brackets
+    for bad in ("[{weight: 1}]", "[{name: f, weight: heavy}]", "[]", "[{name: f, scale: 2}]", "[{name: f, weight: .nan}]"):
         with pytest.raises(ConfigError, match="reward.functions"):
             load_config(None, [f"reward.functions={bad}"])
 

@@ -18,6 +18,7 @@ from grpokit.config import load_config
 from grpokit.distributed import shard_rows
 from grpokit.loss import LOSS_TYPES
 from grpokit.rewards import REWARD_FUNCTIONS
+from grpokit.tasks import make_task
 from grpokit.trainer import Trainer
 
 TESTS = Path(__file__).parent
@@ -73,7 +74,7 @@ def fixed_batch(trainer, seed=7):
     examples = [next(trainer.stream) for _ in range(trainer.config.train.prompts_per_step)]
     batch = trainer.engine.generate(
         [trainer.encode(e) for e in examples], trainer.config.rollout.num_generations, trainer.sampling,
-        torch.Generator().manual_seed(seed),
+        seeds=range(seed * 1000, seed * 1000 + trainer.config.completions_per_step),
     )
     eos, T = trainer.tokenizer.eos_token_id, batch.completion_ids.shape[1]
     for i in range(len(batch.finish_reasons)):
@@ -96,11 +97,11 @@ def test_micro_batch_size_never_changes_the_update(make_trainer, loss_type, beta
     examples, batch = fixed_batch(make_trainer(*knobs))
     assert batch.completion_mask.sum(-1).unique().numel() > 1  # ragged lengths: normalizers matter
     per_update = 8 // updates_per_step
-    results = {m: one_step(make_trainer(*knobs, f"train.micro_batch_size={m}"), examples, batch)
-               for m in (per_update, per_update // 2, 1)}
+    sizes = (per_update, per_update // 2, 3, 1)  # 3 does not divide the update: a ragged last micro-batch
+    results = {m: one_step(make_trainer(*knobs, f"train.micro_batch_size={m}"), examples, batch) for m in sizes}
     start, whole, whole_metrics = results[per_update]
     assert whole_metrics["reward_std"] > 0 and update_difference(start, whole, start) > 0
-    for m in (per_update // 2, 1):
+    for m in sizes[1:]:
         _, params, metrics = results[m]
         # The parameters, and (since AdamW's first step and clipping hide a constant factor on the
         # gradient) the loss and the gradient norm before clipping.
@@ -177,31 +178,57 @@ def launch(nproc: int, args: list[str], cwd: Path, launcher: str = "torchrun") -
     # 4 completions per update, 2 per process: every group is split across the two processes.
     ["train.prompts_per_step=2", "rollout.num_generations=4", "train.updates_per_step=2", "algorithm.beta=0.04",
      "algorithm.num_iterations=2", "algorithm.scale_rewards=batch", "train.micro_batch_size=1"],
-    ["train.prompts_per_step=4", "rollout.num_generations=4", "algorithm.loss_type=dapo"],
-], ids=["groups-span-processes", "dapo-whole-groups"])
+    # Whole groups per process; process 1's groups have constant rewards: it back-propagates nothing.
+    ["train.prompts_per_step=4", "rollout.num_generations=4", "algorithm.loss_type=dapo", "half_constant"],
+], ids=["groups-span-processes", "dapo-one-process-idle"])
 def test_two_processes_compute_the_one_process_update(tmp_path, overrides):
-    for nproc in (1, 2):
-        (tmp_path / f"p{nproc}").mkdir()
-        launch(nproc, [str(TESTS / "update_worker.py"), str(tmp_path / f"p{nproc}"), json.dumps(overrides)], tmp_path)
-    one = torch.load(tmp_path / "p1" / "rank0.pt")
-    two = [torch.load(tmp_path / "p2" / f"rank{r}.pt") for r in (0, 1)]
+    one, two = run_worker(tmp_path, "learn", overrides)
     assert sorted(torch.cat([t["rows"] for t in two]).tolist()) == one["rows"].tolist()
-    for name in one["params"]:  # the processes stay in lockstep, bit for bit
-        assert torch.equal(two[0]["params"][name], two[1]["params"][name]), name
+    for name in one["params"]:
+        assert torch.equal(one["start"][name], two[0]["start"][name]), name
+        assert torch.equal(two[0]["params"][name], two[1]["params"][name]), name  # lockstep, bit for bit
     assert update_difference(one["start"], one["params"], two[0]["params"]) < EXACT
     for key, value in one["metrics"].items():
         if not key.startswith("time/"):
             assert two[0]["metrics"][key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
             assert two[1]["metrics"][key] == two[0]["metrics"][key], key
+    if "half_constant" in overrides:
+        assert one["metrics"]["frac_reward_zero_std"] == 0.5
+
+
+def test_the_process_count_does_not_change_a_run(tmp_path):
+    """Each completion samples from its own seed: 1 and 2 processes make the same 3-step run."""
+    overrides = ["train.prompts_per_step=2", "rollout.num_generations=4", "train.max_steps=3",
+                 "data.eval_size=5", "train.eval_every=2", "algorithm.beta=0.04"]
+    one, two = run_worker(tmp_path, "train", overrides)
+    assert update_difference(one["start"], one["params"], two[0]["params"]) < EXACT
+    rows = [[json.loads(line) for line in (tmp_path / f"p{n}" / "run" / "metrics.jsonl").read_text().splitlines()]
+            for n in (1, 2)]
+    assert len(rows[0]) == len(rows[1]) == 6  # 3 steps, evaluations at steps 0, 2 and 3
+    for a, b in zip(*rows):
+        assert a.keys() == b.keys()
+        for key in a:
+            if "time" not in key:
+                assert b[key] == pytest.approx(a[key], rel=1e-9, abs=1e-12), key
+
+
+def run_worker(tmp_path, mode, overrides):
+    for nproc in (1, 2):
+        (tmp_path / f"p{nproc}").mkdir()
+        launch(nproc, [str(TESTS / "update_worker.py"), str(tmp_path / f"p{nproc}"), mode, json.dumps(overrides)],
+               tmp_path)
+    one = torch.load(tmp_path / "p1" / "rank0.pt")
+    two = [torch.load(tmp_path / "p2" / f"rank{r}.pt") for r in (0, 1)]
+    return one, two
 
 
 RECORDING_REWARD = '''
 import json, os
 
-def shortness(completions, **columns):
+def shortness(completions, answer, **columns):
     values = [-float(len(c[0]["content"])) for c in completions]
     with open(f"rewards-rank{os.environ.get('RANK', '0')}.jsonl", "a") as f:
-        f.write(json.dumps(values) + "\\n")
+        f.write(json.dumps({"rewards": values, "answers": answer}) + "\\n")
     return values
 '''
 
@@ -224,14 +251,21 @@ def test_two_process_grpokit_train(tmp_path):
     # Calls per process: eval (step 0), step 1, step 2, eval (step 2).
     calls = [[json.loads(line) for line in (tmp_path / f"rewards-rank{r}.jsonl").read_text().splitlines()]
              for r in (0, 1)]
-    assert [len(c) for c in calls[0]] == [3, 4, 4, 3] and [len(c) for c in calls[1]] == [4, 4, 4, 4]
+    assert [len(c["rewards"]) for c in calls[0]] == [3, 4, 4, 3] and [len(c["rewards"]) for c in calls[1]] == [4] * 4
+    task = make_task("arithmetic", seed=0, eval_size=7)
+    stream = task.train_stream()
     for i, step in ((1, steps[0]), (2, steps[1])):
-        everything = calls[0][i] + calls[1][i]
+        everything = calls[0][i]["rewards"] + calls[1][i]["rewards"]
         assert step["reward"] == pytest.approx(sum(everything) / 8, rel=1e-6)
         assert step["completions/max_length"] >= step["completions/mean_length"] >= step["completions/min_length"]
+        # Each process scored its own completions: those of the step's prompts its rows belong to.
+        answers = [e.columns["answer"] for e in (next(stream), next(stream))]
+        for r in (0, 1):
+            assert calls[r][i]["answers"] == [answers[row // 4] for row in shard_rows(8, 8, 2, r).tolist()]
     for i, row in ((0, evals[0]), (3, evals[1])):
-        everything = calls[0][i] + calls[1][i]
+        everything = calls[0][i]["rewards"] + calls[1][i]["rewards"]
         assert row["eval/reward"] == pytest.approx(sum(everything) / 7, rel=1e-6)
+        assert calls[0][i]["answers"] + calls[1][i]["answers"] == [e.columns["answer"] for e in task.eval_examples]
 
     # Evaluation before training, on one process, scores the same 7 greedy completions.
     (tmp_path / "single").mkdir()

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 from grpokit.rewards import get_reward_function
 from grpokit.rewards.exact_answer import exact_answer, final_number, parse_integer_reply
 
@@ -38,7 +40,11 @@ def test_reward_functions_from_a_module_or_a_file(tmp_path, monkeypatch):
     from grpokit.config import ConfigError
 
     (tmp_path / "my_rewards.py").write_text("def brevity(completions, **kw):\n    return [1.0 for _ in completions]\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    # As under the `grpokit` script: the working directory is not on sys.path, yet its modules count.
+    import sys
+
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(Path.cwd()))])
+    monkeypatch.chdir(tmp_path)
     assert get_reward_function("my_rewards:brevity")([msg("a")]) == [1.0]
     assert get_reward_function(f"{tmp_path}/my_rewards.py:brevity")([msg("a"), msg("b")]) == [1.0, 1.0]
     for name, problem in (

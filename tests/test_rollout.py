@@ -1,3 +1,6 @@
+import copy
+
+import pytest
 import torch
 
 from grpokit.models import eos_token_ids
@@ -12,8 +15,7 @@ def test_pad_equal_to_eos_keeps_the_eos_in_the_mask(tiny):
     assert tokenizer.pad_token_id == tokenizer.eos_token_id  # the trap in SmolLM2's tokenizer
     eos = tokenizer.eos_token_id
     engine = TransformersEngine(model, pad_id=eos, eos_ids=[eos])
-    g = torch.Generator().manual_seed(0)
-    batch = engine.generate([[5, 6, 7], [8, 9]], 3, SamplingParams(max_tokens=6), g)
+    batch = engine.generate([[5, 6, 7], [8, 9]], 3, SamplingParams(max_tokens=6), seeds=range(6))
     N, T = batch.completion_ids.shape
     assert N == 6 and T <= 6
     assert batch.prompt_ids.shape == (6, 3) and batch.prompt_mask[3:].tolist()[0] == [0, 1, 1]
@@ -48,7 +50,7 @@ def test_forced_eos_gives_stop_and_mask_with_eos(tiny):
 
     engine = TransformersEngine(Biased(), pad_id=eos, eos_ids=[eos])
     engine.model.training, engine.model.eval, engine.model.train = False, lambda: None, lambda mode=True: None
-    batch = engine.generate([[5, 6, 7]], 4, SamplingParams(max_tokens=8), torch.Generator().manual_seed(1))
+    batch = engine.generate([[5, 6, 7]], 4, SamplingParams(max_tokens=8), seeds=[1, 2, 3, 4])
     assert batch.finish_reasons == ["stop"] * 4
     assert batch.completion_ids.shape[1] == 3
     assert (batch.completion_ids[:, 2] == eos).all()
@@ -59,10 +61,10 @@ def test_sampling_is_seeded_and_greedy_is_argmax(tiny):
     model, tokenizer = tiny
     engine = TransformersEngine(model, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id])
     params = SamplingParams(max_tokens=5)
-    a = engine.generate([[1, 2, 3]], 4, params, torch.Generator().manual_seed(3))
-    b = engine.generate([[1, 2, 3]], 4, params, torch.Generator().manual_seed(3))
+    a = engine.generate([[1, 2, 3]], 4, params, seeds=[3, 4, 5, 6])
+    b = engine.generate([[1, 2, 3]], 4, params, seeds=[3, 4, 5, 6])
     assert torch.equal(a.completion_ids, b.completion_ids)
-    greedy = engine.generate([[1, 2, 3]], 2, SamplingParams(max_tokens=5, temperature=0), torch.Generator())
+    greedy = engine.generate([[1, 2, 3]], 2, SamplingParams(max_tokens=5, temperature=0))
     assert torch.equal(greedy.completion_ids[0], greedy.completion_ids[1])
 
 
@@ -71,18 +73,18 @@ def test_sampling_logps_and_filters():
     g = torch.Generator().manual_seed(0)
     seen = set()
     for _ in range(200):
-        tok, lp, ent = sample_next(logits, SamplingParams(1, temperature=1.0, top_k=2), g)
+        tok, lp, ent = sample_next(logits, SamplingParams(1, temperature=1.0, top_k=2), torch.rand(1, generator=g))
         seen.add(tok.item())
         expected = torch.log_softmax(logits[0, :2], -1)[tok.item()]
         assert abs(lp.item() - expected.item()) < 1e-6
     assert seen == {0, 1}
     # top_p=0.5: token 0 alone has p=0.64 >= 0.5, so it is the only one kept.
     for _ in range(20):
-        tok, lp, _ = sample_next(logits, SamplingParams(1, temperature=1.0, top_p=0.5), g)
+        tok, lp, _ = sample_next(logits, SamplingParams(1, temperature=1.0, top_p=0.5), torch.rand(1, generator=g))
         assert tok.item() == 0 and abs(lp.item()) < 1e-6
     # Entropy is the unfiltered tempered distribution's.
     p = torch.softmax(logits[0] / 0.5, -1)
-    _, _, ent = sample_next(logits, SamplingParams(1, temperature=0.5, top_k=1), g)
+    _, _, ent = sample_next(logits, SamplingParams(1, temperature=0.5, top_k=1), torch.rand(1, generator=g))
     assert abs(ent.item() - (-(p * p.log()).sum()).item()) < 1e-5
 
 
@@ -91,14 +93,42 @@ def test_per_prompt_counts_and_select(tiny):
     model, tokenizer = tiny
     engine = TransformersEngine(model, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id])
     params = SamplingParams(max_tokens=4)
-    batch = engine.generate([[5, 6, 7], [8, 9]], [1, 3], params, torch.Generator().manual_seed(0))
+    batch = engine.generate([[5, 6, 7], [8, 9]], [1, 3], params, seeds=[0, 1, 2, 3])
     assert batch.prompt_index.tolist() == [0, 1, 1, 1]
     assert batch.prompt_mask.tolist() == [[1, 1, 1]] + [[0, 1, 1]] * 3
     # One prompt with count n is the same request as the int n.
-    a = engine.generate([[5, 6, 7]], [3], params, torch.Generator().manual_seed(4))
-    b = engine.generate([[5, 6, 7]], 3, params, torch.Generator().manual_seed(4))
+    a = engine.generate([[5, 6, 7]], [3], params, seeds=[4, 5, 6])
+    b = engine.generate([[5, 6, 7]], 3, params, seeds=[4, 5, 6])
     assert torch.equal(a.completion_ids, b.completion_ids)
+    with pytest.raises(ValueError, match="one positive count per prompt"):
+        engine.generate([[5, 6, 7]], [1, 2], params, seeds=[0, 1, 2])
+    with pytest.raises(ValueError, match="one seed per completion"):
+        engine.generate([[5, 6, 7]], 2, params, seeds=[0])
     picked = batch.select(torch.tensor([3, 0]))
     assert picked.prompt_index.tolist() == [1, 0]
     assert torch.equal(picked.completion_ids, batch.completion_ids[[3, 0]])
     assert picked.finish_reasons == [batch.finish_reasons[3], batch.finish_reasons[0]]
+
+
+def test_inverse_cdf_sampling_follows_the_distribution():
+    logits = torch.tensor([[2.0, 1.0, -30.0, 0.0, -1.0]])  # token 2 has ~0 probability
+    p = torch.softmax(logits[0] / 0.7, -1)
+    u = torch.rand(20000, generator=torch.Generator().manual_seed(0))
+    tokens, logps, _ = sample_next(logits.expand(20000, -1), SamplingParams(1, temperature=0.7), u)
+    freq = torch.bincount(tokens, minlength=5).double() / 20000
+    assert (freq - p).abs().max() < 0.01  # 4 standard errors at most
+    assert torch.allclose(logps, p.log()[tokens].float())
+    # The extremes of [0, 1) land on tokens of positive probability.
+    edge, _, _ = sample_next(logits.expand(2, -1), SamplingParams(1, top_k=2), torch.tensor([0.0, 1 - 2**-24]))
+    assert edge.tolist() == [0, 1]
+
+
+def test_a_completion_samples_the_same_whatever_its_batch(tiny):
+    """Seeded per completion: sampled alone or among others, on one process or another. (float64,
+    so that the batch's float rounding cannot move a draw across a token boundary.)"""
+    model, tokenizer = tiny
+    engine = TransformersEngine(copy.deepcopy(model).double(), pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id])
+    params = SamplingParams(max_tokens=5)
+    together = engine.generate([[5, 6, 7], [8, 9]], 2, params, seeds=[10, 11, 12, 13])
+    alone = engine.generate([[8, 9]], [1], params, seeds=[12])
+    assert torch.equal(alone.completion_ids[0], together.completion_ids[2])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from grpokit.config import ConfigError, describe, load_config
@@ -45,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except (ConfigError, FileExistsError) as e:
-        print(f"grpokit: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every process of a launch fails alike; say it once
+            print(f"grpokit: {e}", file=sys.stderr)
         return 2
 
 

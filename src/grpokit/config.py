@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -209,8 +210,8 @@ def _check_reward_functions(functions) -> list[str]:
             continue
         ok = isinstance(entry, dict) and isinstance(entry.get("name"), str) and set(entry) <= {"name", "weight"}
         weight = entry.get("weight", 1.0) if isinstance(entry, dict) else None
-        if not ok or isinstance(weight, bool) or not isinstance(weight, (int, float)):
-            errors.append(f"reward.functions[{i}]={entry!r}: must be a name or {{name: ..., weight: <number>}}")
+        if not ok or isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            errors.append(f"reward.functions[{i}]={entry!r}: must be a name or {{name: ..., weight: <finite number>}}")
     return errors
 
 
@@ -240,6 +241,8 @@ def _coerce(key: str, value: Any, tp) -> Any:
         tp = next(a for a in args if a is not type(None))
     if typing.get_origin(tp) is list:
         tp = list
+    if tp is list and isinstance(value, (str, dict)):
+        return [value]  # a single entry needs no brackets
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is float and isinstance(value, str):

@@ -12,12 +12,13 @@ step's completions are numbered globally (prompt after prompt, G each) exactly a
 numbers them; optimizer update u consumes global rows [u*U, (u+1)*U) whatever the process count;
 process r owns the r-th of W equal slices of each update's rows (`shard_rows`). Rewards are
 gathered before advantages are computed, so a group may span processes; gradients are summed
-(the loss is already normalized by whole-update counts), never averaged.
+(the loss is already normalized by whole-update counts), never averaged. Every completion samples
+from its own seed (drawn for the whole step, the same on every process), so the process count
+does not change what is sampled either.
 """
 
 from __future__ import annotations
 
-import os
 import pickle
 
 import torch
@@ -48,11 +49,6 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def launched_processes() -> int:
-    """Processes the launcher started (known before the group exists, for config validation)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def _comm_device() -> torch.device:
     # NCCL moves CUDA tensors only; gloo moves CPU tensors.
     if dist.get_backend() == "nccl":
@@ -77,20 +73,12 @@ def shard_rows(num_rows: int, rows_per_update: int, world_size: int, rank: int) 
     return (starts[:, None] + torch.arange(share)).reshape(-1)  # (num_rows / world_size,)
 
 
-def all_sum(t: torch.Tensor) -> torch.Tensor:
-    """Elementwise sum over processes (a new tensor, on t's device)."""
+def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """Elementwise "sum" or "max" over processes (a new tensor, on t's device)."""
     if not _active():
         return t.clone()
     out = t.detach().to(_comm_device(), copy=True)
-    dist.all_reduce(out, op=dist.ReduceOp.SUM)
-    return out.to(t.device)
-
-
-def all_max(t: torch.Tensor) -> torch.Tensor:
-    if not _active():
-        return t.clone()
-    out = t.detach().to(_comm_device(), copy=True)
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    dist.all_reduce(out, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
     return out.to(t.device)
 
 
@@ -116,23 +104,25 @@ def gather_lists(local: list) -> list:
     return [x for part in parts for x in part]
 
 
-def broadcast(value):
-    """Process 0's value (any picklable object), on every process."""
-    if not _active():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+def on_main(fn):
+    """fn() run on process 0 alone; its result, or the error it raised, on every process.
 
-
-def raise_everywhere(error: BaseException | None) -> None:
-    """Make an error on process 0 (a start-up check) stop every process with the same message.
-
-    Without it the other processes would wait forever at their next collective.
+    An error re-raised everywhere stops every process with the same message, where the others would
+    otherwise wait forever at their next collective.
     """
-    error = broadcast(_picklable(error) if error is not None and is_main() else None)
+    result, error = None, None
+    if is_main():
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - handed to every process below
+            error = _picklable(e)
+    if _active():
+        box = [(result, error)]
+        dist.broadcast_object_list(box, src=0)
+        result, error = box[0]
     if error is not None:
         raise error
+    return result
 
 
 def broadcast_parameters(module: torch.nn.Module) -> None:

@@ -37,7 +37,7 @@ import torch
 
 from grpokit import distributed
 from grpokit.advantages import group_advantages
-from grpokit.config import Config, reward_weights, save_config
+from grpokit.config import Config, ConfigError, reward_weights, save_config
 from grpokit.logprobs import completion_logprobs
 from grpokit.loss import CLIP_METRICS, grpo_loss
 from grpokit.models import eos_token_ids, load_model, load_tokenizer, save_model
@@ -74,9 +74,12 @@ class RewardSet:
     """Reward functions, called with TRL's convention, summed with weights."""
 
     def __init__(self, weighted: tuple[tuple[str, float], ...]):
-        self.names = [name for name, _ in weighted]
+        # Metric keys (rewards/<name>/mean) name a file's function without its folders.
+        self.names = [name.rsplit("/", 1)[-1] for name, _ in weighted]
+        if len(set(self.names)) < len(self.names):
+            raise ConfigError(f"reward.functions names a function twice: {[n for n, _ in weighted]}")
         self.weights = [weight for _, weight in weighted]
-        self.functions = [get_reward_function(name) for name in self.names]
+        self.functions = [get_reward_function(name) for name, _ in weighted]
 
     def __call__(
         self, examples: list[Example], completions: list, finish_reasons: list[str]
@@ -115,21 +118,15 @@ class Trainer:
         self.rewards = RewardSet(reward_weights(config, self.task.reward_functions))
         self.stream = self.task.train_stream()
         # Process 0 alone owns the run directory; the others learn its path (a default one is
-        # stamped with process 0's clock) or its refusal.
-        error = None
-        if distributed.is_main():
-            try:
-                prepare_run_dir(config)
-            except (FileExistsError, OSError) as e:
-                error = e
-        distributed.raise_everywhere(error)
-        config.train.output_dir = distributed.broadcast(config.train.output_dir)
-        self.run_dir = Path(config.train.output_dir)
+        # stamped with process 0's clock) or its refusal, and stop with the same message.
+        self.run_dir = distributed.on_main(lambda: prepare_run_dir(config))
+        config.train.output_dir = str(self.run_dir)
 
         random.seed(seed)
         torch.manual_seed(seed)  # the same on every process: they must start from the same weights
-        # Sampling draws only from this generator; each process samples its own completions.
-        self.generator = torch.Generator(device=self.device).manual_seed(seed + 1_000_003 * rank)
+        # Each step draws one sampling seed per completion of the whole step, the same on every
+        # process; a completion's tokens then depend on its seed, not on which process samples it.
+        self.seed_stream = torch.Generator().manual_seed(seed)
 
         self.tokenizer = load_tokenizer(config.model.name)
         self.policy = load_model(config.model.name, config.model.dtype).to(self.device)
@@ -190,7 +187,7 @@ class Trainer:
         metrics = self.learn(examples, batch)
         times = torch.tensor([t_generate, metrics.pop("time/logprobs"), metrics.pop("time/update"),
                               time.perf_counter() - start])
-        times = distributed.all_max(times).tolist()  # the slowest process sets the pace
+        times = distributed.all_reduce(times, "max").tolist()  # the slowest process sets the pace
         return {
             "step": step,
             **metrics,
@@ -202,10 +199,11 @@ class Trainer:
 
     def generate(self, examples: list[Example]) -> RolloutBatch:
         """The completions this process owns (rows `self.rows` of the step), grouped by prompt."""
-        G = self.config.rollout.num_generations
+        G, N = self.config.rollout.num_generations, self.config.completions_per_step
+        seeds = torch.randint(0, 2**62, (N,), generator=self.seed_stream)[self.rows]  # (n,)
         prompts, counts = torch.unique_consecutive(self.rows // G, return_counts=True)
         return self.engine.generate(
-            [self.encode(examples[p]) for p in prompts.tolist()], counts.tolist(), self.sampling, self.generator
+            [self.encode(examples[p]) for p in prompts.tolist()], counts.tolist(), self.sampling, seeds.tolist()
         )
 
     def learn(self, examples: list[Example], batch: RolloutBatch) -> dict:
@@ -239,7 +237,7 @@ class Trainer:
         lengths = distributed.gather_rows(mask.sum(-1).float(), N, U)  # (N,)
         truncated = torch.tensor([r == "length" for r in batch.finish_reasons], dtype=torch.float32)
         truncated = distributed.gather_rows(truncated, N, U)  # (N,)
-        totals = distributed.all_sum(torch.stack([
+        totals = distributed.all_reduce(torch.stack([
             (batch.entropies.cpu().double() * mask).sum(),
             mask.sum().double(),
             batch.prompt_mask.sum().cpu().double() + mask.sum(),
@@ -282,7 +280,7 @@ class Trainer:
             for u0 in range(0, len(advantages), share):
                 local = torch.arange(u0, u0 + share)
                 # The whole update batch's counts, all processes, normalize every micro-batch's loss.
-                num_tokens = distributed.all_sum(mask[local].sum().double()).item()
+                num_tokens = distributed.all_reduce(mask[local].sum().double()).item()
                 rows = local[active[local]]
                 for mb in rows.split(self.micro_batch) if len(rows) else ():  # split() of nothing gives one empty part
                     logps = self.logprobs(self.policy, batch, mb)  # (M, T)
@@ -315,7 +313,7 @@ class Trainer:
                 # Zeros, not None: AdamW must step every parameter even when no row was active.
                 self.optimizer.zero_grad(set_to_none=False)
                 num_updates += 1
-        summed = distributed.all_sum(torch.tensor(list(partial.values()), dtype=torch.float64)).tolist()
+        summed = distributed.all_reduce(torch.tensor(list(partial.values()), dtype=torch.float64)).tolist()
         return {k: v / num_updates for k, v in (*zip(partial, summed), *shared.items())}
 
     # ------------------------------------------------------------------ helpers
@@ -373,7 +371,7 @@ class Trainer:
         records = []  # (total reward, {function: reward}, length, truncated) per example
         for i in range(0, len(mine), batch_size):
             chunk = mine[i : i + batch_size]
-            batch = self.engine.generate([self.encode(e) for e in chunk], 1, self.greedy, self.generator)
+            batch = self.engine.generate([self.encode(e) for e in chunk], 1, self.greedy)
             total, by_name = self.rewards(chunk, self.decode(batch), batch.finish_reasons)
             lengths = batch.completion_mask.sum(-1).tolist()
             for j in range(len(chunk)):

@@ -8,9 +8,12 @@ take **kwargs simply ignore it. A function is named in configs by a built-in nam
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
+import os
 import sys
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,21 +36,46 @@ def get_reward_function(name: str) -> Callable[..., list[float | None]]:
             f"unknown reward function {name!r}: built-in ones are {', '.join(sorted(REWARD_FUNCTIONS))}; "
             "your own are named 'package.module:function' or 'path/to/file.py:function'"
         )
-    if where.endswith(".py"):
-        path = Path(where)
-        if not path.is_file():
-            raise ConfigError(f"reward function {name!r}: file {path} does not exist")
-        module_name = f"grpokit_user_rewards.{path.stem}"
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module  # pickling and dataclasses look modules up here
-        spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as e:
-            raise ConfigError(f"reward function {name!r}: cannot import module {where!r} ({e})") from None
+    module = _load_file(name, Path(where)) if where.endswith(".py") else _import(name, where)
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ConfigError(f"reward function {name!r}: {where} has no function named {attr!r}")
     return fn
+
+
+def _import(name: str, module_name: str):
+    # `python -m grpokit` puts the working directory on sys.path, the `grpokit` script does not;
+    # a module next to the user should be found either way.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(
+            f"reward function {name!r}: cannot import module {module_name!r} ({e}); "
+            f"a file can be named by its path instead, e.g. 'path/to/{module_name.split('.')[-1]}.py:function'"
+        ) from None
+
+
+_loaded_files: dict[Path, types.ModuleType] = {}
+
+
+def _load_file(name: str, path: Path):
+    """Run a user's reward file once (however many functions are taken from it)."""
+    path = path.resolve()
+    if path in _loaded_files:
+        return _loaded_files[path]
+    if not path.is_file():
+        raise ConfigError(f"reward function {name!r}: file {path} does not exist")
+    # A unique module name per file: two files with the same name in different folders both load.
+    module_name = f"grpokit_user_rewards_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses and typing look a class's module up here
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+    _loaded_files[path] = module
+    return module

@@ -50,10 +50,12 @@ class RolloutEngine(Protocol):
         prompts: list[list[int]],
         n: int | Sequence[int],
         params: SamplingParams,
-        generator: torch.Generator,
+        seeds: Sequence[int] | None = None,
     ) -> RolloutBatch:
         """`n` completions of every prompt, or n[i] of prompt i (a process of a data-parallel run
-        may own only part of a group)."""
+        may own only part of a group). Completion i samples from its own random stream, seeded by
+        seeds[i] (one seed per completion; not needed when greedy): what a completion samples does
+        not depend on the batch or the process it is generated in."""
         ...
 
 

@@ -2,6 +2,8 @@
 
 The engine holds the policy module, so it always generates with the current weights. Each prompt
 is run through the model once; its key/value cache is then repeated for its n completions.
+Completion i draws its tokens from its own random stream, seeded by seeds[i]: what it samples does
+not depend on which other completions share its batch (or its process).
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ def entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample_next(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Draw one token per row from logits (B, V).
+    """Draw one token per row from logits (B, V), by inverse CDF of one uniform (B,) per row.
 
     Returns tokens (B,), their log-probs under the sampling distribution (B,), and the entropy of
     the tempered, unfiltered distribution (B,) (the policy's, as the trainer sees it).
@@ -45,7 +47,11 @@ def sample_next(
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     logprobs = torch.log_softmax(logits, dim=-1)  # (B, V)
-    tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)  # (B,)
+    cdf = logprobs.exp().cumsum(-1)  # (B, V)
+    total = cdf[:, -1:]  # (B, 1), ~1
+    # Strictly below the total, the first entry of the CDF above x is a token of positive probability.
+    x = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))  # (B, 1)
+    tokens = torch.searchsorted(cdf, x, right=True).squeeze(-1)  # (B,)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1), policy_entropy
 
 
@@ -61,18 +67,29 @@ class TransformersEngine:
         prompts: list[list[int]],
         n: int | Sequence[int],
         params: SamplingParams,
-        generator: torch.Generator,
+        seeds: Sequence[int] | None = None,
     ) -> RolloutBatch:
         model = self.model
         was_training = model.training
         model.eval()  # no dropout while sampling
         try:
-            return self._generate(prompts, n, params, generator)
+            return self._generate(prompts, n, params, seeds)
         finally:
             model.train(was_training)
 
-    def _generate(self, prompts, n, params, generator) -> RolloutBatch:
+    def _generate(self, prompts, n, params, seeds) -> RolloutBatch:
         device = next(self.model.parameters()).device
+        counts = torch.tensor([n] * len(prompts) if isinstance(n, int) else list(n))  # (P,)
+        if counts.shape != (len(prompts),) or (counts < 1).any():
+            raise ValueError(f"n must be a positive int or one positive count per prompt ({len(prompts)}), got {n}")
+        N = int(counts.sum())
+        uniforms = None  # (N, max_tokens): completion i's random stream
+        if params.temperature > 0:
+            if seeds is None or len(seeds) != N:
+                raise ValueError(f"sampling needs one seed per completion ({N}), got {seeds if seeds is None else len(seeds)}")
+            uniforms = torch.stack([
+                torch.rand(params.max_tokens, generator=torch.Generator().manual_seed(int(s))) for s in seeds
+            ]).to(device)
         width = max(len(p) for p in prompts)
         prompt_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         prompt_mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -91,21 +108,19 @@ class TransformersEngine:
             logits_to_keep=1,
         )
         # The completions of a prompt share its prefill: index the cache instead of recomputing.
-        counts = torch.tensor([n] * len(prompts) if isinstance(n, int) else list(n))  # (P,)
         prompt_index = torch.repeat_interleave(torch.arange(len(prompts)), counts)  # (N,)
         index = prompt_index.to(device)
         cache.batch_select_indices(index)
         logits = out.logits[:, -1][index]  # (N, V)
         prompt_ids, prompt_mask = prompt_ids[index], prompt_mask[index]  # (N, Lp)
-        N = prompt_ids.shape[0]
 
         eos_ids = self.eos_ids.to(device)
         attn = prompt_mask
         next_pos = prompt_mask.sum(-1)  # (N,)
         finished = torch.zeros(N, dtype=torch.bool, device=device)
         tokens, logps, entropies, masks = [], [], [], []
-        for _ in range(params.max_tokens):
-            tok, lp, ent = sample_next(logits, params, generator)
+        for t in range(params.max_tokens):
+            tok, lp, ent = sample_next(logits, params, None if uniforms is None else uniforms[:, t])
             alive = ~finished
             tok = torch.where(alive, tok, torch.full_like(tok, self.pad_id))
             tokens.append(tok)
