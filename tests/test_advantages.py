@@ -67,3 +67,31 @@ def test_bad_shapes_and_scale():
         group_advantages(torch.zeros(5), 2)
     with pytest.raises(ValueError, match="scale"):
         group_advantages(torch.zeros(4), 2, "median")
+
+
+def naive_with_missing(rewards, G, scale, eps):
+    """None = not scored: left out of every statistic, advantage 0; so is a group with < 2 scored."""
+    scored_all = [x for x in rewards if x is not None]
+    m = sum(scored_all) / len(scored_all)
+    batch_std = math.sqrt(sum((x - m) ** 2 for x in scored_all) / (len(scored_all) - 1))
+    out = []
+    for start in range(0, len(rewards), G):
+        group = rewards[start : start + G]
+        scored = [x for x in group if x is not None]
+        if len(scored) < 2 or all(x == scored[0] for x in scored):
+            out += [0.0] * G
+            continue
+        mean = sum(scored) / len(scored)
+        std = math.sqrt(sum((x - mean) ** 2 for x in scored) / (len(scored) - 1))
+        div = {"group": std + eps, "batch": batch_std + eps, "none": 1.0}[scale]
+        out += [0.0 if x is None else (x - mean) / div for x in group]
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_unscored_completions_are_left_out(scale):
+    rewards = [1.0, None, 0.0, 0.5,   None, None, None, None,   2.0, None, None, None,   3.0, 3.0, None, 1.0]
+    got = group_advantages(torch.tensor([math.nan if x is None else x for x in rewards], dtype=torch.float64), 4, scale)
+    torch.testing.assert_close(got, naive_with_missing(rewards, 4, scale, 1e-4), rtol=1e-12, atol=1e-12)
+    assert not torch.isnan(got).any()
+    assert got[:4].sum().abs() < 1e-12  # the scored members of a group still sum to zero

@@ -64,13 +64,13 @@ def test_derived_batch_values():
 
 
 def test_reward_functions_field(tmp_path):
-    from grpokit.config import reward_weights
+    from grpokit.config import reward_specs
 
-    c = load_config(None, ["reward.functions=[exact_answer, {name: my.py:f, weight: 0.5}]"])
-    assert reward_weights(c, (("x", 1.0),)) == (("exact_answer", 1.0), ("my.py:f", 0.5))
-    assert reward_weights(Config(), (("x", 1.0),)) == (("x", 1.0),)
+    c = load_config(None, ["reward.functions=[exact_answer, {name: my.py:f, weight: 0.5, target: 3}]"])
+    assert reward_specs(c, (("x", 1.0),)) == (("exact_answer", 1.0, {}), ("my.py:f", 0.5, {"target": 3}))
+    assert reward_specs(Config(), (("x", 1.0),)) == (("x", 1.0, {}),)
     assert load_config(None, ["reward.functions=my.py:f"]).reward.functions == ["my.py:f"]  # one, no brackets
-    for bad in ("[{weight: 1}]", "[{name: f, weight: heavy}]", "[]", "[{name: f, scale: 2}]", "[{name: f, weight: .nan}]"):
+    for bad in ("[{weight: 1}]", "[{name: f, weight: heavy}]", "[]", "[{name: f, weight: .nan}]"):
         with pytest.raises(ConfigError, match="reward.functions"):
             load_config(None, [f"reward.functions={bad}"])
 

@@ -18,7 +18,7 @@ from grpokit.config import load_config
 from grpokit.distributed import shard_rows
 from grpokit.loss import LOSS_TYPES
 from grpokit.rewards import REWARD_FUNCTIONS
-from grpokit.tasks import make_task
+from grpokit.tasks.arithmetic import ArithmeticTask
 from grpokit.trainer import Trainer
 
 TESTS = Path(__file__).parent
@@ -252,7 +252,7 @@ def test_two_process_grpokit_train(tmp_path):
     calls = [[json.loads(line) for line in (tmp_path / f"rewards-rank{r}.jsonl").read_text().splitlines()]
              for r in (0, 1)]
     assert [len(c["rewards"]) for c in calls[0]] == [3, 4, 4, 3] and [len(c["rewards"]) for c in calls[1]] == [4] * 4
-    task = make_task("arithmetic", seed=0, eval_size=7)
+    task = ArithmeticTask(seed=0, eval_size=7)
     stream = task.train_stream()
     for i, step in ((1, steps[0]), (2, steps[1])):
         everything = calls[0][i]["rewards"] + calls[1][i]["rewards"]

@@ -1,7 +1,11 @@
+import math
+
 from pathlib import Path
 
+import pytest
+
 from grpokit.rewards import get_reward_function
-from grpokit.rewards.exact_answer import exact_answer, final_number, parse_integer_reply
+from grpokit.rewards.exact_answer import exact_answer, leading_number, parse_integer_reply
 
 
 def msg(text):
@@ -22,9 +26,9 @@ def test_exact_answer_needs_the_bare_number_and_an_ended_reply():
     assert exact_answer([msg("12")], [12]) == [1.0]  # no finish reasons: treated as ended
 
 
-def test_final_number_gives_credit_for_a_right_answer_in_words():
-    completions = [msg("7 + 5 = 12"), msg("The answer is 12."), msg("12 or 13"), msg("no idea")]
-    assert final_number(completions, [12] * 4) == [1, 1, 0, 0]
+def test_leading_number_credits_a_reply_that_starts_with_the_answer():
+    completions = [msg("12\n\nThe sum"), msg(" 12."), msg("Answer: 12."), msg("7 + 5 = 12"), msg("13 or 12"), msg("-3")]
+    assert leading_number(completions, [12, 12, 12, 12, 12, -3]) == [1, 1, 0, 0, 0, 1]
 
 
 def test_registry_names_unknown_functions():
@@ -55,3 +59,172 @@ def test_reward_functions_from_a_module_or_a_file(tmp_path, monkeypatch):
     ):
         with pytest.raises(ConfigError, match=problem):
             get_reward_function(name)
+
+
+# ---------------------------------------------------------------- built-ins
+
+from grpokit.rewards import REWARD_FUNCTIONS, RewardError, RewardSet  # noqa: E402
+from grpokit.rewards.length import length  # noqa: E402
+from grpokit.rewards.math_answer import format_reward, math_accuracy  # noqa: E402
+from grpokit.tasks import Example  # noqa: E402
+
+MATH_CASES = [  # (completion, answer, expected)
+    ("The answer is \\boxed{42}.", "42", 1.0),
+    ("\\boxed{42}", 42, 1.0),
+    ("\\boxed{41}", "42", 0.0),
+    ("So we get 42", "42", 1.0),  # no box: the last number
+    ("42 apples, then 43", "42", 0.0),
+    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+    ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
+    ("\\boxed{\\dfrac{3}{4}}", "0.75", 1.0),
+    ("\\boxed{1/2}", "\\frac{1}{2}", 1.0),
+    ("The total is 1,000", "1000", 1.0),
+    ("\\boxed{1,000}", "1000", 1.0),
+    ("\\boxed{1000}", "1,000", 1.0),
+    ("\\boxed{12,345}", "12345", 1.0),
+    ("It drops to -3", "-3", 1.0),
+    ("\\boxed{-3}", "3", 0.0),
+    ("\\boxed{-\\frac{2}{3}}", "-2/3", 1.0),
+    ("I do not know", "4", 0.0),
+    ("", "4", 0.0),
+    ("<think>2+2</think> \\boxed{4}", "4", 1.0),
+    ("\\boxed{4} but wait \\boxed{5}", "5", 1.0),  # the last box counts
+    ("\\boxed{(1,2]}", "(1,2]", 1.0),
+    ("\\boxed{[1,2)}", "(1,2]", 0.0),
+    ("\\boxed{\\{1,2\\}}", "\\{2,1\\}", 1.0),
+    ("\\boxed{\\{1,3\\}}", "\\{1,2\\}", 0.0),
+    ("\\boxed{x=2}", "2", 1.0),
+    ("\\boxed{2.0}", "2", 1.0),
+    ("\\boxed{\\sqrt{4}}", "2", 1.0),
+    ("\\boxed{\\pi}", "\\pi", 1.0),
+    ("\\boxed{2\\pi}", "\\pi", 0.0),
+    ("\\boxed{10\\%}", "10", 1.0),
+    ("The result is 3.14", "3.14", 1.0),
+    ("The result is 3.15", "3.14", 0.0),
+]
+
+
+@pytest.mark.parametrize("completion,answer,expected", MATH_CASES)
+def test_math_accuracy(completion, answer, expected):
+    assert math_accuracy([msg(completion)], [answer]) == [expected]
+    assert math_accuracy([completion], [answer]) == [expected]  # plain (non-chat) completions too
+
+
+def test_math_accuracy_without_a_usable_answer_is_not_applicable():
+    assert math_accuracy([msg("\\boxed{3}")] * 3, [None, "", "$$"]) == [None, None, None]
+
+
+def test_format_and_length():
+    good = "<think>2 and 2 make 4</think>\nThe answer is \\boxed{4}."
+    assert format_reward([msg(good), msg("\\boxed{4}"), msg("<think>x</think> 4")]) == [1.0, 0.0, 0.0]
+    assert format_reward([msg("ANSWER: 4")], pattern=r"ANSWER: \d+") == [1.0]
+    assert length([msg("x" * 20), msg("x" * 5), "x" * 31]) == [0.0, -15.0, -11.0]
+    assert length([msg("x" * 5)], target=5) == [0.0]
+
+
+# ---------------------------------------------------------------- RewardSet
+
+def examples(n, answer=4):
+    return [Example(prompt=[{"role": "user", "content": f"q{i}"}], columns={"answer": answer}) for i in range(n)]
+
+
+TRL_STYLE = '''
+def reward_len(completions, **kwargs):
+    return [-abs(20 - len(completion[0]["content"])) for completion in completions]
+
+def picky(prompts, completions, answer, **kwargs):
+    out = []
+    for p, c, a in zip(prompts, completions, answer):
+        if "skip" in c[0]["content"]:
+            out.append(None)
+        else:
+            out.append(1.0 if str(a) in c[0]["content"] else 0.0)
+    return out
+
+def broken(completions, **kwargs):
+    return [1.0 / (len(c[0]["content"]) - 3) for c in completions]
+
+def nan(completions, **kwargs):
+    return [float("nan") if "x" in c[0]["content"] else 0.0 for c in completions]
+
+def too_few(completions, **kwargs):
+    return [0.0]
+'''
+
+
+def test_trl_style_functions_weights_and_none(tmp_path):
+    path = tmp_path / "trl_rewards.py"
+    path.write_text(TRL_STYLE)
+    rewards = RewardSet(((f"{path}:reward_len", 0.5, {}), (f"{path}:picky", 2.0, {}), ("length", 1.0, {"target": 3})))
+    assert rewards.names == ["trl_rewards.py:reward_len", "trl_rewards.py:picky", "length"]
+    completions = [msg("4"), msg("five"), msg("skip 4")]
+    total, per_function = rewards(examples(3), completions, ["stop"] * 3)
+    assert per_function["trl_rewards.py:reward_len"].tolist() == [-19.0, -16.0, -14.0]
+    assert per_function["trl_rewards.py:picky"][:2].tolist() == [1.0, 0.0]
+    assert math.isnan(per_function["trl_rewards.py:picky"][2])  # None: not applicable
+    assert per_function["length"].tolist() == [-2.0, -1.0, -3.0]
+    # The weighted sum of the functions that applied.
+    assert total.tolist() == [0.5 * -19 + 2 * 1 - 2, 0.5 * -16 + 2 * 0 - 1, 0.5 * -14 - 3]
+
+
+def test_all_none_gives_a_nan_total(tmp_path):
+    (tmp_path / "r.py").write_text(TRL_STYLE)
+    total, _ = RewardSet(((f"{tmp_path}/r.py:picky", 1.0, {}),))(examples(2), [msg("skip"), msg("4")], ["stop"] * 2)
+    assert math.isnan(total[0]) and total[1] == 1.0
+
+
+@pytest.mark.parametrize("function,message", [
+    ("broken", r"'r.py:broken' raised ZeroDivisionError.*\n  on completion 1: 'abc'\n  of prompt: .*q1"),
+    ("nan", r"'r.py:nan' returned nan for completion 2: 'xyz'"),
+    ("too_few", r"'r.py:too_few' returned 1 values for 3 completions"),
+])
+def test_failing_functions_are_named_with_the_completion(tmp_path, function, message):
+    (tmp_path / "r.py").write_text(TRL_STYLE)
+    rewards = RewardSet(((f"{tmp_path}/r.py:{function}", 1.0, {}),))
+    with pytest.raises(RewardError, match=message):
+        rewards(examples(3), [msg("four"), msg("abc"), msg("xyz")], ["stop"] * 3)
+
+
+def test_async_functions_run_concurrently(tmp_path):
+    (tmp_path / "slow.py").write_text(
+        "import asyncio\n"
+        "async def slow_a(completions, **kw):\n    await asyncio.sleep(0.5)\n    return [1.0] * len(completions)\n"
+        "async def slow_b(completions, **kw):\n    await asyncio.sleep(0.5)\n    return [2.0] * len(completions)\n"
+    )
+    import time
+
+    rewards = RewardSet(((f"{tmp_path}/slow.py:slow_a", 1.0, {}), (f"{tmp_path}/slow.py:slow_b", 1.0, {})))
+    start = time.perf_counter()
+    total, _ = rewards(examples(2), [msg("a"), msg("b")], ["stop"] * 2)
+    assert time.perf_counter() - start < 0.9  # together, not one after the other
+    assert total.tolist() == [3.0, 3.0]
+
+
+def test_builtins_are_registered():
+    assert {"math_accuracy", "format", "length", "reward_model", "exact_answer", "leading_number"} <= set(REWARD_FUNCTIONS)
+
+
+def test_reward_model_scores_prompt_and_completion(tmp_path, tiny):
+    """A local sequence-classification folder: its first logit, conversation through its chat template."""
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    _, tokenizer = tiny
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, num_labels=1,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(config)
+    model.save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    prompts = [[{"role": "user", "content": "Say hi"}]] * 2
+    completions = [msg("hi"), msg("a much longer answer than that")]
+    got = REWARD_FUNCTIONS["reward_model"](prompts, completions, path=str(tmp_path / "rm"))
+    for p, c, score in zip(prompts, completions, got):  # one at a time, no padding: the same scores
+        text = tokenizer.apply_chat_template(p + c, tokenize=False)
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+        assert abs(model(**ids).logits[0, 0].item() - score) < 1e-4
+    assert got[0] != got[1]
+    rewards = RewardSet((("reward_model", 1.0, {"path": str(tmp_path / "nowhere")}),))
+    with pytest.raises(RewardError, match="'reward_model' raised FileNotFoundError.*nowhere"):
+        rewards(examples(1), [msg("hi")], ["stop"])

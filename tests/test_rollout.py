@@ -132,3 +132,15 @@ def test_a_completion_samples_the_same_whatever_its_batch(tiny):
     together = engine.generate([[5, 6, 7], [8, 9]], 2, params, seeds=[10, 11, 12, 13])
     alone = engine.generate([[8, 9]], [1], params, seeds=[12])
     assert torch.equal(alone.completion_ids[0], together.completion_ids[2])
+
+
+def test_completions_take_the_shape_of_their_prompt(tiny):
+    """As in TRL: messages after a chat prompt, a string after a plain-text prompt."""
+    from grpokit.rollout import decode_completions
+
+    model, tokenizer = tiny
+    engine = TransformersEngine(model, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id])
+    batch = engine.generate([[5, 6, 7]], 2, SamplingParams(max_tokens=3), seeds=[0, 1])
+    chat, plain = decode_completions(tokenizer, batch, [[{"role": "user", "content": "q"}], "q"])
+    assert chat[0]["role"] == "assistant" and isinstance(chat[0]["content"], str)
+    assert isinstance(plain, str) and plain == tokenizer.decode(batch.completion_ids[1], skip_special_tokens=True)

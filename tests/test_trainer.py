@@ -7,7 +7,8 @@ import torch
 import yaml
 
 from grpokit.config import load_config
-from grpokit.trainer import RewardSet, Trainer
+from grpokit.rewards import RewardSet
+from grpokit.trainer import Trainer
 
 
 def shortness(completions, **columns):
@@ -26,7 +27,7 @@ def make_trainer(tmp_path, monkeypatch):
             f"train.output_dir={tmp_path / 'run'}", *overrides,
         ])
         trainer = Trainer(config, progress=False)
-        trainer.rewards = RewardSet(((reward, 1.0),))
+        trainer.rewards = RewardSet(((reward, 1.0, {}),))
         return trainer
 
     return make
@@ -113,3 +114,27 @@ def test_refuses_to_overwrite_a_previous_run(make_trainer):
     make_trainer("train.max_steps=1", "data.eval_size=0").train()
     with pytest.raises(FileExistsError, match="already holds a run"):
         make_trainer("train.max_steps=1")
+
+
+def test_a_failing_reward_stops_the_run_and_keeps_what_was_written(tmp_path, capsys):
+    """The second call raises: the run stops with the function named, step 1 stays in metrics.jsonl."""
+    from grpokit.cli import main
+
+    (tmp_path / "flaky.py").write_text(
+        "calls = []\n"
+        "def flaky(completions, **kw):\n"
+        "    calls.append(1)\n"
+        "    if len(calls) == 2:\n"
+        "        raise RuntimeError('scorer went away')\n"
+        "    return [0.0] * len(completions)\n"
+    )
+    out = tmp_path / "run"
+    code = main(["train", "--no-progress", "model.name=tiny-random", "data.eval_size=0", "train.max_steps=3",
+                 "train.prompts_per_step=2", "rollout.num_generations=2", f"train.output_dir={out}",
+                 f"reward.functions=[{tmp_path}/flaky.py:flaky]"])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "reward function 'flaky.py:flaky' raised RuntimeError: scorer went away" in err
+    assert "on a batch of 4 completions" in err and "of prompt:" in err
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1]

@@ -22,6 +22,10 @@ def group_advantages(
     The mean is always the group mean, so the advantages of every group sum to zero and a group of
     identical rewards gets advantage exactly 0.
 
+    A NaN reward means "no reward function applied" (every function returned None): that completion
+    takes no part in its group's statistics and gets advantage 0, and so does every member of a
+    group with fewer than two scored completions (nothing to compare with).
+
     rewards: (N,) with N = num_prompts * group_size. Returns (N,) in the dtype of `rewards`.
     """
     if scale not in SCALES:
@@ -34,12 +38,19 @@ def group_advantages(
             f"with group_size={group_size}"
         )
     grouped = rewards.view(-1, group_size)  # (P, G)
-    centered = grouped - grouped.mean(dim=1, keepdim=True)  # (P, G)
+    scored = ~torch.isnan(grouped)  # (P, G)
+    count = scored.sum(dim=1, keepdim=True)  # (P, 1)
+    values = torch.where(scored, grouped, torch.zeros_like(grouped))  # (P, G)
+    mean = values.sum(dim=1, keepdim=True) / count.clamp(min=1)  # (P, 1)
+    centered = torch.where(scored, values - mean, torch.zeros_like(values))  # (P, G)
     if scale == "group":
-        centered = centered / (grouped.std(dim=1, keepdim=True) + eps)
+        std = (centered.pow(2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()  # (P, 1)
+        centered = centered / (std + eps)
     elif scale == "batch":
-        centered = centered / (rewards.std() + eps)
+        valid = rewards[~torch.isnan(rewards)]
+        centered = centered / ((valid.std() if valid.numel() > 1 else 0.0) + eps)
     # A float mean of identical values can differ from them in the last bit; such a group carries
     # no signal, and its advantages are exactly 0 (the trainer relies on it to skip them).
-    constant = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)  # (P, 1)
+    first = values.gather(1, scored.long().argmax(dim=1, keepdim=True))  # (P, 1) a scored value
+    constant = ((values == first) | ~scored).all(dim=1, keepdim=True) | (count < 2)  # (P, 1)
     return centered.masked_fill(constant, 0.0).reshape(-1)  # (N,)

@@ -1,4 +1,4 @@
-"""`grpokit train | config`: a thin layer over the library."""
+"""`grpokit train | eval | config`: a thin layer over the library."""
 
 from __future__ import annotations
 
@@ -29,6 +29,27 @@ def _train(args) -> int:
     return 0
 
 
+def _eval(args) -> int:
+    overrides = list(args.overrides)
+    if args.task:
+        overrides.append(f"data.task={args.task}")
+    if args.data:
+        overrides.append(f"data.path={args.data}")
+    config = load_config(args.config, overrides)
+    if args.num_samples < 1:
+        raise ConfigError(f"--num-samples={args.num_samples}: must be >= 1")
+    from grpokit.evaluate import evaluate_model
+
+    metrics = evaluate_model(config, args.model, args.num_samples, args.output)
+    how = "greedy" if args.num_samples == 1 else f"{args.num_samples} samples per prompt at temperature {config.rollout.temperature}"
+    print(f"{args.model}: held-out prompts, {how}")
+    for key, value in metrics.items():
+        print(f"  {key}: {value:.4f}")
+    if args.output:
+        print(f"completions: {args.output}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="grpokit", description="GRPO training for language models")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -38,6 +59,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", metavar="section.field=value", help="e.g. train.max_steps=50")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=_train)
+
+    p = commands.add_parser("eval", help="score a model on held-out prompts (mean rewards, pass@k)")
+    p.add_argument("--model", required=True, help="model folder (e.g. runs/.../final), a built-in name, or a Hub id")
+    p.add_argument("--task", help="built-in task (data.task)")
+    p.add_argument("--data", help="dataset (data.path); its held-out split is data.eval_path or data.eval_size rows")
+    p.add_argument("--config", help="YAML config (data, reward functions, rollout lengths); overrides follow")
+    p.add_argument("--num-samples", type=int, default=1, help="completions per prompt: 1 is greedy; k > 1 samples and adds pass@k")
+    p.add_argument("--output", help="write every completion with its rewards to this JSONL file")
+    p.add_argument("overrides", nargs="*", metavar="section.field=value")
+    p.set_defaults(run=_eval)
 
     p = commands.add_parser("config", help="print every config field with its default and meaning")
     p.set_defaults(run=lambda args: print(describe()) or 0)
@@ -49,6 +80,13 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":  # every process of a launch fails alike; say it once
             print(f"grpokit: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        from grpokit.rewards import RewardError  # a failing reward function: the message says it all
+
+        if not isinstance(e, RewardError):
+            raise
+        print(f"grpokit: the run stopped: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

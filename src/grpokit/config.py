@@ -39,17 +39,36 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    task: str = _f("arithmetic", "built-in task: arithmetic")
+    task: str = _f("arithmetic", "built-in task (used when data.path is null): arithmetic")
+    path: str | None = _f(
+        None,
+        "your dataset: a .jsonl / .json / .csv / .parquet file, a datasets.save_to_disk folder, or a Hub id",
+    )
+    eval_path: str | None = _f(None, "held-out dataset (same formats); null holds out data.eval_size rows of data.path")
     eval_size: int = _f(100, "number of held-out prompts scored (greedy) at each evaluation; 0 turns evaluation off")
+    prompt_column: str = _f("prompt", "column holding the prompt: a string or a list of {role, content} messages")
+    answer_column: str | None = _f(
+        "answer", "column passed to reward functions as `answer` (every column is passed by its own name too); null if none"
+    )
+    system_prompt: str | None = _f(None, "system message put before every prompt")
+    prompt_template: str | None = _f(
+        None, "format string for string prompts, filled from the row's columns, e.g. '{prompt} Put the answer in \\boxed{{}}.'"
+    )
+    chat_template: bool = _f(
+        True, "send string prompts as a user message through the model's chat template; false: as plain text (as TRL does)"
+    )
+    max_prompt_length: int | None = _f(None, "prompts longer than this many tokens are handled by data.long_prompts; null: no limit")
+    long_prompts: str = _f("drop", "what happens to prompts over data.max_prompt_length: drop (counted in the log) | truncate (keep the end)")
 
 
 @dataclass
 class RewardConfig:
     functions: list | None = _f(
         None,
-        "reward functions, summed with weights: a list of {name, weight} (or bare names, weight 1); "
-        "a name is a built-in (exact_answer, final_number), 'package.module:function' or "
-        "'path/to/file.py:function'; null means the task's own",
+        "reward functions, summed with weights: a list of {name, weight, other keys: the function's "
+        "arguments} (or bare names, weight 1); a name is a built-in (math_accuracy, format, length, "
+        "reward_model, exact_answer, leading_number), 'package.module:function' or 'path/to/file.py:function'; "
+        "null means the task's own",
     )
 
 
@@ -145,6 +164,7 @@ class Config:
 CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16", "float64"),
     "data.task": ("arithmetic",),
+    "data.long_prompts": ("drop", "truncate"),
     "rollout.engine": ("transformers",),
     "algorithm.loss_type": ("grpo", "dapo", "dr_grpo"),
     "algorithm.kl_estimator": ("k1", "k2", "k3"),
@@ -177,7 +197,14 @@ def _check_ranges(c: Config) -> list[str]:
     need(a.epsilon_high is None or a.epsilon_high > 0,
          f"algorithm.epsilon_high={a.epsilon_high}: must be > 0, or null to use algorithm.epsilon")
     need(a.num_iterations >= 1, f"algorithm.num_iterations={a.num_iterations}: must be >= 1")
-    need(c.data.eval_size >= 0, f"data.eval_size={c.data.eval_size}: must be >= 0")
+    d = c.data
+    need(d.eval_size >= 0, f"data.eval_size={d.eval_size}: must be >= 0")
+    need(d.max_prompt_length is None or d.max_prompt_length >= 1,
+         f"data.max_prompt_length={d.max_prompt_length}: must be >= 1, or null")
+    need(d.eval_path is None or d.path is not None, "data.eval_path is set but data.path is not: set both")
+    need(d.path is None or c.reward.functions is not None,
+         "data.path is set but reward.functions is not: a dataset brings no rewards, name them (e.g. "
+         "reward.functions=[math_accuracy])")
     need(t.prompts_per_step >= 1, f"train.prompts_per_step={t.prompts_per_step}: must be >= 1")
     need(t.learning_rate > 0, f"train.learning_rate={t.learning_rate}: must be > 0")
     need(t.max_steps >= 0, f"train.max_steps={t.max_steps}: must be >= 0")
@@ -208,19 +235,25 @@ def _check_reward_functions(functions) -> list[str]:
     for i, entry in enumerate(functions):
         if isinstance(entry, str):
             continue
-        ok = isinstance(entry, dict) and isinstance(entry.get("name"), str) and set(entry) <= {"name", "weight"}
+        ok = isinstance(entry, dict) and isinstance(entry.get("name"), str)
         weight = entry.get("weight", 1.0) if isinstance(entry, dict) else None
         if not ok or isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
-            errors.append(f"reward.functions[{i}]={entry!r}: must be a name or {{name: ..., weight: <finite number>}}")
+            errors.append(f"reward.functions[{i}]={entry!r}: must be a name or {{name: ..., weight: <finite number>, "
+                          "other keys: arguments of the function}}")
     return errors
 
 
-def reward_weights(config: Config, task_default: tuple[tuple[str, float], ...]) -> tuple[tuple[str, float], ...]:
-    """(name, weight) pairs in effect: reward.functions, or the task's own when that is null."""
+def reward_specs(
+    config: Config, task_default: tuple[tuple[str, float], ...]
+) -> tuple[tuple[str, float, dict], ...]:
+    """(name, weight, arguments) of each reward function in effect: reward.functions, or the task's
+    own when that is null. An entry's keys other than name and weight are keyword arguments bound
+    to the function (e.g. {name: length, target: 50})."""
     if config.reward.functions is None:
-        return task_default
+        return tuple((name, weight, {}) for name, weight in task_default)
     return tuple(
-        (e, 1.0) if isinstance(e, str) else (e["name"], float(e.get("weight", 1.0)))
+        (e, 1.0, {}) if isinstance(e, str)
+        else (e["name"], float(e.get("weight", 1.0)), {k: v for k, v in e.items() if k not in ("name", "weight")})
         for e in config.reward.functions
     )
 

@@ -37,14 +37,14 @@ import torch
 
 from grpokit import distributed
 from grpokit.advantages import group_advantages
-from grpokit.config import Config, ConfigError, reward_weights, save_config
+from grpokit.config import Config, reward_specs, save_config
 from grpokit.logprobs import completion_logprobs
 from grpokit.loss import CLIP_METRICS, grpo_loss
 from grpokit.models import eos_token_ids, load_model, load_tokenizer, save_model
 from grpokit.monitor import Monitor
-from grpokit.rewards import get_reward_function
-from grpokit.rewards.exact_answer import completion_text
-from grpokit.rollout import RolloutBatch, SamplingParams, make_engine
+from grpokit.rewards import RewardSet
+from grpokit.evaluate import score, summarize
+from grpokit.rollout import RolloutBatch, SamplingParams, decode_completions, encode_prompt, make_engine
 from grpokit.tasks import Example, make_task
 
 
@@ -70,42 +70,6 @@ def prepare_run_dir(config: Config) -> Path:
     return run_dir
 
 
-class RewardSet:
-    """Reward functions, called with TRL's convention, summed with weights."""
-
-    def __init__(self, weighted: tuple[tuple[str, float], ...]):
-        # Metric keys (rewards/<name>/mean) name a file's function without its folders.
-        self.names = [name.rsplit("/", 1)[-1] for name, _ in weighted]
-        if len(set(self.names)) < len(self.names):
-            raise ConfigError(f"reward.functions names a function twice: {[n for n, _ in weighted]}")
-        self.weights = [weight for _, weight in weighted]
-        self.functions = [get_reward_function(name) for name, _ in weighted]
-
-    def __call__(
-        self, examples: list[Example], completions: list, finish_reasons: list[str]
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Rewards (N,) and each function's rewards by name; N = len(completions)."""
-        prompts = [e.prompt for e in examples]
-        columns = {k: [e.columns[k] for e in examples] for k in examples[0].columns}
-        columns["finish_reasons"] = finish_reasons
-        per_function = {}
-        for name, fn in zip(self.names, self.functions):
-            values = fn(prompts=prompts, completions=completions, **columns)
-            if len(values) != len(completions):
-                raise ValueError(
-                    f"reward function {name!r} returned {len(values)} values for {len(completions)} completions"
-                )
-            for i, v in enumerate(values):
-                if v is None or not math.isfinite(v):
-                    raise ValueError(
-                        f"reward function {name!r} returned {v!r} for completion {i} "
-                        f"({completion_text(completions[i])!r}); rewards must be finite numbers"
-                    )
-            per_function[name] = torch.tensor(values, dtype=torch.float32)
-        total = sum(w * per_function[n] for n, w in zip(self.names, self.weights))
-        return total, per_function
-
-
 class Trainer:
     def __init__(self, config: Config, progress: bool = True):
         self.device = distributed.init()
@@ -113,9 +77,11 @@ class Trainer:
         config.validate(world_size=W)
         self.config = config
         seed = config.train.seed
-        # Resolve the task and reward functions before anything is written: a bad name fails here.
-        self.task = make_task(config.data.task, seed=seed, eval_size=config.data.eval_size)
-        self.rewards = RewardSet(reward_weights(config, self.task.reward_functions))
+        # Load and check the data and the reward functions before anything is written: a bad row
+        # or a bad name fails here.
+        self.tokenizer = load_tokenizer(config.model.name)
+        self.task = make_task(config.data, seed=seed, prompt_length=lambda e: len(self.encode(e, truncate=False)))
+        self.rewards = RewardSet(reward_specs(config, self.task.reward_functions))
         self.stream = self.task.train_stream()
         # Process 0 alone owns the run directory; the others learn its path (a default one is
         # stamped with process 0's clock) or its refusal, and stop with the same message.
@@ -128,7 +94,6 @@ class Trainer:
         # process; a completion's tokens then depend on its seed, not on which process samples it.
         self.seed_stream = torch.Generator().manual_seed(seed)
 
-        self.tokenizer = load_tokenizer(config.model.name)
         self.policy = load_model(config.model.name, config.model.dtype).to(self.device)
         distributed.broadcast_parameters(self.policy)
         # The reference model exists only when the KL term does (CONTEXT.md, report 1).
@@ -155,6 +120,8 @@ class Trainer:
         self.sampling = SamplingParams(r.max_completion_length, r.temperature, r.top_p, r.top_k)
         self.greedy = SamplingParams(r.max_completion_length, temperature=0.0)
         self.monitor = Monitor(self.run_dir if distributed.is_main() else None, t.max_steps, enabled=progress)
+        for note in getattr(self.task, "notes", ()):
+            self.monitor.write(note)
         self.num_tokens = 0  # prompt + completion tokens seen so far, all processes (TRL's `num_tokens`)
 
     # ------------------------------------------------------------------ the loop
@@ -215,7 +182,8 @@ class Trainer:
         cfg, a, G = self.config, self.config.algorithm, self.config.rollout.num_generations
         N, U = cfg.completions_per_step, cfg.completions_per_update
         owned = [examples[r // G] for r in self.rows.tolist()]
-        local_rewards, local_per_function = self.rewards(owned, self.decode(batch), batch.finish_reasons)  # (n,)
+        completions = self.decode(batch, owned)
+        local_rewards, local_per_function = self.rewards(owned, completions, batch.finish_reasons)  # (n,)
         rewards = distributed.gather_rows(local_rewards, N, U)  # (N,) in global order
         per_function = {k: distributed.gather_rows(v, N, U) for k, v in local_per_function.items()}
         # Whole groups and the whole batch, wherever their completions were generated.
@@ -243,15 +211,16 @@ class Trainer:
             batch.prompt_mask.sum().cpu().double() + mask.sum(),
         ])).tolist()
         self.num_tokens += int(totals[2])
-        group_std = rewards.view(-1, G).std(dim=1)  # (P,)
+        group_std = torch.stack([_std(g) for g in rewards.view(-1, G)])  # (P,) over the scored members
         return {
             **update_metrics,
             "entropy": totals[0] / max(totals[1], 1.0),
-            "reward": rewards.mean().item(),
+            # NaN marks "not applicable" (None): every mean and std is over the scored completions.
+            "reward": _mean(rewards),
             "reward_std": group_std.mean().item(),
             "frac_reward_zero_std": (group_std == 0).float().mean().item(),
-            **{f"rewards/{n}/mean": v.mean().item() for n, v in per_function.items()},
-            **{f"rewards/{n}/std": v.std().item() for n, v in per_function.items()},
+            **{f"rewards/{n}/mean": _mean(v) for n, v in per_function.items()},
+            **{f"rewards/{n}/std": _std(v).item() for n, v in per_function.items()},
             "completions/mean_length": lengths.mean().item(),
             "completions/min_length": lengths.min().item(),
             "completions/max_length": lengths.max().item(),
@@ -318,18 +287,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ helpers
 
-    def encode(self, example: Example) -> list[int]:
-        text = self.tokenizer.apply_chat_template(example.prompt, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+    def encode(self, example: Example, truncate: bool = True) -> list[int]:
+        # data.long_prompts=truncate keeps the end; with "drop" no longer prompt is left.
+        return encode_prompt(self.tokenizer, example.prompt, self.config.data.max_prompt_length if truncate else None)
 
-    def decode(self, batch: RolloutBatch) -> list:
-        """Completions in TRL's conversational shape: [{"role": "assistant", "content": text}]."""
-        lengths = batch.completion_mask.sum(-1).tolist()
-        texts = [
-            self.tokenizer.decode(ids[:n], skip_special_tokens=True)
-            for ids, n in zip(batch.completion_ids.tolist(), lengths)
-        ]
-        return [[{"role": "assistant", "content": text}] for text in texts]
+    def decode(self, batch: RolloutBatch, examples: list[Example]) -> list:
+        """The completions of `batch`, in TRL's shape for the prompt of each (`examples`, one per row)."""
+        return decode_completions(self.tokenizer, batch, [e.prompt for e in examples])
 
     def logprobs(self, model, batch: RolloutBatch, rows: torch.Tensor) -> torch.Tensor:
         """Log-probs (len(rows), T) of completions `rows`, each distinct prompt run once."""
@@ -361,32 +325,30 @@ class Trainer:
             model.train(was_training)
 
     @torch.no_grad()
-    def evaluate(self, step: int, batch_size: int = 64) -> dict:
+    def evaluate(self, step: int) -> dict:
         """Greedy completions on the held-out split, each process scoring its slice; gathered."""
         examples = self.task.eval_examples
         if not examples:
             return {}
         W, rank = distributed.world_size(), distributed.rank()
-        mine = examples[rank * len(examples) // W : (rank + 1) * len(examples) // W]
-        records = []  # (total reward, {function: reward}, length, truncated) per example
-        for i in range(0, len(mine), batch_size):
-            chunk = mine[i : i + batch_size]
-            batch = self.engine.generate([self.encode(e) for e in chunk], 1, self.greedy)
-            total, by_name = self.rewards(chunk, self.decode(batch), batch.finish_reasons)
-            lengths = batch.completion_mask.sum(-1).tolist()
-            for j in range(len(chunk)):
-                records.append((total[j].item(), {n: v[j].item() for n, v in by_name.items()},
-                                lengths[j], batch.finish_reasons[j] == "length"))
-        records = distributed.gather_lists(records)
-        n = len(records)
-        metrics = {
-            "eval/reward": sum(r[0] for r in records) / n,
-            **{f"eval/rewards/{name}/mean": sum(r[1][name] for r in records) / n for name in self.rewards.names},
-            "eval/completions/mean_length": sum(r[2] for r in records) / n,
-            "eval/completions/clipped_ratio": sum(r[3] for r in records) / n,
-        }
+        first, last = rank * len(examples) // W, (rank + 1) * len(examples) // W
+        records = score(self.engine, self.encode, self.decode, self.rewards, examples[first:last], self.greedy,
+                        first_index=first)
+        metrics = summarize(distributed.gather_lists(records), self.rewards.names)
         self.monitor.eval(step, metrics)
         return {"step": step, **metrics}
+
+
+def _mean(values: torch.Tensor) -> float:
+    """Mean over the scored values (NaN = not applicable); NaN when none is scored."""
+    scored = values[~torch.isnan(values)]
+    return scored.mean().item() if scored.numel() else math.nan
+
+
+def _std(values: torch.Tensor) -> torch.Tensor:
+    """Unbiased std over the scored values; 0 with fewer than two."""
+    scored = values[~torch.isnan(values)]
+    return scored.std() if scored.numel() > 1 else values.new_zeros(())
 
 
 def train(config: Config, progress: bool = True) -> TrainResult:

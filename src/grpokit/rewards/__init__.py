@@ -2,14 +2,24 @@
 
 Each returns one float (or None: not applicable) per completion. Besides the dataset's columns,
 functions receive `finish_reasons` ("stop" or "length" per completion); TRL-style functions that
-take **kwargs simply ignore it. A function is named in configs by a built-in name, by
-`package.module:function`, or by `path/to/file.py:function`.
+take **kwargs simply ignore it. `async def` functions run concurrently. A function is named in
+configs by a built-in name, by `package.module:function`, or by `path/to/file.py:function`.
+
+`RewardSet` calls them and sums them with weights. A None is left out: the total is the weighted
+sum of the functions that applied, and a completion no function applied to has reward NaN, which
+the advantage function turns into advantage 0. A function that raises, returns the wrong number of
+values, or returns NaN / infinity stops the run with an error that names it and shows the
+completion.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hashlib
 import importlib
+import inspect
+import math
 import importlib.util
 import os
 import sys
@@ -17,13 +27,125 @@ import types
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from grpokit.config import ConfigError
-from grpokit.rewards.exact_answer import exact_answer, final_number
+from grpokit.rewards.exact_answer import completion_text, exact_answer, leading_number
+from grpokit.rewards.length import length
+from grpokit.rewards.math_answer import format_reward, math_accuracy
+from grpokit.rewards.reward_model import reward_model
 
 REWARD_FUNCTIONS: dict[str, Callable[..., list[float | None]]] = {
+    "math_accuracy": math_accuracy,
+    "format": format_reward,
+    "length": length,
+    "reward_model": reward_model,
     "exact_answer": exact_answer,
-    "final_number": final_number,
+    "leading_number": leading_number,
 }
+
+
+class RewardError(ValueError):
+    """A reward function failed; the message names it and shows the prompt and completion."""
+
+
+def _short(value, limit: int = 300) -> str:
+    text = completion_text(value) if isinstance(value, (str, list)) else repr(value)
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+class RewardSet:
+    """Reward functions called with TRL's convention and summed with weights (see module doc)."""
+
+    def __init__(self, specs: tuple[tuple[str, float, dict], ...]):
+        # Metric keys (rewards/<name>/mean) name a file's function without its folders.
+        self.names = [name.rsplit("/", 1)[-1] for name, _, _ in specs]
+        if len(set(self.names)) < len(self.names):
+            raise ConfigError(f"reward.functions names a function twice: {[n for n, _, _ in specs]}")
+        self.weights = [weight for _, weight, _ in specs]
+        self.functions = []
+        for name, _, arguments in specs:
+            fn = get_reward_function(name)
+            self.functions.append(functools.partial(fn, **arguments) if arguments else fn)
+
+    def __call__(
+        self, examples: list, completions: list, finish_reasons: list[str]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Total rewards (N,) and each function's (N,), NaN where not applicable; N = len(completions)."""
+        prompts = [e.prompt for e in examples]
+        columns = {k: [e.columns[k] for e in examples] for k in examples[0].columns}
+        columns["finish_reasons"] = finish_reasons
+        kwargs = dict(prompts=prompts, completions=completions, **columns)
+        values: dict[str, list] = {}
+        pending = []  # the async functions, awaited together
+        for name, fn in zip(self.names, self.functions):
+            if _is_async(fn):
+                pending.append((name, fn))
+            else:
+                values[name] = self._call(name, fn, kwargs)
+        if pending:
+            async def run_all():
+                return await asyncio.gather(*(fn(**kwargs) for _, fn in pending), return_exceptions=True)
+
+            for (name, fn), result in zip(pending, asyncio.run(run_all())):
+                if isinstance(result, BaseException):
+                    self._raise(name, fn, kwargs, result)
+                values[name] = result
+        per_function = {name: self._check(name, values[name], prompts, completions) for name in self.names}
+        stacked = torch.stack([w * per_function[n] for n, w in zip(self.names, self.weights)])  # (F, N)
+        applied = ~torch.isnan(stacked)  # (F, N)
+        total = torch.where(applied, stacked, torch.zeros_like(stacked)).sum(0)  # (N,)
+        total = torch.where(applied.any(0), total, torch.full_like(total, float("nan")))  # (N,)
+        return total, per_function
+
+    def _call(self, name, fn, kwargs) -> list:
+        try:
+            return fn(**kwargs)
+        except Exception as e:  # noqa: BLE001 - re-raised with the function and completion named
+            self._raise(name, fn, kwargs, e)
+
+    def _raise(self, name, fn, kwargs, error: BaseException):
+        """Find the completion `fn` fails on (calling it on one completion at a time) and say so."""
+        n = len(kwargs["completions"])
+        for i in range(n):
+            one = {k: v[i : i + 1] if isinstance(v, list) and len(v) == n else v for k, v in kwargs.items()}
+            try:
+                result = fn(**one)
+                if inspect.isawaitable(result):
+                    asyncio.run(result)
+            except Exception as e:  # noqa: BLE001
+                raise RewardError(
+                    f"reward function {name!r} raised {type(e).__name__}: {e}\n"
+                    f"  on completion {i}: {_short(kwargs['completions'][i])}\n"
+                    f"  of prompt: {_short(kwargs['prompts'][i])}"
+                ) from error
+        raise RewardError(
+            f"reward function {name!r} raised {type(error).__name__}: {error}\n"
+            f"  on a batch of {n} completions (called again on each one alone, it did not fail), the first:"
+            f" {_short(kwargs['completions'][0])}\n  of prompt: {_short(kwargs['prompts'][0])}"
+        ) from error
+
+    @staticmethod
+    def _check(name, values, prompts, completions) -> torch.Tensor:
+        if not isinstance(values, (list, tuple)) or len(values) != len(completions):
+            got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
+            raise RewardError(
+                f"reward function {name!r} returned {got} for {len(completions)} completions; "
+                "it must return one float (or None) per completion"
+            )
+        out = []
+        for i, v in enumerate(values):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+                raise RewardError(
+                    f"reward function {name!r} returned {v!r} for completion {i}: {_short(completions[i])}\n"
+                    f"  of prompt: {_short(prompts[i])}\n  rewards must be finite numbers, or None (not applicable)"
+                )
+            out.append(math.nan if v is None else float(v))
+        return torch.tensor(out, dtype=torch.float32)
+
+
+def _is_async(fn) -> bool:
+    return inspect.iscoroutinefunction(fn.func if isinstance(fn, functools.partial) else fn)
 
 
 def get_reward_function(name: str) -> Callable[..., list[float | None]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 _NUMBER = re.compile(r"-?\d+")
+_LEADING = re.compile(r"\s*(-?\d+)")
 
 
 def completion_text(completion) -> str:
@@ -36,14 +37,15 @@ def exact_answer(completions, answer, finish_reasons=None, **columns) -> list[fl
     ]
 
 
-def final_number(completions, answer, **columns) -> list[float]:
-    """1.0 when the last integer in the reply is the expected one, wherever it stands, else 0.0.
+def leading_number(completions, answer, **columns) -> list[float]:
+    """1.0 when the reply starts with the expected integer, whatever follows, else 0.0.
 
-    Partial credit for a right answer given in words ("7 + 5 = 12"): paired with `exact_answer`,
-    it leads a model that answers verbosely towards right answers first, then bare ones.
+    Partial credit that points at the asked-for format: "12" cut off as "12\n\nThe sum" earns it,
+    and only stopping is left to learn. (Crediting the right number anywhere, "Answer: 12." or
+    "7 + 5 = 12", led runs to a verbose format that never turned bare: exact accuracy stayed 0.)
     """
     rewards = []
     for c, a in zip(completions, answer):
-        numbers = _NUMBER.findall(completion_text(c))
-        rewards.append(float(bool(numbers) and int(numbers[-1]) == int(a)))
+        match = _LEADING.match(completion_text(c))
+        rewards.append(float(match is not None and int(match.group(1)) == int(a)))
     return rewards

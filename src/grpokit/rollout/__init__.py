@@ -59,6 +59,29 @@ class RolloutEngine(Protocol):
         ...
 
 
+def encode_prompt(tokenizer, prompt: list[dict] | str, max_length: int | None = None) -> list[int]:
+    """Prompt token ids: chat messages through the chat template, plain text as it is; longer than
+    `max_length` keeps the end (where the question and the generation prompt are)."""
+    if isinstance(prompt, str):
+        text = prompt
+    else:
+        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ids[-max_length:] if max_length is not None and len(ids) > max_length else ids
+
+
+def decode_completions(tokenizer, batch: RolloutBatch, prompts: list) -> list:
+    """Completions in TRL's shapes: [{"role": "assistant", "content": text}] after a chat prompt,
+    the plain text after a plain-text prompt. prompts: the prompt of each completion."""
+    lengths = batch.completion_mask.sum(-1).tolist()
+    texts = [
+        tokenizer.decode(ids[:n], skip_special_tokens=True)
+        for ids, n in zip(batch.completion_ids.tolist(), lengths)
+    ]
+    return [text if isinstance(prompt, str) else [{"role": "assistant", "content": text}]
+            for text, prompt in zip(texts, prompts)]
+
+
 def make_engine(name: str, model, tokenizer, eos_ids: list[int]) -> RolloutEngine:
     if name == "transformers":
         from grpokit.rollout.transformers_engine import TransformersEngine

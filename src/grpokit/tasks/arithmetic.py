@@ -46,8 +46,8 @@ KINDS: dict[str, Callable[[random.Random], tuple[str, int]]] = {
 
 class ArithmeticTask:
     name = "arithmetic"
-    # (name, weight): full marks for the bare right number, partial credit for a right final number.
-    reward_functions = (("exact_answer", 1.0), ("final_number", 0.5))
+    # (name, weight): full marks for the bare right number, partial credit for leading with it.
+    reward_functions = (("exact_answer", 1.0), ("leading_number", 0.5))
 
     def __init__(self, seed: int = 0, eval_size: int = 100, kinds: tuple[str, ...] = tuple(KINDS)):
         self.seed = seed

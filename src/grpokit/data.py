@@ -1,0 +1,208 @@
+"""Datasets from files: JSONL, JSON, CSV, Parquet, a `datasets.save_to_disk` folder, or a Hub id.
+
+A dataset becomes a task shaped like the built-in ones: a train stream that is a pure function of
+(seed, position) (epoch e visits the rows in an order seeded by (seed, e), so a run can resume
+anywhere), a held-out split, and the columns that reward functions receive. Every row is checked
+before training starts; a bad one is an error naming the file, the row and the problem.
+
+Prompts follow TRL's two shapes: a list of chat messages ({"role", "content"}), rendered with the
+model's chat template, or a string. A string is sent as one user message through the chat
+template (`data.chat_template=true`, the default) or as plain text (false, TRL's behaviour).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from grpokit.config import ConfigError, DataConfig
+from grpokit.tasks import Example
+
+
+class DataError(ConfigError):
+    """A problem with a dataset file, stated as file, row and problem."""
+
+
+def read_rows(path: str) -> list[tuple[str, dict]]:
+    """Rows of a dataset, each with where it came from ("file.jsonl:line 3") for error messages."""
+    p = Path(path)
+    suffix = p.suffix.lower()
+    if p.is_dir():
+        return _rows_from_datasets(path, lambda: _datasets().load_from_disk(path))
+    if p.is_file():
+        if suffix == ".jsonl":
+            return _jsonl(p)
+        if suffix == ".json":
+            return _json(p)
+        if suffix == ".csv":
+            with p.open(newline="") as f:  # line 1 is the header
+                return [(f"{p}:line {i}", dict(row)) for i, row in enumerate(csv.DictReader(f), start=2)]
+        if suffix == ".parquet":
+            return _rows_from_datasets(path, lambda: _datasets().Dataset.from_parquet(path))
+        raise DataError(f"{p}: unsupported file type {suffix!r}; use .jsonl, .json, .csv, .parquet or a folder")
+    if suffix in (".jsonl", ".json", ".csv", ".parquet") or path.startswith((".", "/")):
+        raise DataError(f"data file {p} does not exist")
+    # Not a local path: a Hub dataset id (needs internet).
+    return _rows_from_datasets(path, lambda: _datasets().load_dataset(path, split="train"))
+
+
+def _datasets():
+    try:
+        import datasets
+    except ImportError:
+        raise DataError("reading Parquet, dataset folders and Hub datasets needs `pip install datasets`") from None
+    return datasets
+
+
+def _rows_from_datasets(path: str, load: Callable) -> list[tuple[str, dict]]:
+    try:
+        dataset = load()
+    except Exception as e:  # noqa: BLE001 - any loader failure is reported with the path
+        raise DataError(f"cannot load dataset {path!r}: {type(e).__name__}: {e}") from None
+    if hasattr(dataset, "keys") and not hasattr(dataset, "column_names"):  # a DatasetDict
+        if "train" not in dataset:
+            raise DataError(f"dataset {path!r} has splits {list(dataset)} but no 'train' split")
+        dataset = dataset["train"]
+    return [(f"{path}:row {i}", dict(row)) for i, row in enumerate(dataset, start=1)]
+
+
+def _jsonl(p: Path) -> list[tuple[str, dict]]:
+    rows = []
+    with p.open() as f:
+        for i, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{p}:line {i}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{p}:line {i}: expected a JSON object, got {type(row).__name__}")
+            rows.append((f"{p}:line {i}", row))
+    return rows
+
+
+def _json(p: Path) -> list[tuple[str, dict]]:
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise DataError(f"{p}:line {e.lineno}: not valid JSON ({e.msg})") from None
+    if isinstance(data, dict) and isinstance(data.get("data"), list):
+        data = data["data"]
+    if not isinstance(data, list):
+        raise DataError(f"{p}: expected a list of objects (or {{\"data\": [...]}})")
+    for i, row in enumerate(data, start=1):
+        if not isinstance(row, dict):
+            raise DataError(f"{p}:row {i}: expected a JSON object, got {type(row).__name__}")
+    return [(f"{p}:row {i}", row) for i, row in enumerate(data, start=1)]
+
+
+def to_example(row: dict, where: str, cfg: DataConfig) -> Example:
+    """One dataset row as an Example; DataError naming `where` when the row cannot be used."""
+    if cfg.prompt_column not in row:
+        raise DataError(f"{where}: no column {cfg.prompt_column!r} (data.prompt_column); columns: {sorted(row)}")
+    prompt = row[cfg.prompt_column]
+    if isinstance(prompt, str):
+        if cfg.prompt_template:
+            try:
+                prompt = cfg.prompt_template.format(**row)
+            except (KeyError, IndexError, ValueError) as e:
+                raise DataError(f"{where}: data.prompt_template {cfg.prompt_template!r} cannot be filled: {e!r}") from None
+        if not prompt.strip():
+            raise DataError(f"{where}: the prompt (column {cfg.prompt_column!r}) is empty")
+        if cfg.chat_template:
+            prompt = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list) and prompt and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
+    ):
+        prompt = [{"role": m["role"], "content": m["content"]} for m in prompt]
+        if not any(m["content"].strip() for m in prompt):
+            raise DataError(f"{where}: the prompt (column {cfg.prompt_column!r}) has only empty messages")
+    else:
+        raise DataError(
+            f"{where}: the prompt (column {cfg.prompt_column!r}) must be a string or a non-empty list of "
+            f"{{role, content}} messages, got {str(prompt)[:80]!r}"
+        )
+    if cfg.system_prompt:
+        if isinstance(prompt, str):
+            prompt = cfg.system_prompt + "\n\n" + prompt
+        elif prompt[0]["role"] != "system":
+            prompt = [{"role": "system", "content": cfg.system_prompt}, *prompt]
+    columns = {k: v for k, v in row.items() if k != cfg.prompt_column}
+    if cfg.answer_column is not None:
+        if row.get(cfg.answer_column) in (None, ""):
+            raise DataError(f"{where}: no value in column {cfg.answer_column!r} (data.answer_column; null if none)")
+        columns["answer"] = row[cfg.answer_column]  # what the built-in rewards read
+    return Example(prompt=prompt, columns=columns)
+
+
+class DatasetTask:
+    """A dataset (data.path) as a task; `prompt_length(example)` counts a prompt's tokens."""
+
+    reward_functions = ()  # a dataset brings no rewards of its own: reward.functions names them
+
+    def __init__(self, cfg: DataConfig, seed: int, prompt_length: Callable[[Example], int]):
+        self.seed = seed
+        self.notes: list[str] = []  # what loading did that the user should know (shown at start)
+        examples = self._load(cfg.path, cfg, prompt_length)
+        if cfg.eval_path:
+            self.eval_examples = self._load(cfg.eval_path, cfg, prompt_length)[: cfg.eval_size or None]
+            self.train_examples = examples
+        else:
+            order = list(range(len(examples)))
+            random.Random(f"data-split-{seed}").shuffle(order)
+            held_out = set(order[: cfg.eval_size])
+            self.eval_examples = [examples[i] for i in sorted(held_out)]
+            self.train_examples = [e for i, e in enumerate(examples) if i not in held_out]
+        self._empty_reason = (
+            f"{cfg.path}: no training prompts left ({len(examples)} usable, data.eval_size={cfg.eval_size} held out)"
+        )
+        self._orders: dict[int, list[int]] = {}
+
+    def _load(self, path: str, cfg: DataConfig, prompt_length) -> list[Example]:
+        examples = [to_example(row, where, cfg) for where, row in read_rows(path)]
+        if not examples:
+            raise DataError(f"{path}: no rows")
+        if cfg.max_prompt_length is None:
+            return examples
+        kept, dropped, truncated = [], 0, 0
+        for e in examples:
+            if prompt_length(e) <= cfg.max_prompt_length:
+                kept.append(e)
+            elif cfg.long_prompts == "drop":
+                dropped += 1
+            else:  # the trainer keeps the last max_prompt_length tokens when it encodes them
+                kept.append(e)
+                truncated += 1
+        if dropped:
+            self.notes.append(f"{path}: dropped {dropped} of {len(examples)} prompts longer than "
+                              f"data.max_prompt_length={cfg.max_prompt_length} tokens")
+        if truncated:
+            self.notes.append(f"{path}: truncated {truncated} of {len(examples)} prompts to their last "
+                              f"{cfg.max_prompt_length} tokens (data.long_prompts=truncate)")
+        if not kept:
+            raise DataError(f"{path}: every prompt is longer than data.max_prompt_length={cfg.max_prompt_length}")
+        return kept
+
+    def train_example(self, index: int) -> Example:
+        """Example `index` of the train stream: a pure function of (seed, index)."""
+        epoch, position = divmod(index, len(self.train_examples))
+        if epoch not in self._orders:
+            order = list(range(len(self.train_examples)))
+            random.Random(f"data-order-{self.seed}-{epoch}").shuffle(order)
+            self._orders = {epoch: order}  # one epoch at a time is all a stream needs
+        return self.train_examples[self._orders[epoch][position]]
+
+    def train_stream(self, start: int = 0) -> Iterator[Example]:
+        if not self.train_examples:  # fine for `grpokit eval`, not for training
+            raise DataError(self._empty_reason)
+        return self._stream(start)
+
+    def _stream(self, start: int) -> Iterator[Example]:
+        index = start
+        while True:
+            yield self.train_example(index)
+            index += 1

@@ -1,0 +1,111 @@
+"""Scoring a model on held-out prompts: during training (greedy, every `eval_every` steps) and with
+`grpokit eval` (greedy, or k samples per prompt with pass@k).
+
+pass@k is reported for each reward function whose values are all 0 or 1 (a verifiable "right or
+wrong"): the fraction of prompts with at least one of their k samples scored 1. With exactly k
+samples per prompt this is the unbiased estimator of Chen et al. (2021) for n = k.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from grpokit.rewards import RewardSet
+from grpokit.rollout import SamplingParams
+from grpokit.tasks import Example
+
+
+def score(engine, encode, decode, rewards: RewardSet, examples: list[Example], params: SamplingParams,
+          num_samples: int = 1, seed: int = 0, first_index: int = 0, batch_size: int = 64) -> list[dict]:
+    """One record per completion: example index, sample number, completion text, rewards.
+
+    encode(example) -> prompt ids; decode(batch, examples) -> completions in TRL's shapes."""
+    records = []
+    per_call = max(1, batch_size // num_samples)
+    for start in range(0, len(examples), per_call):
+        chunk = examples[start : start + per_call]
+        seeds = None
+        if params.temperature > 0:  # completion (example i, sample j) has its own seed
+            seeds = [seed * 1_000_003 + (first_index + start + i) * num_samples + j
+                     for i in range(len(chunk)) for j in range(num_samples)]
+        batch = engine.generate([encode(e) for e in chunk], num_samples, params, seeds)
+        grouped = [e for e in chunk for _ in range(num_samples)]
+        completions = decode(batch, grouped)
+        total, by_name = rewards(grouped, completions, batch.finish_reasons)
+        lengths = batch.completion_mask.sum(-1).tolist()
+        for row in range(len(grouped)):
+            records.append({
+                "index": first_index + start + row // num_samples,
+                "sample": row % num_samples,
+                "completion": completions[row][0]["content"] if isinstance(completions[row], list) else completions[row],
+                "reward": _plain(total[row].item()),
+                "rewards": {name: _plain(values[row].item()) for name, values in by_name.items()},
+                "length": lengths[row],
+                "truncated": batch.finish_reasons[row] == "length",
+            })
+    return records
+
+
+def _plain(value: float) -> float | None:
+    return None if math.isnan(value) else value
+
+
+def _mean(values: list) -> float:
+    scored = [v for v in values if v is not None]
+    return sum(scored) / len(scored) if scored else math.nan
+
+
+def summarize(records: list[dict], names: list[str], num_samples: int = 1, prefix: str = "eval/") -> dict:
+    """Mean reward (total and per function, over scored completions), length, truncation, pass@k."""
+    metrics = {
+        f"{prefix}reward": _mean([r["reward"] for r in records]),
+        **{f"{prefix}rewards/{n}/mean": _mean([r["rewards"][n] for r in records]) for n in names},
+        f"{prefix}completions/mean_length": _mean([r["length"] for r in records]),
+        f"{prefix}completions/clipped_ratio": _mean([float(r["truncated"]) for r in records]),
+    }
+    if num_samples > 1:
+        for n in names:
+            values = [r["rewards"][n] for r in records]
+            if all(v in (0.0, 1.0, None) for v in values):
+                solved: dict[int, bool] = {}
+                for r in records:
+                    solved[r["index"]] = solved.get(r["index"], False) or r["rewards"][n] == 1.0
+                metrics[f"{prefix}rewards/{n}/pass@{num_samples}"] = sum(solved.values()) / len(solved)
+    return metrics
+
+
+def evaluate_model(config, model_path: str, num_samples: int = 1, output: str | None = None) -> dict:
+    """`grpokit eval`: score the model in `model_path` on the held-out prompts of `config`'s data."""
+    from grpokit.models import eos_token_ids, load_model, load_tokenizer
+    from grpokit.rollout import decode_completions, encode_prompt, make_engine
+    from grpokit.config import reward_specs
+    from grpokit.tasks import make_task
+
+    tokenizer = load_tokenizer(model_path)
+    limit = config.data.max_prompt_length
+
+    def encode(e, truncate=True):
+        return encode_prompt(tokenizer, e.prompt, limit if truncate else None)
+
+    task = make_task(config.data, seed=config.train.seed, prompt_length=lambda e: len(encode(e, truncate=False)))
+    if not task.eval_examples:
+        raise ValueError("no held-out prompts: set data.eval_size > 0 (or data.eval_path)")
+    rewards = RewardSet(reward_specs(config, task.reward_functions))
+    model = load_model(model_path, config.model.dtype)
+    engine = make_engine(config.rollout.engine, model, tokenizer, eos_token_ids(model, tokenizer))
+    r = config.rollout
+    params = (SamplingParams(r.max_completion_length, r.temperature, r.top_p, r.top_k) if num_samples > 1
+              else SamplingParams(r.max_completion_length, temperature=0.0))
+    with torch.no_grad():
+        records = score(engine, encode, lambda b, es: decode_completions(tokenizer, b, [e.prompt for e in es]), rewards, task.eval_examples,
+                        params, num_samples, seed=config.train.seed)
+    if output:
+        with Path(output).open("w") as f:
+            for record in records:
+                prompt = task.eval_examples[record["index"]].prompt
+                f.write(json.dumps({"prompt": prompt, **record}) + "\n")
+    return summarize(records, rewards.names, num_samples, prefix="")

@@ -1,0 +1,163 @@
+"""Datasets from files: every format reads the same rows, bad rows fail early with file and row,
+long prompts are dropped or truncated with a count, and the shipped examples run."""
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from grpokit.config import ConfigError, DataConfig, load_config
+from grpokit.data import DataError, DatasetTask, read_rows, to_example
+
+ROWS = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1), "level": i % 3} for i in range(10)]
+REPO = Path(__file__).parents[1]
+
+
+def write(tmp_path, fmt, rows=ROWS):
+    if fmt == "jsonl":
+        path = tmp_path / "d.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif fmt == "json":
+        path = tmp_path / "d.json"
+        path.write_text(json.dumps(rows))
+    elif fmt == "csv":
+        path = tmp_path / "d.csv"
+        with path.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    else:
+        import datasets
+
+        dataset = datasets.Dataset.from_list(rows)
+        if fmt == "parquet":
+            path = tmp_path / "d.parquet"
+            dataset.to_parquet(str(path))
+        else:
+            path = tmp_path / "saved"
+            dataset.save_to_disk(str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "csv", "parquet", "folder"])
+def test_every_format_reads_the_same_rows(tmp_path, fmt):
+    rows = [row for _, row in read_rows(write(tmp_path, fmt))]
+    assert [r["prompt"] for r in rows] == [r["prompt"] for r in ROWS]
+    assert [str(r["answer"]) for r in rows] == [r["answer"] for r in ROWS]
+
+
+@pytest.mark.parametrize("content,problem", [
+    ('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": \n', r"d.jsonl:line 2: not valid JSON"),
+    ('{"prompt": "a", "answer": "1"}\n\n{"question": "b", "answer": "2"}\n', r"d.jsonl:line 3: no column 'prompt'"),
+    ('{"prompt": "  ", "answer": "1"}\n', r"d.jsonl:line 1: the prompt \(column 'prompt'\) is empty"),
+    ('{"prompt": "a"}\n', r"d.jsonl:line 1: no value in column 'answer'"),
+    ('[1, 2]\n', r"d.jsonl:line 1: expected a JSON object"),
+    ('{"prompt": [{"role": "user"}], "answer": 1}\n', r"d.jsonl:line 1: the prompt .* must be a string or"),
+])
+def test_malformed_rows_fail_naming_file_and_row(tmp_path, content, problem):
+    (tmp_path / "d.jsonl").write_text(content)
+    cfg = DataConfig(path=str(tmp_path / "d.jsonl"), eval_size=0)
+    with pytest.raises(DataError, match=problem):
+        DatasetTask(cfg, seed=0, prompt_length=lambda e: 1)
+
+
+def test_missing_file_and_training_refuses_before_writing(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        read_rows(str(tmp_path / "nope.jsonl"))
+    from grpokit.cli import main
+
+    (tmp_path / "d.jsonl").write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b"\n')
+    out = tmp_path / "run"
+    code = main(["train", "model.name=tiny-random", f"data.path={tmp_path / 'd.jsonl'}",
+                 "reward.functions=[math_accuracy]", f"train.output_dir={out}", "data.eval_size=0"])
+    assert code == 2 and not out.exists()
+
+
+def test_prompt_shapes_template_system_prompt_and_columns():
+    cfg = DataConfig(prompt_template="{prompt} (level {level})", system_prompt="Be brief.", answer_column="solution")
+    e = to_example({"prompt": "2+2?", "solution": "4", "level": 1}, "x:1", cfg)
+    assert e.prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2? (level 1)"}]
+    assert e.columns == {"solution": "4", "level": 1, "answer": "4"}
+    plain = to_example({"prompt": "TL;DR:"}, "x:2", DataConfig(chat_template=False, answer_column=None))
+    assert plain.prompt == "TL;DR:"
+    chat = to_example({"prompt": [{"role": "user", "content": "hi"}], "answer": 1}, "x:3", DataConfig())
+    assert chat.prompt == [{"role": "user", "content": "hi"}]
+    with pytest.raises(DataError, match="x:4: data.prompt_template"):
+        to_example({"prompt": "a", "answer": 1}, "x:4", DataConfig(prompt_template="{missing}"))
+
+
+def test_long_prompts_dropped_or_truncated_with_a_count(tmp_path):
+    rows = [{"prompt": "x" * k, "answer": "1"} for k in range(1, 11)]
+    path = write(tmp_path, "jsonl", rows)
+    length = lambda e: len(e.prompt[0]["content"])  # noqa: E731 - characters stand in for tokens
+    dropped = DatasetTask(DataConfig(path=path, eval_size=0, max_prompt_length=6), 0, length)
+    assert len(dropped.train_examples) == 6
+    assert dropped.notes == [f"{path}: dropped 4 of 10 prompts longer than data.max_prompt_length=6 tokens"]
+    kept = DatasetTask(DataConfig(path=path, eval_size=0, max_prompt_length=6, long_prompts="truncate"), 0, length)
+    assert len(kept.train_examples) == 10 and "truncated 4 of 10" in kept.notes[0]
+    with pytest.raises(DataError, match="every prompt is longer"):
+        DatasetTask(DataConfig(path=path, eval_size=0, max_prompt_length=1), 0,
+                    lambda e: 99)
+
+
+def test_the_trainer_truncates_from_the_left(tmp_path):
+    from grpokit.trainer import Trainer
+
+    path = write(tmp_path, "jsonl", [{"prompt": "word " * 40, "answer": "1"}] * 4)
+    config = load_config(None, ["model.name=tiny-random", f"data.path={path}", "data.eval_size=0",
+                                "reward.functions=[math_accuracy]", "data.max_prompt_length=16",
+                                "data.long_prompts=truncate", f"train.output_dir={tmp_path / 'run'}"])
+    trainer = Trainer(config, progress=False)
+    example = trainer.task.train_examples[0]
+    full = trainer.encode(example, truncate=False)
+    assert len(full) > 16 and trainer.encode(example) == full[-16:]  # the end: the generation prompt
+
+
+def test_split_and_stream(tmp_path):
+    task = DatasetTask(DataConfig(path=write(tmp_path, "jsonl"), eval_size=3), seed=5, prompt_length=lambda e: 1)
+    assert len(task.eval_examples) == 3 and len(task.train_examples) == 7
+    held = {e.prompt[0]["content"] for e in task.eval_examples}
+    epoch = [task.train_example(i).prompt[0]["content"] for i in range(7)]
+    assert sorted(epoch) == sorted(e.prompt[0]["content"] for e in task.train_examples) and not held & set(epoch)
+    assert [task.train_example(i) for i in (3, 12)] == [task.train_example(3), task.train_example(12)]  # pure
+    again = DatasetTask(DataConfig(path=write(tmp_path, "jsonl"), eval_size=3), seed=5, prompt_length=lambda e: 1)
+    assert [again.train_example(i) for i in range(20)] == [task.train_example(i) for i in range(20)]
+
+
+def test_a_dataset_needs_reward_functions():
+    with pytest.raises(ConfigError, match="reward.functions"):
+        load_config(None, ["data.path=x.jsonl"])
+
+
+@pytest.mark.parametrize("example,overrides", [
+    ("math.yaml", []),
+    ("tldr.yaml", ["data.path=examples/data/tldr.jsonl", "data.eval_size=2"]),
+])
+def test_shipped_examples_run_two_steps(tmp_path, monkeypatch, example, overrides):
+    from grpokit.cli import main
+
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "run"
+    code = main(["train", "--config", f"examples/{example}", "--no-progress", "model.name=tiny-random",
+                 "train.max_steps=2", "rollout.max_completion_length=8", f"train.output_dir={out}", *overrides])
+    assert code == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    names = {"math.yaml": ("format", "math_accuracy"), "tldr.yaml": ("length",)}[example]
+    for name in names:
+        assert f"rewards/{name}/mean" in steps[0] and f"eval/rewards/{name}/mean" in rows[0]
+    if example == "tldr.yaml":
+        assert all(r["reward"] <= 0 for r in steps)  # the length reward is never positive
+
+
+def test_a_hub_id_that_cannot_load_is_a_clear_error(monkeypatch):
+    import datasets
+    import huggingface_hub
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # read at import time by both libraries: patch their copies too
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    with pytest.raises(DataError, match="cannot load dataset 'nobody/no-such-dataset'"):
+        read_rows("nobody/no-such-dataset")
