@@ -130,6 +130,12 @@ def test_a_dataset_needs_reward_functions():
         load_config(None, ["data.path=x.jsonl"])
 
 
+QUICK_START_REWARD = """
+def reward_len(completions, **kwargs):  # TRL's quick start, verbatim: plain-text completions are strings
+    return [-abs(20 - len(completion)) for completion in completions]
+"""
+
+
 @pytest.mark.parametrize("example,overrides", [
     ("math.yaml", []),
     ("tldr.yaml", ["data.path=examples/data/tldr.jsonl", "data.eval_size=2"]),
@@ -137,6 +143,9 @@ def test_a_dataset_needs_reward_functions():
 def test_shipped_examples_run_two_steps(tmp_path, monkeypatch, example, overrides):
     from grpokit.cli import main
 
+    if example == "tldr.yaml":  # TRL's own reward function next to the built-in: the same values
+        (tmp_path / "trl_reward.py").write_text(QUICK_START_REWARD)
+        overrides = [*overrides, f"reward.functions=[{{name: length, target: 20}}, {tmp_path}/trl_reward.py:reward_len]"]
     monkeypatch.chdir(REPO)
     out = tmp_path / "run"
     code = main(["train", "--config", f"examples/{example}", "--no-progress", "model.name=tiny-random",
@@ -149,7 +158,9 @@ def test_shipped_examples_run_two_steps(tmp_path, monkeypatch, example, override
     for name in names:
         assert f"rewards/{name}/mean" in steps[0] and f"eval/rewards/{name}/mean" in rows[0]
     if example == "tldr.yaml":
-        assert all(r["reward"] <= 0 for r in steps)  # the length reward is never positive
+        assert all(r["rewards/length/mean"] <= 0 for r in steps)  # the length reward is never positive
+        for r in steps:
+            assert r["rewards/trl_reward.py:reward_len/mean"] == r["rewards/length/mean"]
 
 
 def test_a_hub_id_that_cannot_load_is_a_clear_error(monkeypatch):
@@ -161,3 +172,35 @@ def test_a_hub_id_that_cannot_load_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     with pytest.raises(DataError, match="cannot load dataset 'nobody/no-such-dataset'"):
         read_rows("nobody/no-such-dataset")
+
+
+def test_rows_with_different_columns_reach_rewards_as_none(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "a", "answer": 1}\n{"prompt": "b", "answer": 2, "hint": "two"}\n')
+    task = DatasetTask(DataConfig(path=str(path), eval_size=0), 0, lambda e: 1)
+    assert [e.columns["hint"] for e in task.train_examples] == [None, "two"]
+
+
+@pytest.mark.parametrize("content,problem", [
+    ('{"prompt": "a", "answer": 1, "completions": 3}\n', "column 'completions' clashes"),
+    ('{"prompt": "a", "solution": 1, "answer": 2}\n', "has its own 'answer' column"),
+])
+def test_columns_that_would_be_overwritten_are_refused(tmp_path, content, problem):
+    (tmp_path / "d.jsonl").write_text(content)
+    cfg = DataConfig(path=str(tmp_path / "d.jsonl"), eval_size=0, answer_column="solution" if "solution" in content else "answer")
+    with pytest.raises(DataError, match=problem):
+        DatasetTask(cfg, 0, lambda e: 1)
+
+
+def test_csv_rows_are_numbered_and_checked(tmp_path):
+    (tmp_path / "d.csv").write_text('prompt,answer\n"two\nlines",1\nb,2,extra\n')
+    with pytest.raises(DataError, match=r"d.csv:row 2: more fields than the header"):
+        read_rows(str(tmp_path / "d.csv"))
+
+
+def test_a_folder_with_several_splits_uses_train(tmp_path):
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:3]),
+                          "test": datasets.Dataset.from_list(ROWS[3:])}).save_to_disk(str(tmp_path / "dd"))
+    assert [r["prompt"] for _, r in read_rows(str(tmp_path / "dd"))] == [r["prompt"] for r in ROWS[:3]]

@@ -63,6 +63,7 @@ def test_reward_functions_from_a_module_or_a_file(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- built-ins
 
+from grpokit.config import ConfigError as ConfigError_  # noqa: E402
 from grpokit.rewards import REWARD_FUNCTIONS, RewardError, RewardSet  # noqa: E402
 from grpokit.rewards.length import length  # noqa: E402
 from grpokit.rewards.math_answer import format_reward, math_accuracy  # noqa: E402
@@ -228,3 +229,27 @@ def test_reward_model_scores_prompt_and_completion(tmp_path, tiny):
     rewards = RewardSet((("reward_model", 1.0, {"path": str(tmp_path / "nowhere")}),))
     with pytest.raises(RewardError, match="'reward_model' raised FileNotFoundError.*nowhere"):
         rewards(examples(1), [msg("hi")], ["stop"])
+
+
+def test_async_state_survives_between_calls_and_trl_return_types(tmp_path):
+    """One event loop for the whole run: a semaphore made at import still works on the next step."""
+    (tmp_path / "a.py").write_text(
+        "import asyncio\nimport numpy as np\nlimit = asyncio.Semaphore(2)\n"
+        "async def guarded(completions, **kw):\n"
+        "    async with limit:\n        await asyncio.sleep(0.01)\n    return np.array([1.0] * len(completions))\n"
+        "def numpyish(completions, completion_ids, **kw):\n"
+        "    return [np.float32(len(ids)) for ids in completion_ids]\n"
+    )
+    rewards = RewardSet(((f"{tmp_path}/a.py:guarded", 1.0, {}), (f"{tmp_path}/a.py:numpyish", 1.0, {})))
+    for _ in range(2):
+        total, _ = rewards(examples(2), [msg("a"), msg("b")], ["stop"] * 2, completion_ids=[[1, 2], [3]])
+        assert total.tolist() == [3.0, 2.0]
+
+
+def test_configured_arguments_are_checked_and_win_over_columns():
+    with pytest.raises(ConfigError_, match="'length' has no argument 'traget'"):
+        RewardSet((("length", 1.0, {"traget": 5}),))
+    rewards = RewardSet((("length", 1.0, {"target": 1}),))
+    batch = [Example(prompt="q", columns={"target": 99})]
+    total, _ = rewards(batch, ["abc"], ["stop"])
+    assert total.tolist() == [-2.0]  # the configured target, not the column

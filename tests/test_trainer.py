@@ -138,3 +138,18 @@ def test_a_failing_reward_stops_the_run_and_keeps_what_was_written(tmp_path, cap
     assert "on a batch of 4 completions" in err and "of prompt:" in err
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1]
+
+
+def test_none_rewards_train_and_are_left_out_of_the_metrics(make_trainer, monkeypatch):
+    """Completions a function does not apply to (None) are left out; a step still trains."""
+    def half(completions, **columns):
+        return [None if i % 2 else -float(len(c[0]["content"])) for i, c in enumerate(completions)]
+
+    monkeypatch.setitem(__import__("grpokit.rewards", fromlist=["x"]).REWARD_FUNCTIONS, "half", half)
+    trainer = make_trainer("train.max_steps=1", "data.eval_size=0", reward="half")
+    before = [p.detach().clone() for p in trainer.policy.parameters()]
+    trainer.train()
+    row = json.loads((trainer.run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["reward"] < 0 and row["rewards/half/mean"] == row["reward"]  # means over scored ones
+    assert row["grad_norm"] > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.policy.parameters()))

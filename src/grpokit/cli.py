@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from grpokit.config import ConfigError, describe, load_config
 
@@ -35,7 +36,15 @@ def _eval(args) -> int:
         overrides.append(f"data.task={args.task}")
     if args.data:
         overrides.append(f"data.path={args.data}")
-    config = load_config(args.config, overrides)
+    config_path = args.config
+    model = Path(args.model)
+    run_config = next((d / "config.yaml" for d in (model.parent, model.parent.parent) if (d / "config.yaml").is_file()),
+                      None)  # final/ or checkpoints/step-N/ of a run
+    if config_path is None and run_config is not None:
+        # A run's final/ or checkpoint: its own data settings give the same held-out split.
+        config_path = run_config
+        print(f"using the run's config: {run_config}")
+    config = load_config(config_path, overrides)
     if args.num_samples < 1:
         raise ConfigError(f"--num-samples={args.num_samples}: must be >= 1")
     from grpokit.evaluate import evaluate_model

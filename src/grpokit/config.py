@@ -44,7 +44,7 @@ class DataConfig:
         None,
         "your dataset: a .jsonl / .json / .csv / .parquet file, a datasets.save_to_disk folder, or a Hub id",
     )
-    eval_path: str | None = _f(None, "held-out dataset (same formats); null holds out data.eval_size rows of data.path")
+    eval_path: str | None = _f(None, "held-out dataset (same formats; its first data.eval_size rows are scored); null holds out data.eval_size rows of data.path")
     eval_size: int = _f(100, "number of held-out prompts scored (greedy) at each evaluation; 0 turns evaluation off")
     prompt_column: str = _f("prompt", "column holding the prompt: a string or a list of {role, content} messages")
     answer_column: str | None = _f(

@@ -26,6 +26,10 @@ class DataError(ConfigError):
     """A problem with a dataset file, stated as file, row and problem."""
 
 
+# Names every reward function receives besides the dataset's columns (TRL's, and finish_reasons).
+RESERVED = ("prompts", "completions", "completion_ids", "finish_reasons")
+
+
 def read_rows(path: str) -> list[tuple[str, dict]]:
     """Rows of a dataset, each with where it came from ("file.jsonl:line 3") for error messages."""
     p = Path(path)
@@ -38,8 +42,13 @@ def read_rows(path: str) -> list[tuple[str, dict]]:
         if suffix == ".json":
             return _json(p)
         if suffix == ".csv":
-            with p.open(newline="") as f:  # line 1 is the header
-                return [(f"{p}:line {i}", dict(row)) for i, row in enumerate(csv.DictReader(f), start=2)]
+            with p.open(newline="") as f:
+                rows = []
+                for i, row in enumerate(csv.DictReader(f), start=1):  # row 1: the first after the header
+                    if None in row:
+                        raise DataError(f"{p}:row {i}: more fields than the header has columns")
+                    rows.append((f"{p}:row {i}", dict(row)))
+                return rows
         if suffix == ".parquet":
             return _rows_from_datasets(path, lambda: _datasets().Dataset.from_parquet(path))
         raise DataError(f"{p}: unsupported file type {suffix!r}; use .jsonl, .json, .csv, .parquet or a folder")
@@ -62,7 +71,7 @@ def _rows_from_datasets(path: str, load: Callable) -> list[tuple[str, dict]]:
         dataset = load()
     except Exception as e:  # noqa: BLE001 - any loader failure is reported with the path
         raise DataError(f"cannot load dataset {path!r}: {type(e).__name__}: {e}") from None
-    if hasattr(dataset, "keys") and not hasattr(dataset, "column_names"):  # a DatasetDict
+    if isinstance(dataset, _datasets().DatasetDict):  # a folder or Hub id with several splits
         if "train" not in dataset:
             raise DataError(f"dataset {path!r} has splits {list(dataset)} but no 'train' split")
         dataset = dataset["train"]
@@ -102,8 +111,9 @@ def _json(p: Path) -> list[tuple[str, dict]]:
 
 def to_example(row: dict, where: str, cfg: DataConfig) -> Example:
     """One dataset row as an Example; DataError naming `where` when the row cannot be used."""
-    if cfg.prompt_column not in row:
-        raise DataError(f"{where}: no column {cfg.prompt_column!r} (data.prompt_column); columns: {sorted(row)}")
+    if row.get(cfg.prompt_column) is None:
+        present = sorted(k for k, v in row.items() if v is not None)
+        raise DataError(f"{where}: no column {cfg.prompt_column!r} (data.prompt_column); columns: {present}")
     prompt = row[cfg.prompt_column]
     if isinstance(prompt, str):
         if cfg.prompt_template:
@@ -149,7 +159,7 @@ class DatasetTask:
         self.notes: list[str] = []  # what loading did that the user should know (shown at start)
         examples = self._load(cfg.path, cfg, prompt_length)
         if cfg.eval_path:
-            self.eval_examples = self._load(cfg.eval_path, cfg, prompt_length)[: cfg.eval_size or None]
+            self.eval_examples = self._load(cfg.eval_path, cfg, prompt_length)[: cfg.eval_size]
             self.train_examples = examples
         else:
             order = list(range(len(examples)))
@@ -163,7 +173,17 @@ class DatasetTask:
         self._orders: dict[int, list[int]] = {}
 
     def _load(self, path: str, cfg: DataConfig, prompt_length) -> list[Example]:
-        examples = [to_example(row, where, cfg) for where, row in read_rows(path)]
+        rows = read_rows(path)
+        # Every row gets every column (None where a row lacks it), as `datasets` does: reward
+        # functions receive one list per column, whatever rows a batch holds.
+        columns = list(dict.fromkeys(k for _, row in rows for k in row))
+        for name in columns:
+            if name in RESERVED:
+                raise DataError(f"{path}: column {name!r} clashes with an argument every reward function receives; rename it")
+        if cfg.answer_column not in (None, "answer") and "answer" in columns:
+            raise DataError(f"{path}: has its own 'answer' column, which data.answer_column={cfg.answer_column!r} "
+                            "would overwrite; rename one, or set data.answer_column=answer")
+        examples = [to_example({k: row.get(k) for k in columns}, where, cfg) for where, row in rows]
         if not examples:
             raise DataError(f"{path}: no rows")
         if cfg.max_prompt_length is None:

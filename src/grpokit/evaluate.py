@@ -35,7 +35,7 @@ def score(engine, encode, decode, rewards: RewardSet, examples: list[Example], p
         batch = engine.generate([encode(e) for e in chunk], num_samples, params, seeds)
         grouped = [e for e in chunk for _ in range(num_samples)]
         completions = decode(batch, grouped)
-        total, by_name = rewards(grouped, completions, batch.finish_reasons)
+        total, by_name = rewards(grouped, completions, batch.finish_reasons, batch.completion_id_lists())
         lengths = batch.completion_mask.sum(-1).tolist()
         for row in range(len(grouped)):
             records.append({
@@ -71,10 +71,12 @@ def summarize(records: list[dict], names: list[str], num_samples: int = 1, prefi
         for n in names:
             values = [r["rewards"][n] for r in records]
             if all(v in (0.0, 1.0, None) for v in values):
-                solved: dict[int, bool] = {}
+                solved: dict[int, bool] = {}  # prompts with at least one scored sample
                 for r in records:
-                    solved[r["index"]] = solved.get(r["index"], False) or r["rewards"][n] == 1.0
-                metrics[f"{prefix}rewards/{n}/pass@{num_samples}"] = sum(solved.values()) / len(solved)
+                    if r["rewards"][n] is not None:
+                        solved[r["index"]] = solved.get(r["index"], False) or r["rewards"][n] == 1.0
+                metrics[f"{prefix}rewards/{n}/pass@{num_samples}"] = (
+                    sum(solved.values()) / len(solved) if solved else math.nan)
     return metrics
 
 
@@ -95,7 +97,9 @@ def evaluate_model(config, model_path: str, num_samples: int = 1, output: str | 
     if not task.eval_examples:
         raise ValueError("no held-out prompts: set data.eval_size > 0 (or data.eval_path)")
     rewards = RewardSet(reward_specs(config, task.reward_functions))
-    model = load_model(model_path, config.model.dtype)
+    for note in getattr(task, "notes", ()):
+        print(note)
+    model = load_model(model_path, config.model.dtype).to("cuda" if torch.cuda.is_available() else "cpu")
     engine = make_engine(config.rollout.engine, model, tokenizer, eos_token_ids(model, tokenizer))
     r = config.rollout
     params = (SamplingParams(r.max_completion_length, r.temperature, r.top_p, r.top_k) if num_samples > 1

@@ -58,7 +58,8 @@ def prepare_run_dir(config: Config) -> Path:
     """Create the run directory; refuse one that already holds a run, so nothing trained is lost."""
     if config.train.output_dir is None:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        config.train.output_dir = f"runs/{config.data.task}-{stamp}"
+        name = Path(config.data.path).stem if config.data.path else config.data.task
+        config.train.output_dir = f"runs/{name}-{stamp}"
     run_dir = Path(config.train.output_dir)
     if (run_dir / "metrics.jsonl").exists() or (run_dir / "final").exists():
         raise FileExistsError(
@@ -183,7 +184,9 @@ class Trainer:
         N, U = cfg.completions_per_step, cfg.completions_per_update
         owned = [examples[r // G] for r in self.rows.tolist()]
         completions = self.decode(batch, owned)
-        local_rewards, local_per_function = self.rewards(owned, completions, batch.finish_reasons)  # (n,)
+        local_rewards, local_per_function = self.rewards(
+            owned, completions, batch.finish_reasons, batch.completion_id_lists()
+        )  # (n,)
         rewards = distributed.gather_rows(local_rewards, N, U)  # (N,) in global order
         per_function = {k: distributed.gather_rows(v, N, U) for k, v in local_per_function.items()}
         # Whole groups and the whole batch, wherever their completions were generated.

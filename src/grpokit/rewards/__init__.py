@@ -15,14 +15,15 @@ completion.
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
 import importlib
 import inspect
 import math
+import numbers
 import importlib.util
 import os
 import sys
+import threading
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -63,19 +64,16 @@ class RewardSet:
         if len(set(self.names)) < len(self.names):
             raise ConfigError(f"reward.functions names a function twice: {[n for n, _, _ in specs]}")
         self.weights = [weight for _, weight, _ in specs]
-        self.functions = []
-        for name, _, arguments in specs:
-            fn = get_reward_function(name)
-            self.functions.append(functools.partial(fn, **arguments) if arguments else fn)
+        self.functions = [_bind(name, get_reward_function(name), arguments) for name, _, arguments in specs]
 
     def __call__(
-        self, examples: list, completions: list, finish_reasons: list[str]
+        self, examples: list, completions: list, finish_reasons: list[str], completion_ids: list | None = None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Total rewards (N,) and each function's (N,), NaN where not applicable; N = len(completions)."""
         prompts = [e.prompt for e in examples]
-        columns = {k: [e.columns[k] for e in examples] for k in examples[0].columns}
-        columns["finish_reasons"] = finish_reasons
-        kwargs = dict(prompts=prompts, completions=completions, **columns)
+        columns = {k: [e.columns.get(k) for e in examples] for k in dict.fromkeys(k for e in examples for k in e.columns)}
+        kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids,
+                      finish_reasons=finish_reasons, **columns)
         values: dict[str, list] = {}
         pending = []  # the async functions, awaited together
         for name, fn in zip(self.names, self.functions):
@@ -87,7 +85,7 @@ class RewardSet:
             async def run_all():
                 return await asyncio.gather(*(fn(**kwargs) for _, fn in pending), return_exceptions=True)
 
-            for (name, fn), result in zip(pending, asyncio.run(run_all())):
+            for (name, fn), result in zip(pending, _run(run_all())):
                 if isinstance(result, BaseException):
                     self._raise(name, fn, kwargs, result)
                 values[name] = result
@@ -107,12 +105,12 @@ class RewardSet:
     def _raise(self, name, fn, kwargs, error: BaseException):
         """Find the completion `fn` fails on (calling it on one completion at a time) and say so."""
         n = len(kwargs["completions"])
-        for i in range(n):
+        for i in range(min(n, 16)):  # a few single calls at most (a remote scorer may be slow)
             one = {k: v[i : i + 1] if isinstance(v, list) and len(v) == n else v for k, v in kwargs.items()}
             try:
                 result = fn(**one)
                 if inspect.isawaitable(result):
-                    asyncio.run(result)
+                    _run(result)
             except Exception as e:  # noqa: BLE001
                 raise RewardError(
                     f"reward function {name!r} raised {type(e).__name__}: {e}\n"
@@ -121,12 +119,14 @@ class RewardSet:
                 ) from error
         raise RewardError(
             f"reward function {name!r} raised {type(error).__name__}: {error}\n"
-            f"  on a batch of {n} completions (called again on each one alone, it did not fail), the first:"
+            f"  on a batch of {n} completions (called again on single ones, it did not fail), the first:"
             f" {_short(kwargs['completions'][0])}\n  of prompt: {_short(kwargs['prompts'][0])}"
         ) from error
 
     @staticmethod
     def _check(name, values, prompts, completions) -> torch.Tensor:
+        if hasattr(values, "tolist"):  # a numpy array or a tensor, as TRL accepts
+            values = values.tolist()
         if not isinstance(values, (list, tuple)) or len(values) != len(completions):
             got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
             raise RewardError(
@@ -135,7 +135,8 @@ class RewardSet:
             )
         out = []
         for i, v in enumerate(values):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+            # Any real number: int, float, bool, numpy scalars.
+            if v is not None and (not isinstance(v, numbers.Real) or not math.isfinite(v)):
                 raise RewardError(
                     f"reward function {name!r} returned {v!r} for completion {i}: {_short(completions[i])}\n"
                     f"  of prompt: {_short(prompts[i])}\n  rewards must be finite numbers, or None (not applicable)"
@@ -144,8 +145,42 @@ class RewardSet:
         return torch.tensor(out, dtype=torch.float32)
 
 
+def _bind(name: str, fn, arguments: dict):
+    """fn with the configured keyword `arguments`; they win over a dataset column of the same name.
+    An argument the function does not name is a start-up error (a typo would pass silently)."""
+    if not arguments:
+        return fn
+    named = {p.name for p in inspect.signature(fn).parameters.values()
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    unknown = sorted(set(arguments) - named)
+    if unknown:
+        raise ConfigError(f"reward function {name!r} has no argument {', '.join(map(repr, unknown))} "
+                          f"(its arguments: {', '.join(sorted(named))})")
+    if inspect.iscoroutinefunction(fn):
+        async def bound(**kwargs):
+            return await fn(**{**kwargs, **arguments})
+    else:
+        def bound(**kwargs):
+            return fn(**{**kwargs, **arguments})
+    return bound
+
+
 def _is_async(fn) -> bool:
-    return inspect.iscoroutinefunction(fn.func if isinstance(fn, functools.partial) else fn)
+    return inspect.iscoroutinefunction(fn)
+
+
+_loop: asyncio.AbstractEventLoop | None = None
+
+
+def _run(coroutine):
+    """Run `coroutine` on one event loop that lives as long as the process (in its own thread), as
+    TRL does: async clients and semaphores made on the first step still work on the next, and a
+    caller's own running loop (Jupyter) is left alone."""
+    global _loop
+    if _loop is None:
+        _loop = asyncio.new_event_loop()
+        threading.Thread(target=_loop.run_forever, name="grpokit-rewards", daemon=True).start()
+    return asyncio.run_coroutine_threadsafe(coroutine, _loop).result()
 
 
 def get_reward_function(name: str) -> Callable[..., list[float | None]]:

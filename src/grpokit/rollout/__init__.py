@@ -35,6 +35,10 @@ class RolloutBatch:
     entropies: torch.Tensor  # (N, T) entropy of the tempered policy distribution each token came from
     finish_reasons: list[str]  # "stop" (an EOS was sampled) or "length" (hit max_tokens)
 
+    def completion_id_lists(self) -> list[list[int]]:
+        """Each completion's token ids, padding removed (TRL's `completion_ids` reward argument)."""
+        return [ids[:n] for ids, n in zip(self.completion_ids.tolist(), self.completion_mask.sum(-1).tolist())]
+
     def select(self, rows: torch.Tensor) -> RolloutBatch:
         """The completions `rows` (R,), in that order; `prompt_index` keeps naming the same prompts."""
         picked = {}
