@@ -15,15 +15,14 @@ from pathlib import Path
 import torch
 
 from grpokit.rewards import RewardSet
-from grpokit.rollout import SamplingParams
+from grpokit.rollout import SamplingParams, decode_completions, encode_prompt
 from grpokit.tasks import Example
 
 
-def score(engine, encode, decode, rewards: RewardSet, examples: list[Example], params: SamplingParams,
-          num_samples: int = 1, seed: int = 0, first_index: int = 0, batch_size: int = 64) -> list[dict]:
-    """One record per completion: example index, sample number, completion text, rewards.
-
-    encode(example) -> prompt ids; decode(batch, examples) -> completions in TRL's shapes."""
+def score(engine, tokenizer, rewards: RewardSet, examples: list[Example], params: SamplingParams,
+          num_samples: int = 1, seed: int = 0, first_index: int = 0, max_prompt_length: int | None = None,
+          batch_size: int = 64) -> list[dict]:
+    """One record per completion: example index, sample number, completion text, rewards."""
     records = []
     per_call = max(1, batch_size // num_samples)
     for start in range(0, len(examples), per_call):
@@ -32,9 +31,10 @@ def score(engine, encode, decode, rewards: RewardSet, examples: list[Example], p
         if params.temperature > 0:  # completion (example i, sample j) has its own seed
             seeds = [seed * 1_000_003 + (first_index + start + i) * num_samples + j
                      for i in range(len(chunk)) for j in range(num_samples)]
-        batch = engine.generate([encode(e) for e in chunk], num_samples, params, seeds)
+        prompts = [encode_prompt(tokenizer, e.prompt, max_prompt_length) for e in chunk]
+        batch = engine.generate(prompts, num_samples, params, seeds)
         grouped = [e for e in chunk for _ in range(num_samples)]
-        completions = decode(batch, grouped)
+        completions = decode_completions(tokenizer, batch, [e.prompt for e in grouped])
         total, by_name = rewards(grouped, completions, batch.finish_reasons, batch.completion_id_lists())
         lengths = batch.completion_mask.sum(-1).tolist()
         for row in range(len(grouped)):
@@ -82,18 +82,14 @@ def summarize(records: list[dict], names: list[str], num_samples: int = 1, prefi
 
 def evaluate_model(config, model_path: str, num_samples: int = 1, output: str | None = None) -> dict:
     """`grpokit eval`: score the model in `model_path` on the held-out prompts of `config`'s data."""
-    from grpokit.models import eos_token_ids, load_model, load_tokenizer
-    from grpokit.rollout import decode_completions, encode_prompt, make_engine
     from grpokit.config import reward_specs
+    from grpokit.models import eos_token_ids, load_model, load_tokenizer
+    from grpokit.rollout import make_engine
     from grpokit.tasks import make_task
 
     tokenizer = load_tokenizer(model_path)
-    limit = config.data.max_prompt_length
-
-    def encode(e, truncate=True):
-        return encode_prompt(tokenizer, e.prompt, limit if truncate else None)
-
-    task = make_task(config.data, seed=config.train.seed, prompt_length=lambda e: len(encode(e, truncate=False)))
+    task = make_task(config.data, seed=config.train.seed,
+                     prompt_length=lambda e: len(encode_prompt(tokenizer, e.prompt)))
     if not task.eval_examples:
         raise ValueError("no held-out prompts: set data.eval_size > 0 (or data.eval_path)")
     rewards = RewardSet(reward_specs(config, task.reward_functions))
@@ -105,8 +101,8 @@ def evaluate_model(config, model_path: str, num_samples: int = 1, output: str | 
     params = (SamplingParams(r.max_completion_length, r.temperature, r.top_p, r.top_k) if num_samples > 1
               else SamplingParams(r.max_completion_length, temperature=0.0))
     with torch.no_grad():
-        records = score(engine, encode, lambda b, es: decode_completions(tokenizer, b, [e.prompt for e in es]), rewards, task.eval_examples,
-                        params, num_samples, seed=config.train.seed)
+        records = score(engine, tokenizer, rewards, task.eval_examples, params, num_samples, seed=config.train.seed,
+                        max_prompt_length=config.data.max_prompt_length)
     if output:
         with Path(output).open("w") as f:
             for record in records:

@@ -316,14 +316,13 @@ class Trainer:
         was_training = model.training
         model.eval()
         try:
-            out = None
+            # completion_logprobs returns float32 for 16-bit models, the model's dtype otherwise.
+            dtype = torch.promote_types(model.dtype, torch.float32)
+            out = torch.zeros(batch.completion_ids.shape, dtype=dtype, device=self.device)  # (n, T)
             rows = torch.nonzero(active).view(-1)
             for mb in rows.split(self.micro_batch) if len(rows) else ():
-                logps = self.logprobs(model, batch, mb)  # (M, T)
-                if out is None:
-                    out = logps.new_zeros(batch.completion_ids.shape)  # (n, T)
-                out[mb] = logps
-            return out if out is not None else torch.zeros(batch.completion_ids.shape, device=self.device)
+                out[mb] = self.logprobs(model, batch, mb)  # (M, T)
+            return out
         finally:
             model.train(was_training)
 
@@ -335,8 +334,8 @@ class Trainer:
             return {}
         W, rank = distributed.world_size(), distributed.rank()
         first, last = rank * len(examples) // W, (rank + 1) * len(examples) // W
-        records = score(self.engine, self.encode, self.decode, self.rewards, examples[first:last], self.greedy,
-                        first_index=first)
+        records = score(self.engine, self.tokenizer, self.rewards, examples[first:last], self.greedy,
+                        first_index=first, max_prompt_length=self.config.data.max_prompt_length)
         metrics = summarize(distributed.gather_lists(records), self.rewards.names)
         self.monitor.eval(step, metrics)
         return {"step": step, **metrics}

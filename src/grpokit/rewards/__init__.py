@@ -17,10 +17,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import importlib
+import importlib.util
 import inspect
 import math
 import numbers
-import importlib.util
 import os
 import sys
 import threading
@@ -77,7 +77,7 @@ class RewardSet:
         values: dict[str, list] = {}
         pending = []  # the async functions, awaited together
         for name, fn in zip(self.names, self.functions):
-            if _is_async(fn):
+            if inspect.iscoroutinefunction(fn):
                 pending.append((name, fn))
             else:
                 values[name] = self._call(name, fn, kwargs)
@@ -163,10 +163,6 @@ def _bind(name: str, fn, arguments: dict):
         def bound(**kwargs):
             return fn(**{**kwargs, **arguments})
     return bound
-
-
-def _is_async(fn) -> bool:
-    return inspect.iscoroutinefunction(fn)
 
 
 _loop: asyncio.AbstractEventLoop | None = None
