@@ -7,15 +7,23 @@ import os
 import sys
 from pathlib import Path
 
-from grpokit.config import ConfigError, describe, load_config
+from grpokit.config import ConfigError, StartupError, describe, load_config
 
 
 def _train(args) -> int:
     config = load_config(args.config, args.overrides)
     from grpokit import distributed  # heavy imports (torch, transformers) only when training
-    from grpokit.trainer import train
+    from grpokit.trainer import Interrupted, train
 
-    result = train(config, progress=not args.no_progress)
+    try:
+        result = train(config, progress=not args.no_progress)
+    except Interrupted as stop:  # every process stopped after the same step
+        main = distributed.is_main()
+        distributed.finish()
+        if main:
+            print(f"grpokit: {stop}\nresume with: grpokit train --config {stop.checkpoint.parent.parent / 'config.yaml'}",
+                  file=sys.stderr)
+        return 128 + stop.signum  # the shell's convention for "ended by signal N": 143 SIGTERM, 130 Ctrl-C
     main = distributed.is_main()
     distributed.finish()
     if not main:
@@ -26,7 +34,7 @@ def _train(args) -> int:
         for key in (k for k in first if k.startswith("eval/rewards/") or k == "eval/reward"):
             print(f"held-out greedy {key}: {first[key]:.3f} at step {first['step']} -> "
                   f"{last[key]:.3f} at step {last['step']}")
-    print(f"run directory: {result.run_dir}  (metrics.jsonl, config.yaml, final/)")
+    print(f"run directory: {result.run_dir}  (metrics.jsonl, config.yaml, checkpoints/, final/)")
     return 0
 
 
@@ -85,16 +93,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (ConfigError, FileExistsError) as e:
+    except StartupError as e:  # nothing was trained, nothing was written over
         if os.environ.get("RANK", "0") == "0":  # every process of a launch fails alike; say it once
             print(f"grpokit: {e}", file=sys.stderr)
         return 2
     except Exception as e:
-        from grpokit.rewards import RewardError  # a failing reward function: the message says it all
+        # A run that stopped for a reason its message states in full: no traceback.
+        from grpokit.rewards import RewardError
+        from grpokit.trainer import NonFiniteError
 
-        if not isinstance(e, RewardError):
+        if not isinstance(e, (RewardError, NonFiniteError)):
             raise
-        print(f"grpokit: the run stopped: {e}", file=sys.stderr)
+        # A reward function fails on the process that called it; a non-finite streak on all alike.
+        if isinstance(e, RewardError) or os.environ.get("RANK", "0") == "0":
+            print(f"grpokit: the run stopped: {e}", file=sys.stderr)
         return 1
 
 

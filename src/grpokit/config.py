@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -19,7 +20,12 @@ from typing import Any
 import yaml
 
 
-class ConfigError(ValueError):
+class StartupError(Exception):
+    """The run cannot start (a bad config, an unreadable model or dataset, an unwritable or full
+    output folder): one message naming the culprit, raised before any training."""
+
+
+class ConfigError(StartupError, ValueError):
     """A config problem, stated as the field that is wrong and how to fix it."""
 
 
@@ -91,7 +97,7 @@ class AlgorithmConfig:
         "(sequences * max_completion_length))",
     )
     beta: float = _f(0.0, "KL coefficient; the reference model is loaded and run only when beta > 0")
-    kl_estimator: str = _f("k3", "KL estimator used when beta > 0: k1 | k2 | k3")
+    kl_estimator: str | None = _f(None, "KL estimator when beta > 0: k1 | k2 | k3; null means k3 (setting it with beta 0 is an error)")
     epsilon: float = _f(0.2, "lower clip range: ratio is clipped below at 1 - epsilon")
     epsilon_high: float | None = _f(None, "upper clip range (ratio clipped at 1 + epsilon_high); null means epsilon")
     num_iterations: int = _f(1, "passes over each rollout batch (PPO epochs); > 1 reuses samples")
@@ -118,7 +124,20 @@ class TrainConfig:
     seed: int = _f(0, "seed for sampling, the task stream and initialisation")
     output_dir: str | None = _f(None, "run directory; null means runs/<task>-<date>-<time>")
     eval_every: int = _f(20, "evaluate every N steps (also always before and after training); 0 turns periodic evaluation off")
-    save_every: int = _f(0, "save the model every N steps under checkpoints/step-N; 0 turns periodic saving off")
+    save_every: int = _f(
+        20,
+        "save a checkpoint (model, optimizer, RNG and data position) every N steps under checkpoints/step-N; "
+        "one is also saved at the end and on SIGTERM / Ctrl-C; 0 turns periodic saving off",
+    )
+    keep_checkpoints: int | None = _f(2, "keep the newest K checkpoints, delete older ones; null keeps all")
+    resume: str = _f(
+        "auto",
+        "auto: continue the run in train.output_dir from its newest checkpoint (its config must match); "
+        "never: refuse an output_dir that holds a checkpoint",
+    )
+    max_skipped_steps: int = _f(
+        5, "steps with a non-finite loss or gradient are skipped (not applied); more than this many in a row stop the run"
+    )
 
 
 @dataclass
@@ -167,8 +186,9 @@ CHOICES = {
     "data.long_prompts": ("drop", "truncate"),
     "rollout.engine": ("transformers",),
     "algorithm.loss_type": ("grpo", "dapo", "dr_grpo"),
-    "algorithm.kl_estimator": ("k1", "k2", "k3"),
+    "algorithm.kl_estimator": ("k1", "k2", "k3", None),
     "algorithm.scale_rewards": ("group", "batch", "none"),
+    "train.resume": ("auto", "never"),
 }
 
 
@@ -178,7 +198,7 @@ def _check_ranges(c: Config) -> list[str]:
         section, name = key.split(".")
         value = getattr(getattr(c, section), name)
         if value not in allowed:
-            errors.append(f"{key}={value!r} is not one of: {', '.join(allowed)}")
+            errors.append(f"{key}={value!r} is not one of: {', '.join('null' if a is None else a for a in allowed)}")
 
     def need(ok: bool, message: str) -> None:
         if not ok:
@@ -197,11 +217,19 @@ def _check_ranges(c: Config) -> list[str]:
     need(a.epsilon_high is None or a.epsilon_high > 0,
          f"algorithm.epsilon_high={a.epsilon_high}: must be > 0, or null to use algorithm.epsilon")
     need(a.num_iterations >= 1, f"algorithm.num_iterations={a.num_iterations}: must be >= 1")
+    # Contradictions (CONTEXT.md, report 4): a setting that the rest of the config switches off.
+    need(a.kl_estimator is None or a.beta > 0,
+         f"algorithm.kl_estimator={a.kl_estimator} is set but algorithm.beta=0 turns the KL term off (and "
+         "no reference model is loaded): set algorithm.beta > 0 (e.g. 0.001) or remove algorithm.kl_estimator")
+    need(r.top_k != 1, "rollout.top_k=1 samples greedily: every completion of a group would be the same and "
+         "no group would have a learning signal; use 0 (off) or a larger k")
     d = c.data
     need(d.eval_size >= 0, f"data.eval_size={d.eval_size}: must be >= 0")
     need(d.max_prompt_length is None or d.max_prompt_length >= 1,
          f"data.max_prompt_length={d.max_prompt_length}: must be >= 1, or null")
     need(d.eval_path is None or d.path is not None, "data.eval_path is set but data.path is not: set both")
+    need(d.eval_path is None or d.eval_size > 0,
+         f"data.eval_path={d.eval_path} is set but data.eval_size=0 turns evaluation off: set data.eval_size > 0 or remove data.eval_path")
     need(d.path is None or c.reward.functions is not None,
          "data.path is set but reward.functions is not: a dataset brings no rewards, name them (e.g. "
          "reward.functions=[math_accuracy])")
@@ -209,7 +237,9 @@ def _check_ranges(c: Config) -> list[str]:
     need(t.learning_rate > 0, f"train.learning_rate={t.learning_rate}: must be > 0")
     need(t.max_steps >= 0, f"train.max_steps={t.max_steps}: must be >= 0")
     need(t.max_grad_norm >= 0, f"train.max_grad_norm={t.max_grad_norm}: must be >= 0 (0 turns clipping off)")
-    for name in ("warmup_steps", "eval_every", "save_every"):
+    need(t.keep_checkpoints is None or t.keep_checkpoints >= 1,
+         f"train.keep_checkpoints={t.keep_checkpoints}: must be >= 1, or null to keep every checkpoint")
+    for name in ("warmup_steps", "eval_every", "save_every", "max_skipped_steps"):
         value = getattr(t, name)
         need(value >= 0, f"train.{name}={value}: must be >= 0")
     if t.updates_per_step < 1:
@@ -291,9 +321,22 @@ def _coerce(key: str, value: Any, tp) -> Any:
     )
 
 
+# Other trainers spread the KL term over several keys (EasyR1: algorithm.kl_coef, actor.use_kl_loss,
+# actor.kl_loss_coef; TRL: beta, ref_model ...) that can contradict each other (CONTEXT.md, report
+# 4). grpokit has one: a key of that family gets this answer rather than a spelling suggestion.
+_KL_KEY = re.compile(r"(^|_)kl(_|$)|^ref(erence)?(_|$)|_ref(erence)?(_|$)")
+_KL_HINT = (
+    "grpokit has one KL setting, algorithm.beta (with algorithm.kl_estimator); the reference model is "
+    "the initial policy, loaded exactly when algorithm.beta > 0"
+)
+
+
 def _apply(config: Config, key: str, value: Any) -> None:
     parts = key.split(".")
     sections = {f.name: f for f in dataclasses.fields(Config)}
+    known = len(parts) == 2 and parts[0] in sections and hasattr(getattr(config, parts[0]), parts[1])
+    if not known and _KL_KEY.search(parts[-1]):
+        raise ConfigError(f"unknown config key {key!r}: {_KL_HINT}")
     if len(parts) != 2 or parts[0] not in sections:
         hint = difflib.get_close_matches(parts[0], sections, n=1)
         raise ConfigError(

@@ -46,8 +46,13 @@ def completion_logprobs(
     cache = prompt_out.past_key_values
     first = prompt_out.logits[:, -1]  # (P, V): the prompt's last position predicts completion token 0
     if prompt_index is not None:
-        cache.batch_select_indices(prompt_index)  # (P, ...) -> (B, ...), differentiable
-        first, prompt_mask = first[prompt_index], prompt_mask[prompt_index]
+        # (P, ...) -> (B, ...), differentiable. index_select, not Tensor[index] (what the cache's
+        # own batch_select_indices does): the backward of indexing sums the rows that share a
+        # prompt in an order that varies from run to run on several CPU threads; index_select's
+        # sums in a fixed order, so a run is bit for bit repeatable (and resumable).
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys.index_select(0, prompt_index), layer.values.index_select(0, prompt_index)
+        first, prompt_mask = first.index_select(0, prompt_index), prompt_mask.index_select(0, prompt_index)
     logits = first[:, None, :]  # (B, 1, V)
     if T > 1:
         # Completion token t-1 at position len(prompt) + t - 1 predicts token t. Padding after an

@@ -16,9 +16,12 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from grpokit.config import StartupError
 
 BUNDLED = "smollm2-135m-instruct"
 TINY = "tiny-random"
@@ -75,11 +78,24 @@ def bundled_model_path() -> Path:
     return target
 
 
+@contextmanager
+def _loading(name: str):
+    """Turn a failure to load `model.name` into one start-up message naming it."""
+    try:
+        yield
+    except (OSError, ValueError, RuntimeError) as e:
+        raise StartupError(
+            f"model.name={name!r} could not be loaded: {e}\n"
+            f"  model.name is '{BUNDLED}', '{TINY}', a local model folder, or a Hub id (which needs internet)"
+        ) from None
+
+
 def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
-    source = bundled_model_path() if name in (BUNDLED, TINY) else name
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    with _loading(name):
+        source = bundled_model_path() if name in (BUNDLED, TINY) else name
+        tokenizer = AutoTokenizer.from_pretrained(source)
     if tokenizer.pad_token_id is None:
         # Padding is always masked explicitly; the pad id's value never decides what is a token.
         tokenizer.pad_token = tokenizer.eos_token
@@ -119,8 +135,9 @@ def load_model(name: str, dtype: str = "float32"):
     if name == TINY:
         model = _tiny_random(load_tokenizer(name), torch_dtype)
     else:
-        source = bundled_model_path() if name == BUNDLED else name
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+        with _loading(name):
+            source = bundled_model_path() if name == BUNDLED else name
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
     model.train()
     return model
 
@@ -137,12 +154,15 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 
 
 def save_model(model, tokenizer, folder: Path) -> None:
-    """A Hugging Face folder (weights, config, tokenizer, chat template), written atomically."""
-    folder = Path(folder)
-    tmp = folder.with_name(f".{folder.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if folder.exists():
-        shutil.rmtree(folder)
-    os.replace(tmp, folder)
+    """Write a Hugging Face folder (weights, config, tokenizer, chat template) into `folder`; the
+    caller makes it atomic (checkpoint.py writes into a temporary folder and renames it)."""
+    from transformers.utils import logging
+
+    shown = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()  # no "Writing model shards" bar under the run's own
+    try:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    finally:
+        if shown:
+            logging.enable_progress_bar()

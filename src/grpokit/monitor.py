@@ -20,11 +20,11 @@ def _plain(value):
 class Monitor:
     """Writes and shows a run; `run_dir=None` (a data-parallel process other than 0) stays silent."""
 
-    def __init__(self, run_dir: Path | None, total_steps: int, enabled: bool = True):
+    def __init__(self, run_dir: Path | None, total_steps: int, initial: int = 0, enabled: bool = True):
         self.silent = run_dir is None
         self._file = None if self.silent else (run_dir / "metrics.jsonl").open("a")
         self.bar = tqdm(
-            total=total_steps, desc="grpo", unit="step", dynamic_ncols=True, disable=self.silent or not enabled
+            total=total_steps, initial=initial, desc="grpo", unit="step", dynamic_ncols=True, disable=self.silent or not enabled
         )
         self._postfix: dict[str, str] = {}
 

@@ -21,23 +21,35 @@ Deliberate choices, stated once:
   after the last step.
 - On several processes (see distributed.py) every process draws the same prompts, generates and
   scores only the completions it owns, and takes part in every reduction; process 0 alone writes.
+- After step N: its metrics row, then its evaluation (if due), then its checkpoint (if due). So a
+  checkpoint of step N holds everything logged up to step N, and resuming from it (checkpoint.py)
+  truncates metrics.jsonl to step N and continues with step N + 1.
+- An optimizer update whose loss or gradient norm is not finite is not applied (neither the
+  optimizer nor the learning-rate schedule steps); the step counts as skipped.
 """
 
 from __future__ import annotations
 
 import copy
-import datetime
 import math
+import os
 import random
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from grpokit import distributed
 from grpokit.advantages import group_advantages
-from grpokit.config import Config, reward_specs, save_config
+from grpokit.checkpoint import (
+    checkpoint_bytes, check_disk_space, link_model_files, load_state, load_weights, open_run_dir, release_run_dir,
+    rng_state, set_rng_state, start_run_dir, write_checkpoint, write_state_files,
+)
+from grpokit.config import Config, reward_specs
 from grpokit.logprobs import completion_logprobs
 from grpokit.loss import CLIP_METRICS, grpo_loss
 from grpokit.models import eos_token_ids, load_model, load_tokenizer, save_model
@@ -54,21 +66,16 @@ class TrainResult:
     eval_history: list[dict]  # one row per evaluation: {"step": ..., "eval/reward": ...}
 
 
-def prepare_run_dir(config: Config) -> Path:
-    """Create the run directory; refuse one that already holds a run, so nothing trained is lost."""
-    if config.train.output_dir is None:
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        name = Path(config.data.path).stem if config.data.path else config.data.task
-        config.train.output_dir = f"runs/{name}-{stamp}"
-    run_dir = Path(config.train.output_dir)
-    if (run_dir / "metrics.jsonl").exists() or (run_dir / "final").exists():
-        raise FileExistsError(
-            f"train.output_dir={run_dir} already holds a run (metrics.jsonl or final/); "
-            "choose another train.output_dir or move that run away"
-        )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(config, run_dir / "config.yaml")
-    return run_dir
+class NonFiniteError(RuntimeError):
+    """More than train.max_skipped_steps steps in a row had a non-finite loss or gradient."""
+
+
+class Interrupted(Exception):
+    """SIGTERM or Ctrl-C stopped the run after a step; its checkpoint was saved."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path):
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; checkpoint: {checkpoint}")
 
 
 class Trainer:
@@ -77,19 +84,21 @@ class Trainer:
         W, rank = distributed.world_size(), distributed.rank()
         config.validate(world_size=W)
         self.config = config
-        seed = config.train.seed
-        # Load and check the data and the reward functions before anything is written: a bad row
-        # or a bad name fails here.
+        t, seed = config.train, config.train.seed
+        # Start-up checks, cheapest first, before anything is written (checkpoint.py): the data and
+        # the reward functions (a bad row or name fails here), the output folder, the model, then
+        # the disk space a checkpoint of that model needs.
         self.tokenizer = load_tokenizer(config.model.name)
         self.task = make_task(config.data, seed=seed, prompt_length=lambda e: len(self.encode(e, truncate=False)))
         self.rewards = RewardSet(reward_specs(config, self.task.reward_functions))
         self.stream = self.task.train_stream()
         # Process 0 alone owns the run directory; the others learn its path (a default one is
         # stamped with process 0's clock) or its refusal, and stop with the same message.
-        self.run_dir = distributed.on_main(lambda: prepare_run_dir(config))
+        self.run_dir, resume_from = distributed.on_main(lambda: open_run_dir(config))
         config.train.output_dir = str(self.run_dir)
 
         random.seed(seed)
+        np.random.seed(seed % 2**32)  # reward functions may draw from any global RNG
         torch.manual_seed(seed)  # the same on every process: they must start from the same weights
         # Each step draws one sampling seed per completion of the whole step, the same on every
         # process; a completion's tokens then depend on its seed, not on which process samples it.
@@ -97,7 +106,8 @@ class Trainer:
 
         self.policy = load_model(config.model.name, config.model.dtype).to(self.device)
         distributed.broadcast_parameters(self.policy)
-        # The reference model exists only when the KL term does (CONTEXT.md, report 1).
+        # The reference model exists only when the KL term does (CONTEXT.md, report 1). It is the
+        # initial policy, so it is copied before a checkpoint's weights are loaded.
         self.reference = None
         if config.algorithm.beta > 0:
             self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
@@ -105,7 +115,6 @@ class Trainer:
             config.rollout.engine, self.policy, self.tokenizer, eos_token_ids(self.policy, self.tokenizer)
         )
 
-        t = config.train
         # The global completions of a step this process owns, in update order (distributed.py).
         self.rows = distributed.shard_rows(config.completions_per_step, config.completions_per_update, W, rank)
         self.micro_batch = t.micro_batch_size or config.completions_per_update // W
@@ -120,45 +129,122 @@ class Trainer:
         r = config.rollout
         self.sampling = SamplingParams(r.max_completion_length, r.temperature, r.top_p, r.top_k)
         self.greedy = SamplingParams(r.max_completion_length, temperature=0.0)
-        self.monitor = Monitor(self.run_dir if distributed.is_main() else None, t.max_steps, enabled=progress)
-        for note in getattr(self.task, "notes", ()):
-            self.monitor.write(note)
+
+        def start() -> tuple[list[dict], str | None]:
+            check_disk_space(self.run_dir, checkpoint_bytes(self.policy))
+            return start_run_dir(self.run_dir, config, resume_from)
+
+        # The metrics.jsonl rows kept from before the checkpoint, and what to tell the user about them.
+        self.resumed_rows, note = distributed.on_main(start)
+        # Everything a checkpoint restores (besides weights and optimizer).
+        self.step = 0  # steps completed
         self.num_tokens = 0  # prompt + completion tokens seen so far, all processes (TRL's `num_tokens`)
+        self.skipped_steps = self.skipped_in_a_row = 0
+        self.num_updates = 0  # optimizer updates applied by this process's trainer (not restored)
+        self.in_flight = None  # (step - 1, its captured state, num_updates) while a step runs
+        if resume_from is not None:
+            self.resume(resume_from)
+        self.saved_step = self.step if resume_from is not None else None  # the newest checkpoint's step
+        self.monitor = Monitor(self.run_dir if distributed.is_main() else None, t.max_steps, initial=self.step,
+                               enabled=progress)
+        for line in (note, *getattr(self.task, "notes", ())):
+            if line:
+                self.monitor.write(line)
 
     # ------------------------------------------------------------------ the loop
 
     def train(self) -> TrainResult:
         t = self.config.train
-        main = distributed.is_main()
-        history = [self.evaluate(step=0)]
+        history = [row for row in self.resumed_rows if "eval/reward" in row]
+        if self.step == 0 and not history:
+            history.append(self.evaluate(step=0))
         try:
-            for step in range(1, t.max_steps + 1):
-                examples = [next(self.stream) for _ in range(t.prompts_per_step)]  # the same on every process
-                self.monitor.step(self.train_step(step, examples))
-                if t.eval_every and step % t.eval_every == 0 and step != t.max_steps:
-                    history.append(self.evaluate(step))
-                if main and t.save_every and step % t.save_every == 0:
-                    save_model(self.policy, self.tokenizer, self.run_dir / "checkpoints" / f"step-{step}")
-            if t.max_steps > 0:
-                history.append(self.evaluate(t.max_steps))
-            if main:
-                save_model(self.policy, self.tokenizer, self.run_dir / "final")
+            with _StopSignals() as signals:
+                for step in range(self.step + 1, t.max_steps + 1):
+                    examples = [next(self.stream) for _ in range(t.prompts_per_step)]  # the same on every process
+                    self.monitor.step(self.train_step(step, examples))
+                    self.step = step
+                    if self.skipped_in_a_row > t.max_skipped_steps:
+                        raise NonFiniteError(
+                            f"the last {self.skipped_in_a_row} steps (to step {step}) all had a non-finite loss or "
+                            f"gradient, more than train.max_skipped_steps={t.max_skipped_steps}: the run stopped, "
+                            "their updates not applied. " + self.restart_hint()
+                        )
+                    if step == t.max_steps or (t.eval_every and step % t.eval_every == 0):
+                        history.append(self.evaluate(step))
+                    stop = signals.received()  # every process stops after the same step
+                    if stop or step == t.max_steps or (t.save_every and step % t.save_every == 0):
+                        checkpoint = self.save_checkpoint(step)
+                    if stop and step < t.max_steps:
+                        raise Interrupted(stop, step, checkpoint)
+            if self.saved_step != self.step:  # train.max_steps=0
+                self.save_checkpoint(self.step)
+            if distributed.is_main():
+                # final/: the last checkpoint's model files (hard links, not a second copy).
+                link_model_files(self.run_dir / "checkpoints" / f"step-{self.saved_step}", self.run_dir / "final")
+        except Exception as error:
+            if not isinstance(error, NonFiniteError):  # that one keeps the checkpoints from before the streak
+                self.save_after_failure()
+            raise
         finally:
             self.monitor.close()
+            release_run_dir(self.run_dir)
         return TrainResult(self.run_dir, [h for h in history if h])
+
+    def restart_hint(self) -> str:
+        if self.saved_step is None:
+            return "There is no checkpoint yet. Lower train.learning_rate, or check the rewards and the data."
+        checkpoint = self.run_dir / "checkpoints" / f"step-{self.saved_step}"
+        return (f"The newest checkpoint, {checkpoint}, holds the weights from before. A resumed run must keep "
+                f"its config: to lower train.learning_rate, start a new run from those weights "
+                f"(model.name={checkpoint} and another train.output_dir), or check the rewards and the data.")
+
+    def save_after_failure(self) -> None:
+        """A failure stops the run (a reward function raised, say): save the newest consistent
+        state first, so that fixing the cause and resuming loses nothing. That is the state after
+        the last completed step, unless the failing step had already changed weights. One process
+        only: with several, the others may be waiting in a collective."""
+        if distributed.world_size() > 1:
+            return
+        step, captured = self.step, None
+        if self.in_flight is not None:  # the failure was inside a step
+            step, captured, updates = self.in_flight
+            if updates != self.num_updates:
+                return
+        if step > (self.saved_step or 0):
+            try:
+                path = self.save_checkpoint(step, captured)
+                self.monitor.write(f"the run stopped after step {step}; that state is saved in {path}")
+            except Exception as e:  # noqa: BLE001 - the original error is the one to report
+                self.monitor.write(f"saving step {step} after the failure failed too: {e}")
 
     def train_step(self, step: int, examples: list[Example]) -> dict:
         """Generate this process's completions for the step's `examples`, then learn from them."""
+        if distributed.world_size() == 1:  # what save_after_failure() needs while the step runs
+            self.in_flight = (step - 1, self.capture(step - 1), self.num_updates)
         start = time.perf_counter()
         batch = self.generate(examples)
         t_generate = time.perf_counter() - start
         metrics = self.learn(examples, batch)
+        skipped = metrics.pop("skipped_updates")
+        if skipped:
+            self.skipped_steps += 1
+            self.skipped_in_a_row += 1
+            self.monitor.write(
+                f"step {step}: non-finite loss or gradient (loss {metrics['loss']}, grad_norm {metrics['grad_norm']}): "
+                f"{skipped} update(s) skipped, not applied ({self.skipped_in_a_row} step(s) in a row; more than "
+                f"train.max_skipped_steps={self.config.train.max_skipped_steps} stop the run)"
+            )
+        else:
+            self.skipped_in_a_row = 0
         times = torch.tensor([t_generate, metrics.pop("time/logprobs"), metrics.pop("time/update"),
                               time.perf_counter() - start])
         times = distributed.all_reduce(times, "max").tolist()  # the slowest process sets the pace
+        self.in_flight = None
         return {
             "step": step,
             **metrics,
+            "skipped_steps": self.skipped_steps,
             "time/generate": times[0],
             "time/logprobs": times[1],
             "time/update": times[2],
@@ -246,7 +332,7 @@ class Trainer:
         # Partial sums (this process's rows; summed over processes at the end) and shared values.
         partial = dict.fromkeys(("loss", *CLIP_METRICS, *(("kl",) if a.beta > 0 else ())), 0.0)
         shared = {"grad_norm": 0.0, "learning_rate": 0.0}
-        num_updates = 0
+        num_updates = skipped = 0
         self.policy.train()
         for _ in range(a.num_iterations):
             for u0 in range(0, len(advantages), share):
@@ -254,6 +340,7 @@ class Trainer:
                 # The whole update batch's counts, all processes, normalize every micro-batch's loss.
                 num_tokens = distributed.all_reduce(mask[local].sum().double()).item()
                 rows = local[active[local]]
+                update_loss = 0.0
                 for mb in rows.split(self.micro_batch) if len(rows) else ():  # split() of nothing gives one empty part
                     logps = self.logprobs(self.policy, batch, mb)  # (M, T)
                     loss, metrics = grpo_loss(
@@ -266,27 +353,74 @@ class Trainer:
                         beta=a.beta,
                         epsilon=a.epsilon,
                         epsilon_high=a.epsilon_high,
-                        kl_estimator=a.kl_estimator,
+                        kl_estimator=a.kl_estimator or "k3",  # null in the config means k3
                         max_completion_length=cfg.rollout.max_completion_length,
                         num_sequences=U,
                         num_tokens=num_tokens,
                     )
                     loss.backward()
-                    partial["loss"] += loss.item()
+                    update_loss += loss.item()
                     for k, v in metrics.items():
                         partial[k] += v.item()
+                partial["loss"] += update_loss
                 # Each process's loss is its share of the whole-batch loss: sum, never average.
+                whole_loss = distributed.all_reduce(torch.tensor(update_loss, dtype=torch.float64)).item()
                 distributed.sum_gradients(self.params)
                 shared["learning_rate"] += self.optimizer.param_groups[0]["lr"]
                 clip = cfg.train.max_grad_norm or float("inf")
-                shared["grad_norm"] += torch.nn.utils.clip_grad_norm_(self.params, clip).item()
-                self.optimizer.step()
-                self.scheduler.step()
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip).item()  # the same on every process
+                shared["grad_norm"] += grad_norm
+                if math.isfinite(whole_loss) and math.isfinite(grad_norm):
+                    self.num_updates += 1  # first: a step that raises midway has changed weights
+                    self.optimizer.step()
+                    self.scheduler.step()
+                else:  # a non-finite update is not applied at all (train_step counts and reports it)
+                    skipped += 1
                 # Zeros, not None: AdamW must step every parameter even when no row was active.
                 self.optimizer.zero_grad(set_to_none=False)
                 num_updates += 1
         summed = distributed.all_reduce(torch.tensor(list(partial.values()), dtype=torch.float64)).tolist()
-        return {k: v / num_updates for k, v in (*zip(partial, summed), *shared.items())}
+        return {**{k: v / num_updates for k, v in (*zip(partial, summed), *shared.items())}, "skipped_updates": skipped}
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def capture(self, step: int) -> tuple[dict, dict]:
+        """(RNG states, trainer state) as they are now, after `step` steps; every process calls it."""
+        rng = {"processes": distributed.gather_lists([rng_state()]), "seed_stream": self.seed_stream.get_state()}
+        state = {
+            "step": step,
+            "examples_seen": step * self.config.train.prompts_per_step,  # the data stream's position
+            "num_tokens": self.num_tokens,
+            "skipped_steps": self.skipped_steps,
+            "skipped_in_a_row": self.skipped_in_a_row,
+        }
+        return rng, state
+
+    def save_checkpoint(self, step: int, captured: tuple[dict, dict] | None = None) -> Path:
+        """checkpoints/step-`step` (checkpoint.py), from this moment's state or a `captured` one
+        (the weights and optimizer must not have changed since)."""
+        rng, state = captured or self.capture(step)
+
+        def write(folder: Path) -> None:
+            save_model(self.policy, self.tokenizer, folder)
+            write_state_files(folder, self.config, self.optimizer, self.scheduler, rng, state)
+
+        path = distributed.on_main(lambda: write_checkpoint(self.run_dir, step, write, self.config.train.keep_checkpoints))
+        self.saved_step = step
+        return path
+
+    def resume(self, folder: Path) -> None:
+        """Continue from checkpoint `folder`: weights, optimizer, scheduler, RNGs, data position, counters."""
+        load_weights(self.policy, folder)
+        rng, state = load_state(folder, self.optimizer, self.scheduler)
+        processes = rng["processes"]
+        # Each process its own RNG state; resumed on another process count, process 0's for all.
+        set_rng_state(processes[distributed.rank()] if len(processes) == distributed.world_size() else processes[0])
+        self.seed_stream.set_state(rng["seed_stream"])
+        self.step = state["step"]
+        self.num_tokens = state["num_tokens"]
+        self.skipped_steps, self.skipped_in_a_row = state["skipped_steps"], state["skipped_in_a_row"]
+        self.stream = self.task.train_stream(start=state["examples_seen"])
 
     # ------------------------------------------------------------------ helpers
 
@@ -328,17 +462,60 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, step: int) -> dict:
-        """Greedy completions on the held-out split, each process scoring its slice; gathered."""
+        """Greedy completions on the held-out split, each process scoring its slice; gathered.
+
+        Evaluation leaves the global RNGs as it found them (reward functions may draw from them),
+        so when and how often a run evaluates never changes its training."""
         examples = self.task.eval_examples
         if not examples:
             return {}
         W, rank = distributed.world_size(), distributed.rank()
         first, last = rank * len(examples) // W, (rank + 1) * len(examples) // W
-        records = score(self.engine, self.tokenizer, self.rewards, examples[first:last], self.greedy,
-                        first_index=first, max_prompt_length=self.config.data.max_prompt_length)
+        rng = rng_state()
+        try:
+            records = score(self.engine, self.tokenizer, self.rewards, examples[first:last], self.greedy,
+                            first_index=first, max_prompt_length=self.config.data.max_prompt_length)
+        finally:
+            set_rng_state(rng)
         metrics = summarize(distributed.gather_lists(records), self.rewards.names)
         self.monitor.eval(step, metrics)
         return {"step": step, **metrics}
+
+
+class _StopSignals:
+    """SIGTERM and SIGINT (Ctrl-C) ask the loop to stop after the step in flight and save a
+    checkpoint. A second Ctrl-C stops at once; a second SIGTERM is ignored, because launchers
+    deliver one per layer (SLURM to every task, torchrun forwarding its own) and it must not kill
+    the save that the first one asked for."""
+
+    def __init__(self):
+        self.signum = 0
+        self.previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # Python only allows it there
+            self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def handle(self, signum, frame) -> None:
+        if self.signum:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return
+        self.signum = signum
+        if distributed.is_main():  # os.write: safe inside a signal handler, unlike the progress bar
+            os.write(2, f"\ngrpokit: {signal.Signals(signum).name} received: stopping after this step and saving "
+                        "a checkpoint (Ctrl-C again to stop at once)\n".encode())
+
+    def received(self) -> int:
+        """The signal number every process agrees to stop for, 0 for none (a collective)."""
+        if distributed.world_size() == 1:
+            return self.signum
+        return int(distributed.all_reduce(torch.tensor([self.signum]), "max").item())
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
 
 
 def _mean(values: torch.Tensor) -> float:
