@@ -45,8 +45,11 @@ _STEP = re.compile(r"step-(\d+)")
 # (micro_batch_size is a memory knob only, DESIGN.md), only its length and its bookkeeping.
 RESUMABLE_CHANGES = frozenset({
     "train.max_steps", "train.eval_every", "train.save_every", "train.keep_checkpoints", "train.resume",
-    "train.micro_batch_size", "train.max_skipped_steps", "train.output_dir",
+    "train.micro_batch_size", "train.max_skipped_steps", "train.output_dir", "monitor.tensorboard",
+    "monitor.log_completions",
 })
+# The run's logs, one JSON object per line, each with its step: truncated together on resume.
+LOGS = ("metrics.jsonl", "alerts.jsonl", "completions.jsonl")
 
 
 # ---------------------------------------------------------------- the run directory
@@ -126,25 +129,26 @@ def release_run_dir(run_dir: Path) -> None:
 
 
 def start_run_dir(run_dir: Path, config: Config, resume_from: Path | None) -> tuple[list[dict], str | None]:
-    """Write the run's config.yaml and set metrics.jsonl up; the rows kept and a note for the user.
+    """Write the run's config.yaml and set its logs up; the metrics rows kept and a note for the user.
 
-    On resume, metrics.jsonl is truncated to the checkpoint's step, and interrupted saves are
-    removed; on a fresh start it begins empty.
+    On resume, the logs (LOGS) are truncated to the checkpoint's step, and interrupted saves are
+    removed; on a fresh start they begin empty.
     """
     _write_atomic(run_dir / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False))
-    metrics = run_dir / "metrics.jsonl"
-    rows = read_metrics(metrics)
     if resume_from is None:
-        lost = sum("loss" in row for row in rows)
-        metrics.unlink(missing_ok=True)
+        lost = sum("loss" in row for row in read_metrics(run_dir / "metrics.jsonl"))
+        for name in LOGS:
+            (run_dir / name).unlink(missing_ok=True)
         return [], (f"no checkpoint in {run_dir}: training from step 0 (the {lost} steps logged there were never "
                     "saved)" if lost else None)
     for stale in (run_dir / CHECKPOINTS).glob(".*.tmp"):  # a save that a crash interrupted
         shutil.rmtree(stale, ignore_errors=True)
     step = checkpoint_step(resume_from)
-    rows = [row for row in rows if row.get("step", step + 1) <= step]
-    _write_atomic(metrics, "".join(json.dumps(row) + "\n" for row in rows))
-    return rows, f"resuming from {resume_from} (metrics.jsonl truncated to step {step})"
+    for name in LOGS:
+        if (run_dir / name).exists():
+            kept = [row for row in read_metrics(run_dir / name) if row.get("step", step + 1) <= step]
+            _write_atomic(run_dir / name, "".join(json.dumps(row) + "\n" for row in kept))
+    return read_metrics(run_dir / "metrics.jsonl"), f"resuming from {resume_from} (logs truncated to step {step})"
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -87,6 +87,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", metavar="section.field=value")
     p.set_defaults(run=_eval)
 
+    p = commands.add_parser(
+        "doctor", help="diagnose a run from its folder alone (finished, running or stopped)",
+        description="Reads <run_dir>/metrics.jsonl and config.yaml and prints the run's status and "
+                    "each problem found, with the evidence and a fix. The checks are those of the live "
+                    "alerts; each compares windows of 20 steps (grpokit/diagnose.py documents them).",
+    )
+    p.add_argument("run_dir", type=Path)
+    p.set_defaults(run=lambda args: print(__import__("grpokit.diagnose", fromlist=["x"]).doctor(args.run_dir)) or 0)
+
     p = commands.add_parser("config", help="print every config field with its default and meaning")
     p.set_defaults(run=lambda args: print(describe()) or 0)
 

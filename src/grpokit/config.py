@@ -141,6 +141,14 @@ class TrainConfig:
 
 
 @dataclass
+class MonitorConfig:
+    tensorboard: bool = _f(False, "also write TensorBoard event files under <run>/tensorboard (needs: pip install tensorboard)")
+    log_completions: int = _f(
+        20, "every N steps write the step's prompts, completions and rewards to <run>/completions.jsonl; 0 turns it off"
+    )
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -148,6 +156,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
     # Derived values: computed from the fields above, never configured.
     @property
@@ -239,6 +248,7 @@ def _check_ranges(c: Config) -> list[str]:
     need(t.max_grad_norm >= 0, f"train.max_grad_norm={t.max_grad_norm}: must be >= 0 (0 turns clipping off)")
     need(t.keep_checkpoints is None or t.keep_checkpoints >= 1,
          f"train.keep_checkpoints={t.keep_checkpoints}: must be >= 1, or null to keep every checkpoint")
+    need(c.monitor.log_completions >= 0, f"monitor.log_completions={c.monitor.log_completions}: must be >= 0")
     for name in ("warmup_steps", "eval_every", "save_every", "max_skipped_steps"):
         value = getattr(t, name)
         need(value >= 0, f"train.{name}={value}: must be >= 0")

@@ -1,4 +1,13 @@
-"""Where a run's numbers go: `metrics.jsonl` (one JSON object per line) and a progress bar."""
+"""Where a run's numbers go, and what watches them.
+
+- `metrics.jsonl`: one JSON object per step (and per evaluation), always.
+- TensorBoard event files under `tensorboard/` (monitor.tensorboard=true).
+- `completions.jsonl`: every monitor.log_completions steps, the step's prompts, completions and
+  rewards.
+- Live stability alerts (diagnose.py): each kind printed once, with the step and the evidence, and
+  recorded in `alerts.jsonl`.
+- A progress bar.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +16,9 @@ import math
 from pathlib import Path
 
 from tqdm.auto import tqdm
+
+from grpokit.config import StartupError
+from grpokit.diagnose import RunFacts, Watch
 
 
 def _plain(value):
@@ -18,13 +30,31 @@ def _plain(value):
 
 
 class Monitor:
-    """Writes and shows a run; `run_dir=None` (a data-parallel process other than 0) stays silent."""
+    """Writes and shows a run; `run_dir=None` (a data-parallel process other than 0) stays silent.
 
-    def __init__(self, run_dir: Path | None, total_steps: int, initial: int = 0, enabled: bool = True):
+    `history`: the metrics rows a resumed run kept; they prime the alert windows (alerts they
+    already raised are not raised again) and TensorBoard drops what it had logged after them.
+    """
+
+    def __init__(self, run_dir: Path | None, total_steps: int, facts: RunFacts, tensorboard: bool = False,
+                 history: list[dict] = (), initial: int = 0, enabled: bool = True):
         self.silent = run_dir is None
+        self.run_dir = run_dir
+        self.watch = Watch(facts)
+        for row in history:
+            self.watch.add(row)
         self._file = None if self.silent else (run_dir / "metrics.jsonl").open("a")
+        self.tensorboard = None
+        if tensorboard and not self.silent:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise StartupError("monitor.tensorboard=true needs the tensorboard package: pip install tensorboard") from None
+            # purge_step: a resumed run's TensorBoard forgets the steps after its checkpoint.
+            self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"), purge_step=initial + 1 if initial else None)
         self.bar = tqdm(
-            total=total_steps, initial=initial, desc="grpo", unit="step", dynamic_ncols=True, disable=self.silent or not enabled
+            total=total_steps, initial=initial, desc="grpo", unit="step", dynamic_ncols=True,
+            disable=self.silent or not enabled,
         )
         self._postfix: dict[str, str] = {}
 
@@ -33,6 +63,14 @@ class Monitor:
             return
         self._file.write(json.dumps({k: _plain(v) for k, v in row.items()}) + "\n")
         self._file.flush()
+        if self.tensorboard is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(_plain(value), (int, float)):
+                    self.tensorboard.add_scalar(key, _plain(value), row["step"])
+        for finding in self.watch.add(row):
+            self.write(f"ALERT {finding.text()}")
+            with (self.run_dir / "alerts.jsonl").open("a") as f:
+                f.write(finding.to_json() + "\n")
 
     def step(self, metrics: dict) -> None:
         self.log(metrics)
@@ -48,6 +86,14 @@ class Monitor:
                  for k, v in metrics.items() if k.startswith("eval/rewards/")]
         self.write(f"step {step}: eval/reward {metrics['eval/reward']:.3f} (" + ", ".join(parts) + ")")
 
+    def completions(self, step: int, records: list[dict]) -> None:
+        """The step's sampled completions, one JSON object each, to completions.jsonl."""
+        if self.silent:
+            return
+        with (self.run_dir / "completions.jsonl").open("a") as f:
+            for record in records:
+                f.write(json.dumps({"step": step, **{k: _plain(v) for k, v in record.items()}}) + "\n")
+
     def write(self, text: str) -> None:
         if not self.silent:
             self.bar.write(text)
@@ -56,3 +102,5 @@ class Monitor:
         self.bar.close()
         if self._file is not None:
             self._file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()

@@ -53,6 +53,7 @@ from grpokit.config import Config, reward_specs
 from grpokit.logprobs import completion_logprobs
 from grpokit.loss import CLIP_METRICS, grpo_loss
 from grpokit.models import eos_token_ids, load_model, load_tokenizer, save_model
+from grpokit.diagnose import RunFacts
 from grpokit.monitor import Monitor
 from grpokit.rewards import RewardSet
 from grpokit.evaluate import score, summarize
@@ -145,8 +146,9 @@ class Trainer:
         if resume_from is not None:
             self.resume(resume_from)
         self.saved_step = self.step if resume_from is not None else None  # the newest checkpoint's step
-        self.monitor = Monitor(self.run_dir if distributed.is_main() else None, t.max_steps, initial=self.step,
-                               enabled=progress)
+        self.monitor = Monitor(self.run_dir if distributed.is_main() else None, t.max_steps,
+                               RunFacts.from_config(config.to_dict()), tensorboard=config.monitor.tensorboard,
+                               history=self.resumed_rows, initial=self.step, enabled=progress)
         for line in (note, *getattr(self.task, "notes", ())):
             if line:
                 self.monitor.write(line)
@@ -226,6 +228,9 @@ class Trainer:
         batch = self.generate(examples)
         t_generate = time.perf_counter() - start
         metrics = self.learn(examples, batch)
+        every = self.config.monitor.log_completions
+        if every and step % every == 0:
+            self.monitor.completions(step, distributed.gather_lists(self.samples))
         skipped = metrics.pop("skipped_updates")
         if skipped:
             self.skipped_steps += 1
@@ -273,6 +278,12 @@ class Trainer:
         local_rewards, local_per_function = self.rewards(
             owned, completions, batch.finish_reasons, batch.completion_id_lists()
         )  # (n,)
+        # What monitor.log_completions records, for this process's completions.
+        self.samples = [
+            {"prompt": e.prompt, "completion": c, "finish_reason": f, "reward": r.item(),
+             **{f"rewards/{name}": v[i].item() for name, v in local_per_function.items()}}
+            for i, (e, c, f, r) in enumerate(zip(owned, completions, batch.finish_reasons, local_rewards))
+        ]
         rewards = distributed.gather_rows(local_rewards, N, U)  # (N,) in global order
         per_function = {k: distributed.gather_rows(v, N, U) for k, v in local_per_function.items()}
         # Whole groups and the whole batch, wherever their completions were generated.

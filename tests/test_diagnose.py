@@ -1,0 +1,135 @@
+"""Stability alerts and `grpokit doctor`: synthetic runs, one per failure mode, raise exactly the
+matching alert and finding; a healthy run raises none. Plus the monitor's outputs on a real run."""
+
+import json
+import math
+import random
+
+import pytest
+import yaml
+
+from grpokit.cli import main
+from grpokit.config import Config
+from grpokit.diagnose import RunFacts, Watch, diagnose
+
+STEPS = 80
+
+
+def healthy(step: int, rng: random.Random) -> dict:
+    """A run that learns: reward rising, steady grad_norm, few zero-std groups, short completions."""
+    return {
+        "step": step,
+        "loss": rng.gauss(0, 0.01),
+        "reward": 0.1 + 0.8 * step / STEPS + rng.gauss(0, 0.02),
+        "reward_std": 0.4 + rng.gauss(0, 0.02),
+        "frac_reward_zero_std": 0.2 + rng.gauss(0, 0.05),
+        "grad_norm": 1.0 + rng.gauss(0, 0.1),
+        "clip_ratio/region_mean": 0.01 + abs(rng.gauss(0, 0.005)),
+        "completions/clipped_ratio": 0.1 + abs(rng.gauss(0, 0.03)),
+        "kl": 0.01 + abs(rng.gauss(0, 0.002)),
+    }
+
+
+def broken(kind: str, step: int, row: dict, rng: random.Random) -> dict:
+    late = step > STEPS // 2  # the failure sets in halfway
+    if kind == "grad_norm" and late:
+        row["grad_norm"] = 1.0 + 0.15 * (step - STEPS // 2)  # climbing, while the reward still rises
+    if kind == "clip_ratio" and late:
+        row["clip_ratio/region_mean"] = 0.3 + rng.gauss(0, 0.02)
+    if kind == "zero_std" and late:
+        row["frac_reward_zero_std"] = 0.7 + rng.gauss(0, 0.05)
+    if kind == "reward_flat" and late:
+        row["reward"] = 0.5 + rng.gauss(0, 0.02)  # stalled after halfway (report 4)
+    if kind == "truncation" and late:
+        row["completions/clipped_ratio"] = 0.8 + rng.gauss(0, 0.03)
+    if kind == "kl" and late:
+        row["kl"] = 0.02 * 1.1 ** (step - STEPS // 2)
+    return row
+
+
+def write_run(folder, kind: str | None, beta: float = 0.0):
+    rng = random.Random(0)
+    folder.mkdir()
+    config = Config()
+    config.algorithm.beta = beta
+    config.train.max_steps = STEPS
+    (folder / "config.yaml").write_text(yaml.safe_dump(config.to_dict()))
+    rows = []
+    for step in range(1, STEPS + 1):
+        row = healthy(step, rng)
+        rows.append(broken(kind, step, row, rng) if kind else row)
+        if step % 10 == 0:  # evaluations follow the reward's trend
+            trend = 0.5 if kind == "reward_flat" and step > STEPS // 2 else 0.1 + 0.8 * step / STEPS
+            rows.append({"step": step, "eval/reward": trend})
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+KINDS = ["grad_norm", "clip_ratio", "zero_std", "reward_flat", "truncation", "kl"]
+
+
+@pytest.mark.parametrize("kind", [None, *KINDS])
+def test_each_failure_mode_raises_exactly_its_alert_and_finding(tmp_path, kind, capsys):
+    rows = write_run(tmp_path / "run", kind)
+    watch = Watch(RunFacts.from_config(Config().to_dict()))
+    alerts = [finding for row in rows for finding in watch.add(row)]
+    assert [a.kind for a in alerts] == ([kind] if kind else [])
+    if kind:
+        assert alerts[0].step > STEPS // 2  # raised after the failure set in, not before
+    found, _ = diagnose(tmp_path / "run")
+    assert [first.kind for first, _ in found] == ([kind] if kind else [])
+
+    assert main(["doctor", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "stopped at step 80 of 80" in out  # no final/: a run that did not finish
+    if kind:
+        assert out.count("\n1. ") == 1 and f"1. {kind}, from step" in out and "\n2. " not in out
+    else:
+        assert "no problems found in 80 steps" in out
+
+
+def test_grad_norm_suggestions_depend_on_beta(tmp_path, capsys):
+    write_run(tmp_path / "run", "grad_norm", beta=0.0)
+    main(["doctor", str(tmp_path / "run")])
+    assert "set algorithm.beta=0.001" in capsys.readouterr().out
+    write_run(tmp_path / "kl-on", "grad_norm", beta=0.04)
+    main(["doctor", str(tmp_path / "kl-on")])
+    out = capsys.readouterr().out
+    assert "raise algorithm.beta (now 0.04)" in out and "grad_norm median x" in out
+
+
+def test_doctor_quotes_the_evidence(tmp_path, capsys):
+    write_run(tmp_path / "run", "zero_std")
+    main(["doctor", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    share = int(out.split("% of groups had zero reward std")[0].rsplit(" ", 1)[-1])
+    assert 60 <= share <= 80  # the synthetic run has ~70% from halfway
+    assert "raise rollout.num_generations (now 8) or train.prompts_per_step (now 8)" in out
+
+
+def test_a_real_run_writes_alerts_completions_and_tensorboard(tmp_path, capsys):
+    """Live alerts on a real tiny-random run (its completions are always cut off), completions.jsonl,
+    and TensorBoard event files that TensorBoard's own reader loads."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    assert main(["train", "--no-progress", "model.name=tiny-random", "reward.functions=[length]",
+                 "train.prompts_per_step=2", "rollout.num_generations=4", "data.eval_size=2", "train.max_steps=22",
+                 "monitor.tensorboard=true", "monitor.log_completions=10", f"train.output_dir={out}"]) == 0
+    printed = capsys.readouterr().out
+    alerts = [json.loads(line) for line in (out / "alerts.jsonl").read_text().splitlines()]
+    assert [a["kind"] for a in alerts] == ["truncation"] and alerts[0]["step"] == 20
+    assert "ALERT truncation (step 20): 100% of completions stopped at rollout.max_completion_length=6" in printed
+
+    samples = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [10] * 8 + [20] * 8
+    assert {"prompt", "completion", "finish_reason", "reward", "rewards/length"} <= samples[0].keys()
+    assert samples[0]["reward"] == samples[0]["rewards/length"] == -abs(20 - len(samples[0]["completion"][0]["content"]))
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert {"reward", "grad_norm", "eval/reward", "completions/clipped_ratio"} <= set(events.Tags()["scalars"])
+    rewards = events.Scalars("reward")
+    metrics = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
+    assert [e.step for e in rewards] == list(range(1, 23))
+    assert all(math.isclose(e.value, metrics[e.step]["reward"], rel_tol=1e-6) for e in rewards)
