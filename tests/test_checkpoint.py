@@ -3,7 +3,6 @@ while it writes a checkpoint, or stopped by SIGTERM / Ctrl-C, and then resumed, 
 weights and logs the same metrics as a run that was never interrupted."""
 
 import hashlib
-import json
 import math
 import os
 import random

@@ -76,7 +76,7 @@ def test_each_failure_mode_raises_exactly_its_alert_and_finding(tmp_path, kind, 
     assert [a.kind for a in alerts] == ([kind] if kind else [])
     if kind:
         assert alerts[0].step > STEPS // 2  # raised after the failure set in, not before
-    found, _ = diagnose(tmp_path / "run")
+    found = diagnose(rows, RunFacts.from_config(Config().to_dict()))
     assert [first.kind for first, _ in found] == ([kind] if kind else [])
 
     assert main(["doctor", str(tmp_path / "run")]) == 0

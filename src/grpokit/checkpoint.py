@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import yaml
 
-from grpokit.config import Config, ConfigError, StartupError, save_config
+from grpokit.config import Config, ConfigError, StartupError, flatten, save_config
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"  # written last into a checkpoint
@@ -104,22 +104,40 @@ def open_run_dir(config: Config) -> tuple[Path, Path | None]:
 _LOCKS: dict[str, int] = {}
 
 
-def _lock(run_dir: Path) -> None:
-    key = str(run_dir.resolve())
-    if key in _LOCKS:  # this process already holds it (an earlier run in the same process)
-        return
-    fd = os.open(run_dir, os.O_RDONLY)  # a lock on the folder itself: no file to leave behind
+def _flock(run_dir: Path) -> int | None:
+    """A descriptor holding an exclusive lock on the folder itself (no file to leave behind);
+    None when another process holds it."""
+    fd = os.open(run_dir, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
+        return None
+    except OSError:  # a filesystem without flock: as if unlocked
+        pass
+    return fd
+
+
+def _lock(run_dir: Path) -> None:
+    key = str(run_dir.resolve())
+    if key in _LOCKS:  # this process already holds it (an earlier run in the same process)
+        return
+    fd = _flock(run_dir)
+    if fd is None:
         raise StartupError(
             f"train.output_dir={run_dir} is in use by another grpokit run that is still running: wait for it, "
             "stop it, or choose another train.output_dir"
-        ) from None
-    except OSError:  # a filesystem without flock: go on unlocked
-        pass
+        )
     _LOCKS[key] = fd
+
+
+def run_dir_in_use(run_dir: Path) -> bool:
+    """Whether another process (a live run) holds the folder's lock."""
+    fd = _flock(run_dir)
+    if fd is None:
+        return True
+    os.close(fd)
+    return False
 
 
 def release_run_dir(run_dir: Path) -> None:
@@ -144,11 +162,12 @@ def start_run_dir(run_dir: Path, config: Config, resume_from: Path | None) -> tu
     for stale in (run_dir / CHECKPOINTS).glob(".*.tmp"):  # a save that a crash interrupted
         shutil.rmtree(stale, ignore_errors=True)
     step = checkpoint_step(resume_from)
+    kept = {}
     for name in LOGS:
+        kept[name] = [row for row in read_metrics(run_dir / name) if row.get("step", step + 1) <= step]
         if (run_dir / name).exists():
-            kept = [row for row in read_metrics(run_dir / name) if row.get("step", step + 1) <= step]
-            _write_atomic(run_dir / name, "".join(json.dumps(row) + "\n" for row in kept))
-    return read_metrics(run_dir / "metrics.jsonl"), f"resuming from {resume_from} (logs truncated to step {step})"
+            _write_atomic(run_dir / name, "".join(json.dumps(row) + "\n" for row in kept[name]))
+    return kept["metrics.jsonl"], f"resuming from {resume_from} (logs truncated to step {step})"
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -168,8 +187,8 @@ def read_metrics(path: Path) -> list[dict]:
 def check_resumable(saved_config: Path, config: Config) -> None:
     """Raise ConfigError listing every setting that differs from the run's (`saved_config`, a
     config.yaml) and would change the run (see RESUMABLE_CHANGES for those that may)."""
-    saved = _flat(yaml.safe_load(saved_config.read_text()))
-    now = _flat(config.to_dict())
+    saved = flatten(yaml.safe_load(saved_config.read_text()))
+    now = flatten(config.to_dict())
     differ = [k for k in sorted(saved.keys() | now.keys()) if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k)]
     if differ:
         lines = "\n".join(f"  - {k}: {saved.get(k)!r} in the run, {now.get(k)!r} now" for k in differ)
@@ -179,16 +198,6 @@ def check_resumable(saved_config: Path, config: Config) -> None:
             f"Resume it with its own config (grpokit train --config {Path(config.train.output_dir) / 'config.yaml'}), "
             "or choose another train.output_dir"
         )
-
-
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def check_disk_space(run_dir: Path, needed: int) -> None:

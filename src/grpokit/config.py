@@ -366,14 +366,15 @@ def _apply(config: Config, key: str, value: Any) -> None:
     setattr(section, parts[1], _coerce(key, value, hints[parts[1]]))
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as {"section.field": value}."""
     if not isinstance(tree, dict):
         raise ConfigError(f"{prefix or 'the config file'} must be a mapping, got {tree!r}")
     flat = {}
     for k, v in tree.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict):
-            flat.update(_flatten(v, key + "."))
+            flat.update(flatten(v, key + "."))
         else:
             flat[key] = v
     return flat
@@ -402,7 +403,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             tree = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
-        for key, value in _flatten(tree).items():
+        for key, value in flatten(tree).items():
             _apply(config, key, value)
     for text in overrides:
         _apply(config, *parse_override(text))

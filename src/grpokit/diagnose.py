@@ -215,43 +215,24 @@ class Watch:
         return found
 
 
-def diagnose(run_dir: Path) -> tuple[list[tuple[Finding, Finding | None]], list[dict]]:
-    """Replay the rules over a run's metrics.jsonl: each kind's first finding, with the finding at
-    the last step if it still holds there (else None); and the rows read."""
-    from grpokit.checkpoint import read_metrics
-    import yaml
-
-    config = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
-    facts = RunFacts.from_config(config)
-    rows = read_metrics(Path(run_dir) / "metrics.jsonl")
+def diagnose(rows: list[dict], facts: RunFacts) -> list[tuple[Finding, Finding | None]]:
+    """Replay the rules over a run's metrics rows: each kind's first finding, with the finding at
+    the last step if it still holds there (else None)."""
     watch = Watch(facts)
     first = []
     for row in rows:
         first += watch.add(row)
     last = {r.__name__: r(watch.rows, watch.evals, facts) for r in RULES} if watch.rows else {}
-    return [(f, last.get(f.kind)) for f in first], rows
+    return [(f, last.get(f.kind)) for f in first]
 
 
 def run_status(run_dir: Path, rows: list[dict], max_steps: int) -> str:
     """finished / running / stopped, from the folder alone."""
-    import fcntl
-    import os
-
-    from grpokit.checkpoint import latest_checkpoint
+    from grpokit.checkpoint import latest_checkpoint, run_dir_in_use
 
     steps = [r["step"] for r in rows if "loss" in r]
     last = steps[-1] if steps else 0
-    fd = os.open(run_dir, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        running = False
-    except BlockingIOError:
-        running = True
-    except OSError:
-        running = False
-    finally:
-        os.close(fd)
-    if running:
+    if run_dir_in_use(run_dir):
         return f"running: at step {last} of {max_steps}"
     if (run_dir / "final").exists() and last >= max_steps:
         return f"finished: {last} steps"
@@ -264,13 +245,15 @@ def doctor(run_dir: Path) -> str:
     """`grpokit doctor`: the run's status and every finding, with its evidence and a fix."""
     import yaml
 
+    from grpokit.checkpoint import read_metrics
     from grpokit.config import StartupError
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file() or not (run_dir / "metrics.jsonl").is_file():
         raise StartupError(f"{run_dir} is not a grpokit run directory (it needs config.yaml and metrics.jsonl)")
-    found, rows = diagnose(run_dir)
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    found = diagnose(rows, RunFacts.from_config(config))
     lines = [f"{run_dir}: {run_status(run_dir, rows, config['train']['max_steps'])}"]
     train = [r for r in rows if "loss" in r]
     if not found:
