@@ -184,6 +184,14 @@ def read_metrics(path: Path) -> list[dict]:
     return rows
 
 
+def read_run(run_dir: Path) -> tuple[dict, list[dict]]:
+    """A run folder's config (as saved) and metrics rows, for tools that read a run without its
+    model (`grpokit doctor`, `grpokit report`)."""
+    if not (run_dir / "config.yaml").is_file() or not (run_dir / "metrics.jsonl").is_file():
+        raise StartupError(f"{run_dir} is not a grpokit run directory (it needs config.yaml and metrics.jsonl)")
+    return yaml.safe_load((run_dir / "config.yaml").read_text()), read_metrics(run_dir / "metrics.jsonl")
+
+
 def check_resumable(saved_config: Path, config: Config) -> None:
     """Raise ConfigError listing every setting that differs from the run's (`saved_config`, a
     config.yaml) and would change the run (see RESUMABLE_CHANGES for those that may)."""

@@ -1,4 +1,4 @@
-"""`grpokit train | eval | config`: a thin layer over the library."""
+"""`grpokit train | eval | doctor | report | config`: a thin layer over the library."""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def _train(args) -> int:
         for key in (k for k in first if k.startswith("eval/rewards/") or k == "eval/reward"):
             print(f"held-out greedy {key}: {first[key]:.3f} at step {first['step']} -> "
                   f"{last[key]:.3f} at step {last['step']}")
-    print(f"run directory: {result.run_dir}  (metrics.jsonl, config.yaml, checkpoints/, final/)")
+    print(f"run directory: {result.run_dir}  (metrics.jsonl, config.yaml, checkpoints/, final/)\n"
+          f"plots and samples: grpokit report {result.run_dir}; diagnosis: grpokit doctor {result.run_dir}")
     return 0
 
 
@@ -67,6 +68,15 @@ def _eval(args) -> int:
     return 0
 
 
+def _report(args) -> int:
+    from grpokit.report import report
+
+    page = report(args.run_dir)
+    plots = sorted(p.name for p in (args.run_dir / "plots").glob("*.png"))
+    print(f"report: {page}\nplots: {args.run_dir / 'plots'} ({', '.join(plots)})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="grpokit", description="GRPO training for language models")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -95,6 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("run_dir", type=Path)
     p.set_defaults(run=lambda args: print(__import__("grpokit.diagnose", fromlist=["x"]).doctor(args.run_dir)) or 0)
+
+    p = commands.add_parser(
+        "report", help="write <run_dir>/report.html and plots/*.png: curves, alerts, sample completions",
+        description="Reads <run_dir>/metrics.jsonl, alerts.jsonl and completions.jsonl and writes one "
+                    "self-contained HTML page (plots embedded) and the plots as PNG files. Works on a "
+                    "finished, running or stopped run.",
+    )
+    p.add_argument("run_dir", type=Path)
+    p.set_defaults(run=_report)
 
     p = commands.add_parser("config", help="print every config field with its default and meaning")
     p.set_defaults(run=lambda args: print(describe()) or 0)

@@ -146,6 +146,11 @@ class MonitorConfig:
     log_completions: int = _f(
         20, "every N steps write the step's prompts, completions and rewards to <run>/completions.jsonl; 0 turns it off"
     )
+    wandb: bool = _f(
+        False, "also log metrics to Weights & Biases (needs: pip install wandb), files under <run>/wandb; offline "
+        "(upload later with `wandb sync`) when W&B cannot be reached or this machine is not logged in"
+    )
+    wandb_project: str = _f("grpokit", "the W&B project of monitor.wandb's runs")
 
 
 @dataclass

@@ -243,16 +243,10 @@ def run_status(run_dir: Path, rows: list[dict], max_steps: int) -> str:
 
 def doctor(run_dir: Path) -> str:
     """`grpokit doctor`: the run's status and every finding, with its evidence and a fix."""
-    import yaml
-
-    from grpokit.checkpoint import read_metrics
-    from grpokit.config import StartupError
+    from grpokit.checkpoint import read_run
 
     run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").is_file() or not (run_dir / "metrics.jsonl").is_file():
-        raise StartupError(f"{run_dir} is not a grpokit run directory (it needs config.yaml and metrics.jsonl)")
-    config = yaml.safe_load((run_dir / "config.yaml").read_text())
-    rows = read_metrics(run_dir / "metrics.jsonl")
+    config, rows = read_run(run_dir)
     found = diagnose(rows, RunFacts.from_config(config))
     lines = [f"{run_dir}: {run_status(run_dir, rows, config['train']['max_steps'])}"]
     train = [r for r in rows if "loss" in r]

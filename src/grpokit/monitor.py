@@ -2,6 +2,11 @@
 
 - `metrics.jsonl`: one JSON object per step (and per evaluation), always.
 - TensorBoard event files under `tensorboard/` (monitor.tensorboard=true).
+- Weights & Biases (monitor.wandb=true), files under `wandb/`: online when W&B's server can be
+  reached and this machine is logged in (WANDB_API_KEY, or `wandb login`'s netrc entry), else
+  offline, to upload later with `wandb sync <run>/wandb/offline-run-*`. WANDB_MODE, when set,
+  decides instead. Each `grpokit train` makes one W&B run, grouped by run folder: a resumed run
+  is a second W&B run starting at its checkpoint's step (W&B cannot rewrite steps it was sent).
 - `completions.jsonl`: every monitor.log_completions steps, the step's prompts, completions and
   rewards.
 - Live stability alerts (diagnose.py): each kind printed once, with the step and the evidence, and
@@ -13,7 +18,11 @@ from __future__ import annotations
 
 import json
 import math
+import netrc
+import os
+import socket
 from pathlib import Path
+from urllib.parse import urlparse
 
 from tqdm.auto import tqdm
 
@@ -29,6 +38,37 @@ def _plain(value):
     return value
 
 
+def wandb_mode() -> tuple[str, str]:
+    """("online" | "offline" | WANDB_MODE's value, why)."""
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"], "WANDB_MODE is set"
+    url = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
+    host = url.hostname or "api.wandb.ai"
+    try:
+        socket.create_connection((host, url.port or (80 if url.scheme == "http" else 443)), timeout=3).close()
+    except OSError:
+        return "offline", f"{host} cannot be reached"
+    try:
+        logged_in = netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        logged_in = False
+    if not (os.environ.get("WANDB_API_KEY") or logged_in):
+        return "offline", f"this machine is not logged in to {host} (wandb login, or WANDB_API_KEY)"
+    return "online", f"logged in to {host}"
+
+
+def _start_wandb(run_dir: Path, config: dict, project: str, initial: int):
+    try:
+        import wandb
+    except ImportError:
+        raise StartupError("monitor.wandb=true needs the wandb package: pip install wandb") from None
+    mode, why = wandb_mode()
+    name = run_dir.name if not initial else f"{run_dir.name}-from-step-{initial}"
+    run = wandb.init(project=project, name=name, group=run_dir.name, dir=str(run_dir), config=config, mode=mode)
+    return run, f"W&B: {mode} ({why}); files in {run_dir / 'wandb'}" + (
+        f"; upload with: wandb sync {run_dir / 'wandb'}/offline-run-*" if mode == "offline" else "")
+
+
 class Monitor:
     """Writes and shows a run; `run_dir=None` (a data-parallel process other than 0) stays silent.
 
@@ -37,7 +77,8 @@ class Monitor:
     """
 
     def __init__(self, run_dir: Path | None, total_steps: int, facts: RunFacts, tensorboard: bool = False,
-                 history: list[dict] = (), initial: int = 0, enabled: bool = True):
+                 history: list[dict] = (), initial: int = 0, enabled: bool = True, wandb: dict | None = None):
+        """`wandb`: None, or {"config": the run's config as a dict, "project": monitor.wandb_project}."""
         self.silent = run_dir is None
         self.run_dir = run_dir
         self.watch = Watch(facts)
@@ -52,11 +93,14 @@ class Monitor:
                 raise StartupError("monitor.tensorboard=true needs the tensorboard package: pip install tensorboard") from None
             # purge_step: a resumed run's TensorBoard forgets the steps after its checkpoint.
             self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"), purge_step=initial + 1 if initial else None)
+        self.wandb, wandb_note = _start_wandb(run_dir, **wandb, initial=initial) if wandb and not self.silent else (None, "")
         self.bar = tqdm(
             total=total_steps, initial=initial, desc="grpo", unit="step", dynamic_ncols=True,
             disable=self.silent or not enabled,
         )
         self._postfix: dict[str, str] = {}
+        if wandb_note:
+            self.write(wandb_note)
 
     def log(self, row: dict) -> None:
         if self.silent:
@@ -67,6 +111,9 @@ class Monitor:
             for key, value in row.items():
                 if key != "step" and isinstance(_plain(value), (int, float)):
                     self.tensorboard.add_scalar(key, _plain(value), row["step"])
+        if self.wandb is not None:
+            self.wandb.log({k: v.item() if hasattr(v, "item") else v for k, v in row.items() if k != "step"},
+                           step=row["step"])
         for finding in self.watch.add(row):
             self.write(f"ALERT {finding.text()}")
             with (self.run_dir / "alerts.jsonl").open("a") as f:
@@ -104,3 +151,5 @@ class Monitor:
             self._file.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()

@@ -148,7 +148,9 @@ class Trainer:
         self.saved_step = self.step if resume_from is not None else None  # the newest checkpoint's step
         self.monitor = Monitor(self.run_dir if distributed.is_main() else None, t.max_steps,
                                RunFacts.from_config(config.to_dict()), tensorboard=config.monitor.tensorboard,
-                               history=self.resumed_rows, initial=self.step, enabled=progress)
+                               history=self.resumed_rows, initial=self.step, enabled=progress,
+                               wandb=config.monitor.wandb and {"config": config.to_dict(),
+                                                               "project": config.monitor.wandb_project})
         for line in (note, *getattr(self.task, "notes", ())):
             if line:
                 self.monitor.write(line)
