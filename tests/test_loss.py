@@ -11,7 +11,8 @@ LOSS_TYPES = ["grpo", "dapo", "dr_grpo"]
 ESTIMATORS = ["k1", "k2", "k3"]
 
 
-def naive_loss(logps, old, ref, adv, mask, loss_type, beta, eps, eps_high, est, Lmax, n_seq, n_tok):
+def naive_loss(logps, old, ref, adv, mask, loss_type, beta, eps, eps_high, est, Lmax, n_seq, n_tok,
+               sampling=None, cap=2.0):
     """Token by token, in Python floats."""
     B, T = logps.shape
     total = 0.0
@@ -25,6 +26,8 @@ def naive_loss(logps, old, ref, adv, mask, loss_type, beta, eps, eps_high, est, 
             a = float(adv[i])
             clipped = min(max(ratio, 1 - eps), 1 + eps_high)
             term = -min(ratio * a, clipped * a)
+            if sampling is not None:  # truncated importance weight, old policy vs sampler
+                term *= min(math.exp((lp if old is None else float(old[i][t])) - float(sampling[i][t])), cap)
             if beta > 0:
                 r = float(ref[i][t])
                 kl = {"k1": lp - r, "k2": (lp - r) ** 2 / 2, "k3": math.exp(r - lp) - (r - lp) - 1}[est]
@@ -170,3 +173,38 @@ def test_bad_arguments():
         grpo_loss(x, None, None, torch.zeros(1), x, kl_estimator="k4")
     with pytest.raises(ValueError, match="ref_logps"):
         grpo_loss(x, None, None, torch.zeros(1), x, beta=0.1)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("on_policy", [True, False])
+def test_importance_sampling_correction_matches_naive_reference(loss_type, beta, on_policy):
+    logps, old, ref, adv, mask = random_batch(seed=3)
+    g = torch.Generator().manual_seed(4)
+    sampling = (logps if on_policy else old) + 0.4 * torch.randn(logps.shape, generator=g, dtype=torch.float64)
+    old = None if on_policy else old
+    loss, metrics = grpo_loss(logps, old, ref, adv, mask, loss_type=loss_type, beta=beta, epsilon_high=0.28,
+                              max_completion_length=9, sampling_logps=sampling, is_cap=1.5)
+    expected = naive_loss(logps, old, ref, adv, mask, loss_type, beta, 0.2, 0.28, "k3", 9, 6, mask.sum().item(),
+                          sampling=sampling, cap=1.5)
+    assert abs(loss.item() - expected) < 1e-12
+    weights = [min(math.exp(float((logps if old is None else old)[i][t]) - float(sampling[i][t])), 1.5)
+               for i in range(6) for t in range(7) if mask[i][t]]
+    assert metrics["sampling/importance_sampling_ratio/mean"].item() == pytest.approx(sum(weights) / len(weights), abs=1e-12)
+    assert metrics["sampling/importance_sampling_ratio/max"].item() == pytest.approx(max(weights), abs=1e-12)
+    assert max(weights) == 1.5  # the cap binds somewhere in this batch
+
+
+def test_importance_weights_scale_the_policy_gradient_and_carry_none():
+    """dapo, beta 0: the gradient of each token is its weight times the uncorrected one."""
+    logps, old, _, adv, mask = random_batch(seed=5)
+    sampling = old - 0.3
+    a = logps.clone().requires_grad_(True)
+    grpo_loss(a, old, None, adv, mask, loss_type="dapo", sampling_logps=sampling, is_cap=10.0)[0].backward()
+    b = logps.clone().requires_grad_(True)
+    grpo_loss(b, old, None, adv, mask, loss_type="dapo")[0].backward()
+    torch.testing.assert_close(a.grad, b.grad * torch.exp(old - sampling), rtol=1e-12, atol=0)
+    # Sampler identical to the old policy: weight 1, nothing changes.
+    c = logps.clone().requires_grad_(True)
+    grpo_loss(c, old, None, adv, mask, loss_type="dapo", sampling_logps=old)[0].backward()
+    torch.testing.assert_close(c.grad, b.grad, rtol=0, atol=0)

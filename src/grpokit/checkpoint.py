@@ -46,7 +46,7 @@ _STEP = re.compile(r"step-(\d+)")
 RESUMABLE_CHANGES = frozenset({
     "train.max_steps", "train.eval_every", "train.save_every", "train.keep_checkpoints", "train.resume",
     "train.micro_batch_size", "train.max_skipped_steps", "train.output_dir", "monitor.tensorboard",
-    "monitor.log_completions",
+    "monitor.log_completions", "monitor.wandb", "monitor.wandb_project", "rollout.server_url", "rollout.server_timeout",
 })
 # The run's logs, one JSON object per line, each with its step: truncated together on resume.
 LOGS = ("metrics.jsonl", "alerts.jsonl", "completions.jsonl")

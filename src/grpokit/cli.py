@@ -1,4 +1,4 @@
-"""`grpokit train | eval | doctor | report | config`: a thin layer over the library."""
+"""`grpokit train | eval | doctor | report | serve | config`: a thin layer over the library."""
 
 from __future__ import annotations
 
@@ -77,6 +77,18 @@ def _report(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise StartupError("grpokit serve needs FastAPI and uvicorn: pip install 'grpokit[server]'") from None
+    from grpokit.rollout.server import serve
+
+    serve(args.model, args.engine, args.host, args.port, args.dtype)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="grpokit", description="GRPO training for language models")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -114,6 +126,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("run_dir", type=Path)
     p.set_defaults(run=_report)
+
+    p = commands.add_parser(
+        "serve", help="run a rollout server for rollout.engine=server (generation, weight sync)",
+        description="Loads --model and serves generation over HTTP; a trainer with rollout.engine=server "
+                    "and rollout.server_url=http://HOST:PORT sends it prompts and pushes it weights "
+                    "(grpokit/rollout/server.py documents the endpoints).",
+    )
+    p.add_argument("--model", required=True, help="the trainer's model.name (built-in name, folder or Hub id)")
+    p.add_argument("--engine", choices=("transformers", "vllm"), default="transformers")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"), default="float32",
+                   help="the trainer's model.dtype")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.set_defaults(run=_serve)
 
     p = commands.add_parser("config", help="print every config field with its default and meaning")
     p.set_defaults(run=lambda args: print(describe()) or 0)

@@ -80,12 +80,30 @@ class RewardConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = _f("transformers", "generation engine: transformers (sampling with the policy in-process)")
+    engine: str = _f(
+        "transformers", "generation engine: transformers (sampling with the policy in-process) | server (a "
+        "`grpokit serve` process at rollout.server_url, weights pushed after every update) | vllm (vLLM in-process, "
+        "GPU only: pip install 'grpokit[vllm]')"
+    )
     num_generations: int = _f(8, "completions sampled per prompt (the group size G); at least 2")
     max_completion_length: int = _f(6, "new tokens per completion at most; longer ones end with finish reason 'length'")
     temperature: float = _f(1.0, "sampling temperature (> 0); log-probs are computed at the same temperature")
     top_p: float = _f(1.0, "nucleus sampling: keep the smallest set of tokens with this much probability")
     top_k: int = _f(0, "keep only the k most likely tokens; 0 turns the filter off")
+    server_url: str | None = _f(None, "the rollout server of rollout.engine=server, e.g. http://127.0.0.1:8000")
+    server_timeout: float = _f(
+        300.0, "seconds to wait for the rollout server: for one answer, and in all while retrying one it cannot reach"
+    )
+    is_correction: bool = _f(
+        True, "weight each token's policy term by min(exp(old_logp - sampling_logp), rollout.is_cap) when the "
+        "engine's sampling log-probs come from other kernels than the trainer's (vLLM); transformers engines sample "
+        "with the trainer's own code and need none"
+    )
+    is_cap: float = _f(2.0, "upper bound of the importance-sampling weight of rollout.is_correction")
+    vllm_gpu_memory_utilization: float = _f(
+        0.3, "share of the GPU's memory vLLM may take (weights and KV cache) with rollout.engine=vllm; the rest is the trainer's"
+    )
+    vllm_sleep: bool = _f(True, "rollout.engine=vllm: free vLLM's weights and KV cache while the trainer updates")
 
 
 @dataclass
@@ -198,7 +216,7 @@ CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16", "float64"),
     "data.task": ("arithmetic",),
     "data.long_prompts": ("drop", "truncate"),
-    "rollout.engine": ("transformers",),
+    "rollout.engine": ("transformers", "server", "vllm"),
     "algorithm.loss_type": ("grpo", "dapo", "dr_grpo"),
     "algorithm.kl_estimator": ("k1", "k2", "k3", None),
     "algorithm.scale_rewards": ("group", "batch", "none"),
@@ -235,6 +253,15 @@ def _check_ranges(c: Config) -> list[str]:
     need(a.kl_estimator is None or a.beta > 0,
          f"algorithm.kl_estimator={a.kl_estimator} is set but algorithm.beta=0 turns the KL term off (and "
          "no reference model is loaded): set algorithm.beta > 0 (e.g. 0.001) or remove algorithm.kl_estimator")
+    need(r.engine != "server" or r.server_url is not None,
+         "rollout.engine=server needs rollout.server_url (start a server with: grpokit serve --model <model.name>)")
+    need(r.server_url is None or r.engine == "server",
+         f"rollout.server_url is set but rollout.engine={r.engine} does not use it: set rollout.engine=server or "
+         "remove rollout.server_url")
+    need(r.server_timeout > 0, f"rollout.server_timeout={r.server_timeout}: must be > 0")
+    need(r.is_cap >= 1, f"rollout.is_cap={r.is_cap}: must be >= 1 (a cap below 1 shrinks every weight)")
+    need(0 < r.vllm_gpu_memory_utilization <= 1,
+         f"rollout.vllm_gpu_memory_utilization={r.vllm_gpu_memory_utilization}: must be in (0, 1]")
     need(r.top_k != 1, "rollout.top_k=1 samples greedily: every completion of a group would be the same and "
          "no group would have a learning signal; use 0 (off) or a larger k")
     d = c.data

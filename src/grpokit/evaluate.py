@@ -96,7 +96,7 @@ def evaluate_model(config, model_path: str, num_samples: int = 1, output: str | 
     for note in getattr(task, "notes", ()):
         print(note)
     model = load_model(model_path, config.model.dtype).to("cuda" if torch.cuda.is_available() else "cpu")
-    engine = make_engine(config.rollout.engine, model, tokenizer, eos_token_ids(model, tokenizer))
+    engine = make_engine(config.rollout, model, tokenizer, eos_token_ids(model, tokenizer), model_path)
     r = config.rollout
     params = (SamplingParams(r.max_completion_length, r.temperature, r.top_p, r.top_k) if num_samples > 1
               else SamplingParams(r.max_completion_length, temperature=0.0))

@@ -12,6 +12,13 @@ Every term of `l` goes through the same aggregation (CONTEXT.md, report 2), chos
     dapo     sum_it l_it m_it / num_tokens                                  (global token mean)
     dr_grpo  sum_it l_it m_it / (num_sequences * max_completion_length)     (a constant)
 
+When the completions were sampled by an engine whose log-probs are not the trainer's own (vLLM's
+kernels), the policy term of each token is weighted by the truncated importance ratio between the
+trainer's policy before the update and the sampler (TIS; TRL's `vllm_importance_sampling_correction`):
+
+    w_it  = min(exp(old_logp_it - sampling_logp_it), is_cap)     (no gradient)
+    l_it  = -w_it * min(ratio * A_i, clip(ratio) * A_i) + beta * KL_it
+
 `num_sequences` and `num_tokens` default to this call's own batch. A caller that splits an update
 batch into micro-batches passes the whole update batch's counts instead, so that the micro-batch
 losses (and metrics) add up exactly to the loss of the whole batch: memory knobs never change the
@@ -26,6 +33,7 @@ import torch
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+IS_MEAN, IS_MAX = "sampling/importance_sampling_ratio/mean", "sampling/importance_sampling_ratio/max"
 
 
 def kl_k1(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
@@ -49,6 +57,11 @@ KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] =
     "k2": kl_k2,
     "k3": kl_k3,
 }
+
+
+def importance_weights(old_logps: torch.Tensor, sampling_logps: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance weights (B, T): min(exp(old_logps - sampling_logps), cap), detached."""
+    return torch.clamp(torch.exp(old_logps.detach() - sampling_logps), max=cap)
 
 
 def aggregate(
@@ -96,12 +109,15 @@ def grpo_loss(
     max_completion_length: int | None = None,
     num_sequences: float | None = None,
     num_tokens: float | None = None,
+    sampling_logps: torch.Tensor | None = None,
+    is_cap: float = 2.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss and its diagnostics for one (micro-)batch; see the module docstring for the formula.
 
     logps, old_logps, ref_logps, mask: (B, T) over completion tokens; advantages: (B,) or (B, T).
     `old_logps=None` means the batch was sampled by the current policy (ratio 1, gradient of the
     ratio still flows). `ref_logps` is required when beta > 0 and ignored when beta == 0.
+    `sampling_logps` (B, T), when given, turns on the importance-sampling correction, capped at `is_cap`.
 
     Metrics (detached; token means normalized by `num_tokens`, so they too add up over
     micro-batches): `clip_ratio/low_mean`, `clip_ratio/high_mean`, `clip_ratio/region_mean`, and
@@ -130,6 +146,11 @@ def grpo_loss(
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantages
     per_token = -torch.minimum(unclipped, clipped)  # (B, T)
 
+    weights = None
+    if sampling_logps is not None:
+        weights = importance_weights(old_logps, sampling_logps, is_cap)  # (B, T)
+        per_token = per_token * weights
+
     kl = None
     if beta > 0:
         kl = KL_ESTIMATORS[kl_estimator](logps, ref_logps)  # (B, T)
@@ -154,4 +175,9 @@ def grpo_loss(
         }
         if kl is not None:
             metrics["kl"] = (kl * mask_f).sum() / denom
+        if weights is not None:
+            metrics[IS_MEAN] = (weights * mask_f).sum() / denom
+            # A max does not add up over micro-batches: the caller takes the max of these.
+            metrics[IS_MAX] = (
+                weights.masked_fill(mask_f == 0, float("-inf")).max() if mask_f.any() else weights.new_tensor(float("-inf")))
     return loss, metrics

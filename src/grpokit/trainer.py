@@ -51,7 +51,7 @@ from grpokit.checkpoint import (
 )
 from grpokit.config import Config, reward_specs
 from grpokit.logprobs import completion_logprobs
-from grpokit.loss import CLIP_METRICS, grpo_loss
+from grpokit.loss import CLIP_METRICS, IS_MAX, IS_MEAN, grpo_loss
 from grpokit.models import eos_token_ids, load_model, load_tokenizer, save_model
 from grpokit.diagnose import RunFacts
 from grpokit.monitor import Monitor
@@ -112,9 +112,14 @@ class Trainer:
         self.reference = None
         if config.algorithm.beta > 0:
             self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
-        self.engine = make_engine(
-            config.rollout.engine, self.policy, self.tokenizer, eos_token_ids(self.policy, self.tokenizer)
-        )
+        self.engine = make_engine(config.rollout, self.policy, self.tokenizer,
+                                  eos_token_ids(self.policy, self.tokenizer), config.model.name,
+                                  main=distributed.is_main())
+        # A server engine exists on process 0 alone: it generates the whole step, then shares it.
+        self.remote = config.rollout.engine == "server"
+        # Sampling log-probs from other kernels than the trainer's are corrected (loss.py).
+        self.is_correction = config.rollout.is_correction and not distributed.on_main(
+            lambda: self.engine.exact_logprobs)
 
         # The global completions of a step this process owns, in update order (distributed.py).
         self.rows = distributed.shard_rows(config.completions_per_step, config.completions_per_update, W, rank)
@@ -193,6 +198,8 @@ class Trainer:
         finally:
             self.monitor.close()
             release_run_dir(self.run_dir)
+            if hasattr(self.engine, "close"):
+                self.engine.close()
         return TrainResult(self.run_dir, [h for h in history if h])
 
     def restart_hint(self) -> str:
@@ -261,10 +268,15 @@ class Trainer:
     def generate(self, examples: list[Example]) -> RolloutBatch:
         """The completions this process owns (rows `self.rows` of the step), grouped by prompt."""
         G, N = self.config.rollout.num_generations, self.config.completions_per_step
-        seeds = torch.randint(0, 2**62, (N,), generator=self.seed_stream)[self.rows]  # (n,)
+        seeds = torch.randint(0, 2**62, (N,), generator=self.seed_stream)  # (N,) the whole step's
+        if self.remote:  # process 0 asks for the whole step; each process keeps its rows
+            batch = distributed.on_main(lambda: self.engine.generate(
+                [self.encode(e) for e in examples], G, self.sampling, seeds.tolist()))
+            return batch if distributed.world_size() == 1 else batch.select(self.rows)
         prompts, counts = torch.unique_consecutive(self.rows // G, return_counts=True)
         return self.engine.generate(
-            [self.encode(examples[p]) for p in prompts.tolist()], counts.tolist(), self.sampling, seeds.tolist()
+            [self.encode(examples[p]) for p in prompts.tolist()], counts.tolist(), self.sampling,
+            seeds[self.rows].tolist()
         )
 
     def learn(self, examples: list[Example], batch: RolloutBatch) -> dict:
@@ -300,6 +312,8 @@ class Trainer:
         t_logprobs = time.perf_counter() - t0
 
         t0 = time.perf_counter()
+        if hasattr(self.engine, "sleep"):  # vLLM in this process: free its memory for the update
+            self.engine.sleep()
         update_metrics = self.update(batch, advantages.to(self.device), active, old_logps, ref_logps)
         t_update = time.perf_counter() - t0
 
@@ -307,8 +321,9 @@ class Trainer:
         lengths = distributed.gather_rows(mask.sum(-1).float(), N, U)  # (N,)
         truncated = torch.tensor([r == "length" for r in batch.finish_reasons], dtype=torch.float32)
         truncated = distributed.gather_rows(truncated, N, U)  # (N,)
+        entropies = batch.entropies if batch.entropies is not None else torch.full(mask.shape, math.nan)
         totals = distributed.all_reduce(torch.stack([
-            (batch.entropies.cpu().double() * mask).sum(),
+            (entropies.cpu().double() * mask).sum(),
             mask.sum().double(),
             batch.prompt_mask.sum().cpu().double() + mask.sum(),
         ])).tolist()
@@ -316,7 +331,7 @@ class Trainer:
         group_std = torch.stack([_std(g) for g in rewards.view(-1, G)])  # (P,) over the scored members
         return {
             **update_metrics,
-            "entropy": totals[0] / max(totals[1], 1.0),
+            **({"entropy": totals[0] / max(totals[1], 1.0)} if batch.entropies is not None else {}),
             # NaN marks "not applicable" (None): every mean and std is over the scored completions.
             "reward": _mean(rewards),
             "reward_std": group_std.mean().item(),
@@ -345,6 +360,9 @@ class Trainer:
         # Partial sums (this process's rows; summed over processes at the end) and shared values.
         partial = dict.fromkeys(("loss", *CLIP_METRICS, *(("kl",) if a.beta > 0 else ())), 0.0)
         shared = {"grad_norm": 0.0, "learning_rate": 0.0}
+        # Importance weights exist only for the tokens passed forward (active rows): their sum, count, max.
+        is_sum = is_count = 0.0
+        is_max = -math.inf
         num_updates = skipped = 0
         self.policy.train()
         for _ in range(a.num_iterations):
@@ -370,9 +388,15 @@ class Trainer:
                         max_completion_length=cfg.rollout.max_completion_length,
                         num_sequences=U,
                         num_tokens=num_tokens,
+                        sampling_logps=batch.sampling_logps[mb].to(self.device) if self.is_correction else None,
+                        is_cap=cfg.rollout.is_cap,
                     )
                     loss.backward()
                     update_loss += loss.item()
+                    if self.is_correction:
+                        is_max = max(is_max, metrics.pop(IS_MAX).item())
+                        is_sum += metrics.pop(IS_MEAN).item() * num_tokens  # the metric is a sum / num_tokens
+                        is_count += mask[mb].sum().item()
                     for k, v in metrics.items():
                         partial[k] += v.item()
                 partial["loss"] += update_loss
@@ -387,13 +411,21 @@ class Trainer:
                     self.num_updates += 1  # first: a step that raises midway has changed weights
                     self.optimizer.step()
                     self.scheduler.step()
+                    if self.engine is not None:
+                        self.engine.weights_updated()
                 else:  # a non-finite update is not applied at all (train_step counts and reports it)
                     skipped += 1
                 # Zeros, not None: AdamW must step every parameter even when no row was active.
                 self.optimizer.zero_grad(set_to_none=False)
                 num_updates += 1
         summed = distributed.all_reduce(torch.tensor(list(partial.values()), dtype=torch.float64)).tolist()
-        return {**{k: v / num_updates for k, v in (*zip(partial, summed), *shared.items())}, "skipped_updates": skipped}
+        out = {**{k: v / num_updates for k, v in (*zip(partial, summed), *shared.items())}, "skipped_updates": skipped}
+        if self.is_correction:
+            total, count = distributed.all_reduce(torch.tensor([is_sum, is_count], dtype=torch.float64)).tolist()
+            out[IS_MEAN] = total / count if count else math.nan  # nan: no token needed a gradient
+            top = distributed.all_reduce(torch.tensor(is_max, dtype=torch.float64), "max").item()
+            out[IS_MAX] = top if count else math.nan
+        return out
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -484,6 +516,8 @@ class Trainer:
             return {}
         W, rank = distributed.world_size(), distributed.rank()
         first, last = rank * len(examples) // W, (rank + 1) * len(examples) // W
+        if self.remote:  # process 0 alone talks to the server: it scores them all
+            first, last = (0, len(examples)) if rank == 0 else (0, 0)
         rng = rng_state()
         try:
             records = score(self.engine, self.tokenizer, self.rewards, examples[first:last], self.greedy,

@@ -14,6 +14,10 @@ from typing import Protocol
 import torch
 
 
+# A rollout server's answer (HTTP 409) to a request that expects other weights than it holds.
+STALE_WEIGHTS = "stale weights"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int
@@ -32,7 +36,7 @@ class RolloutBatch:
     completion_ids: torch.Tensor  # (N, T) right-padded
     completion_mask: torch.Tensor  # (N, T) 1 on generated tokens, the EOS included
     sampling_logps: torch.Tensor  # (N, T) log-prob of each token under the sampling distribution
-    entropies: torch.Tensor  # (N, T) entropy of the tempered policy distribution each token came from
+    entropies: torch.Tensor | None  # (N, T) entropy of the tempered policy distribution each token came from; None: not measured (vLLM)
     finish_reasons: list[str]  # "stop" (an EOS was sampled) or "length" (hit max_tokens)
 
     def completion_id_lists(self) -> list[list[int]]:
@@ -49,6 +53,15 @@ class RolloutBatch:
 
 
 class RolloutEngine(Protocol):
+    # The engine's log-probs come from the trainer's own code (no importance-sampling correction needed).
+    exact_logprobs: bool
+    # Generation happens in another process that only the trainer's process 0 talks to.
+    remote: bool
+
+    def weights_updated(self) -> None:
+        """The policy changed (an optimizer step): generate with the new weights from now on."""
+        ...
+
     def generate(
         self,
         prompts: list[list[int]],
@@ -86,11 +99,23 @@ def decode_completions(tokenizer, batch: RolloutBatch, prompts: list) -> list:
             for text, prompt in zip(texts, prompts)]
 
 
-def make_engine(name: str, model, tokenizer, eos_ids: list[int]) -> RolloutEngine:
-    if name == "transformers":
+def make_engine(rollout, model, tokenizer, eos_ids: list[int], model_name: str, main: bool = True) -> RolloutEngine | None:
+    """The engine of `rollout` (config.rollout) for the trainer's `model`. A server engine exists
+    on process 0 alone (None elsewhere): only it talks to the server."""
+    if rollout.engine == "transformers":
         from grpokit.rollout.transformers_engine import TransformersEngine
 
         return TransformersEngine(model, pad_id=tokenizer.pad_token_id, eos_ids=eos_ids)
-    raise ValueError(
-        f"rollout.engine={name!r} is not available; the engines implemented are: transformers"
-    )
+    if rollout.engine == "server":
+        if not main:
+            return None
+        from grpokit.rollout.client import ServerEngine
+
+        return ServerEngine(rollout.server_url, model, tokenizer.pad_token_id, rollout.server_timeout)
+    if rollout.engine == "vllm":
+        from grpokit.rollout.vllm_engine import VLLMEngine, model_path
+
+        return VLLMEngine(model_path(model_name), str(next(model.parameters()).dtype).removeprefix("torch."),
+                          tokenizer.pad_token_id, eos_ids, policy=model, sleep=rollout.vllm_sleep,
+                          gpu_memory_utilization=rollout.vllm_gpu_memory_utilization)
+    raise ValueError(f"rollout.engine={rollout.engine!r} is not one of: transformers, server, vllm")

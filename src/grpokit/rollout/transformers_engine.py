@@ -15,6 +15,7 @@ from transformers import DynamicCache
 
 from grpokit.logprobs import position_ids
 from grpokit.rollout import RolloutBatch, SamplingParams
+from grpokit.rollout.weights import checksum, named_weights
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -56,10 +57,32 @@ def sample_next(
 
 
 class TransformersEngine:
+    exact_logprobs = True
+    remote = False
+
     def __init__(self, model, pad_id: int, eos_ids: list[int]):
         self.model = model
         self.pad_id = pad_id
         self.eos_ids = torch.tensor(eos_ids)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def weights_updated(self) -> None:
+        pass  # it samples with the policy module itself
+
+    def weights_checksum(self) -> str:
+        return checksum(named_weights(self.model))
+
+    @torch.no_grad()
+    def load_weights(self, pairs) -> str:
+        """Copy each (name, tensor) of `pairs` into the model as it comes (one tensor in flight);
+        return the checksum of the model's weights after."""
+        params = dict(named_weights(self.model))
+        for name, tensor in pairs:
+            params[name].copy_(tensor)
+        return self.weights_checksum()
 
     @torch.no_grad()
     def generate(

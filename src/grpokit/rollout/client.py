@@ -1,0 +1,261 @@
+"""`rollout.engine=server`: generation by a `grpokit serve` process, over HTTP, with the trainer's
+weights pushed over a torch.distributed group (weights.py) before each generation that follows an
+optimizer update.
+
+- Every push is verified: the server answers the checksum of what it now generates with, and it
+  must equal the checksum of the trainer's parameters.
+- Waiting is bounded. A request gets no answer for `rollout.server_timeout` seconds: an error. The
+  server cannot be reached (refused, reset, down): retries with backoff (0.5 s doubling to 8 s)
+  for `rollout.server_timeout` seconds in all, then an error naming the URL.
+- A server that restarted (a new `boot_id`) or holds other weights answers "stale weights"; the
+  client then joins a new weight group, pushes the weights again, and repeats the request.
+- Only the trainer's process 0 makes an engine; the trainer hands the other processes their rows.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from urllib.parse import urlparse
+
+import torch
+from tqdm.auto import tqdm
+
+from grpokit.config import StartupError
+from grpokit.rollout import STALE_WEIGHTS, RolloutBatch, SamplingParams
+from grpokit.rollout.weights import WeightGroup, checksum, fingerprint, fingerprint_differences, layout, named_weights
+
+
+class RolloutServerError(RuntimeError):
+    """The rollout server cannot be used: down past the timeout, refusing, or out of sync."""
+
+
+class ServerEngine:
+    remote = True  # the trainer gathers a step's prompts on process 0 and shares the completions
+
+    def __init__(self, url: str, model: torch.nn.Module, pad_id: int, timeout_s: float):
+        self.url = url.rstrip("/")
+        self.model, self.pad_id, self.timeout_s = model, pad_id, timeout_s
+        self.fingerprint = fingerprint(model)
+        self.group: WeightGroup | None = None
+        self.boot_id: str | None = None  # the server run our weights were pushed to
+        self.version = 0  # pushes so far
+        self.dirty = True  # the policy changed since the last push (or nothing was pushed yet)
+        self.engine_name = self._check_server()
+        self.exact_logprobs = self.engine_name == "transformers"  # the trainer's own sampling code
+
+    # ---------------------------------------------------------------- HTTP with retries
+
+    def _request(self, path: str, body: dict | None = None, retry: bool = True) -> dict:
+        """One JSON request; connection failures are retried for `timeout_s` in all (`retry`). An
+        HTTP error status raises RolloutServerError with the server's reason (409 stale weights:
+        `_Stale`)."""
+        deadline, delay, last = time.monotonic() + (self.timeout_s if retry else 0), 0.5, None
+        data = None if body is None else json.dumps(body).encode()
+        while True:
+            request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                    return json.loads(response.read())
+            except urllib.error.HTTPError as e:
+                try:
+                    detail = json.loads(e.read()).get("detail", "")
+                except (ValueError, AttributeError):
+                    detail = e.reason
+                if e.code == 409 and detail == STALE_WEIGHTS:
+                    raise _Stale() from None
+                if e.code == 503 and time.monotonic() < deadline:  # busy or half-restarted: try again
+                    last = f"HTTP 503: {detail}"
+                else:
+                    raise RolloutServerError(f"the rollout server at {self.url} refused {path} (HTTP {e.code}): {detail}") from None
+            except (urllib.error.URLError, ConnectionError, http.client.HTTPException, socket.timeout, TimeoutError) as e:
+                reason = getattr(e, "reason", e)
+                if isinstance(reason, (socket.timeout, TimeoutError)):
+                    raise RolloutServerError(
+                        f"the rollout server at {self.url} did not answer {path} within rollout.server_timeout="
+                        f"{self.timeout_s:g} s") from None
+                last = str(reason)
+            if time.monotonic() + delay > deadline:
+                raise RolloutServerError(
+                    f"the rollout server at {self.url} cannot be reached ({last}); tried for rollout.server_timeout="
+                    f"{self.timeout_s:g} s. Start one with: grpokit serve --model <model.name> --port "
+                    f"{urlparse(self.url).port or 80}")
+            time.sleep(delay)
+            delay = min(2 * delay, 8.0)
+
+    def _check_server(self) -> str:
+        try:
+            health = self._request("/health")
+        except RolloutServerError as e:
+            raise StartupError(str(e)) from None
+        if differences := fingerprint_differences(health["fingerprint"], self.fingerprint):
+            raise StartupError(
+                f"the rollout server at {self.url} serves {health['model']}, which does not match model.name "
+                "(serve the same model and dtype):\n  " + "\n  ".join(d.replace("in the request", "in the trainer")
+                                                                       for d in differences))
+        return health["engine"]
+
+    # ---------------------------------------------------------------- weights
+
+    def weights_updated(self) -> None:
+        """The trainer changed the policy: push before the next generation."""
+        self.dirty = True
+
+    def _push(self) -> None:
+        """Join a weight group if there is none, send every tensor, and check the server's checksum.
+        Raises _PushFailed when the server went away meanwhile (the caller tries again)."""
+        health = self._request("/health")  # waits (bounded) for a server that is down
+        if self.group is None or health["boot_id"] != self.boot_id:
+            if self.boot_id is not None:
+                tqdm.write(f"grpokit: the rollout server at {self.url} restarted (or lost its weight group): "
+                           "joining a new group and pushing the weights again", file=sys.stderr)
+            try:
+                self._join_group()
+            except Exception as e:  # noqa: BLE001
+                raise _PushFailed(f"joining the weight group failed: {e}") from None
+            self.boot_id = health["boot_id"]
+        self.version += 1
+        weights = named_weights(self.model)
+        try:
+            answer = self._while_requesting("/weights/update", {"fingerprint": self.fingerprint,
+                                                                "weights_version": self.version,
+                                                                "tensors": layout(weights)},
+                                            lambda: self.group.send(weights))
+        except (RolloutServerError, RuntimeError) as e:  # the server died mid-transfer, or refused it
+            self.close()
+            raise _PushFailed(f"pushing the weights failed: {e}") from None
+        mine = checksum(weights)
+        if answer["checksum"] != mine:
+            raise RolloutServerError(
+                f"after weight push {self.version} the rollout server at {self.url} reports checksum "
+                f"{answer['checksum']}, the trainer's weights have {mine}: it would not generate with the "
+                "trainer's policy")
+        self.dirty = False
+
+    def _join_group(self) -> None:
+        if self.group is not None:
+            self.group.close()
+        host = _address_towards(urlparse(self.url).hostname or "127.0.0.1")
+        device = next(self.model.parameters()).device
+        store_port = _free_port(host)
+        self.group = None
+        group = []
+        self._while_requesting("/weights/group", {"fingerprint": self.fingerprint, "host": host, "port": store_port,
+                                                  "timeout_s": self.timeout_s},
+                               lambda: group.append(WeightGroup(host, store_port, 0, device, self.timeout_s)))
+        self.group = group[0]
+
+    def _while_requesting(self, path: str, body: dict, action) -> dict:
+        """POST `path` and run `action` (this side of a collective) at the same time."""
+        answer: dict = {}
+
+        def post():
+            try:
+                answer["ok"] = self._request(path, body, retry=False)  # the caller retries the whole push
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                answer["error"] = e
+
+        thread = threading.Thread(target=post, daemon=True)
+        thread.start()
+        try:
+            action()
+        except Exception:
+            thread.join(timeout=self.timeout_s)
+            if "error" in answer:
+                raise answer["error"] from None
+            raise
+        thread.join()
+        if "error" in answer:
+            raise answer["error"]
+        return answer["ok"]
+
+    # ---------------------------------------------------------------- generation
+
+    def generate(self, prompts: list[list[int]], n: int | Sequence[int], params: SamplingParams,
+                 seeds: Sequence[int] | None = None) -> RolloutBatch:
+        counts = [n] * len(prompts) if isinstance(n, int) else [int(k) for k in n]
+        body = {"fingerprint": self.fingerprint, "prompts": prompts, "n": counts,
+                "sampling": {"max_tokens": params.max_tokens, "temperature": params.temperature,
+                             "top_p": params.top_p, "top_k": params.top_k},
+                "seeds": None if seeds is None else [int(s) for s in seeds]}
+        failures = []
+        while len(failures) < 3:
+            try:
+                if self.dirty:
+                    self._push()
+                answer = self._request("/generate", {**body, "boot_id": self.boot_id, "weights_version": self.version})
+            except _Stale:  # restarted, or a push it did not finish: push again and repeat
+                failures.append(STALE_WEIGHTS)
+                self.dirty = True
+                continue
+            except _PushFailed as e:
+                failures.append(str(e))
+                self.dirty = True
+                continue
+            return from_completions(prompts, counts, answer["completions"], self.pad_id)
+        raise RolloutServerError(f"the rollout server at {self.url} could not be given the trainer's weights, 3 tries: "
+                                 + "; ".join(failures))
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+class _Stale(Exception):
+    pass
+
+
+class _PushFailed(Exception):
+    pass
+
+
+def from_completions(prompts: list[list[int]], counts: list[int], completions: list[dict], pad_id: int) -> RolloutBatch:
+    """A RolloutBatch from per-completion lists (token_ids, logprobs, entropies or None,
+    finish_reason), those of prompt i being the counts[i] after those of the prompts before it."""
+    N = sum(counts)
+    if len(completions) != N:
+        raise RolloutServerError(f"asked for {N} completions, got {len(completions)}")
+    prompt_index = torch.repeat_interleave(torch.arange(len(prompts)), torch.tensor(counts))  # (N,)
+    width = max(len(p) for p in prompts)
+    T = max(1, max(len(c["token_ids"]) for c in completions))
+    prompt_ids = torch.full((N, width), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((N, width), dtype=torch.long)
+    completion_ids = torch.full((N, T), pad_id, dtype=torch.long)
+    completion_mask = torch.zeros((N, T), dtype=torch.long)
+    logps = torch.zeros((N, T))
+    measured = all(c.get("entropies") is not None for c in completions)
+    entropies = torch.zeros((N, T)) if measured else None
+    for i, (p, c) in enumerate(zip(prompt_index.tolist(), completions)):
+        prompt, k = prompts[p], len(c["token_ids"])
+        prompt_ids[i, width - len(prompt):] = torch.tensor(prompt)
+        prompt_mask[i, width - len(prompt):] = 1
+        completion_ids[i, :k] = torch.tensor(c["token_ids"], dtype=torch.long)
+        completion_mask[i, :k] = 1
+        logps[i, :k] = torch.tensor(c["logprobs"], dtype=torch.float32)
+        if measured:
+            entropies[i, :k] = torch.tensor(c["entropies"], dtype=torch.float32)
+    return RolloutBatch(prompt_index, prompt_ids, prompt_mask, completion_ids, completion_mask, logps, entropies,
+                        [c["finish_reason"] for c in completions])
+
+
+def _address_towards(host: str) -> str:
+    """This machine's address on the route to `host` (where the server can reach our TCPStore)."""
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # UDP: picks the route, sends nothing
+        return s.getsockname()[0]
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

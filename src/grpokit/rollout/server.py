@@ -1,0 +1,192 @@
+"""`grpokit serve`: a rollout server. A trainer with `rollout.engine=server` sends it prompts and
+pushes it weights; it generates with any engine (transformers, or vLLM on a GPU).
+
+HTTP (FastAPI) carries control; tensors go over a torch.distributed group (weights.py).
+
+- `GET /health`: engine, model, fingerprint, `boot_id` (new at every start: a trainer sees a
+  restart), `weights_version` (the version last pushed; 0 = as loaded) and the weights' checksum.
+- `POST /generate`: prompts as token ids, a completion count per prompt, sampling parameters, one
+  seed per completion, the trainer's fingerprint and the `boot_id` / `weights_version` it expects.
+  Returns each completion's token ids, sampling log-probs, entropies (or null when the engine does
+  not measure them) and finish reason. Answers 409 when the fingerprint differs (the body lists
+  what differs) or when the weights are not the expected ones (`"stale weights"`: the trainer
+  pushes them again), 422 for a malformed request.
+- `POST /weights/group`: join the trainer's weight group (its TCPStore at host:port).
+- `POST /weights/update`: receive every tensor over the group, load them, and answer the new
+  version and checksum. Generation waits while weights change.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import torch
+from pydantic import BaseModel, Field
+
+from grpokit.rollout import STALE_WEIGHTS, SamplingParams
+from grpokit.rollout.weights import WeightGroup, fingerprint_differences, layout_hash
+
+class Sampling(BaseModel):
+    max_tokens: int = Field(ge=1)
+    temperature: float = Field(ge=0)
+    top_p: float = Field(gt=0, le=1)
+    top_k: int = Field(ge=0)
+
+
+class GenerateRequest(BaseModel):
+    fingerprint: dict
+    boot_id: str
+    weights_version: int
+    prompts: list[list[int]] = Field(min_length=1)
+    n: list[int]
+    sampling: Sampling
+    seeds: list[int] | None = None
+
+
+class GroupRequest(BaseModel):
+    fingerprint: dict
+    host: str
+    port: int
+    timeout_s: float = Field(gt=0)
+
+
+class UpdateRequest(BaseModel):
+    fingerprint: dict
+    weights_version: int = Field(ge=1)
+    tensors: list[list]  # weights.layout(): [name, shape, dtype] in the order they are sent
+
+
+class RolloutService:
+    """The server's state: one engine, its weights' version and checksum, and the weight group."""
+
+    def __init__(self, engine, engine_name: str, model_name: str, fingerprint: dict, vocab_size: int):
+        self.engine, self.engine_name, self.model_name = engine, engine_name, model_name
+        self.fingerprint, self.vocab_size = fingerprint, vocab_size
+        self.boot_id = uuid.uuid4().hex
+        self.version = 0
+        self.checksum = engine.weights_checksum()
+        self.group: WeightGroup | None = None
+        self.lock = threading.Lock()  # generation and a weight update never overlap
+
+    def health(self) -> dict:
+        return {"status": "ok", "engine": self.engine_name, "model": self.model_name, "fingerprint": self.fingerprint,
+                "boot_id": self.boot_id, "weights_version": self.version, "checksum": self.checksum}
+
+    def check_fingerprint(self, theirs: dict) -> None:
+        if differences := fingerprint_differences(self.fingerprint, theirs):
+            raise Refused(409, f"this server generates with model {self.model_name} ({self.engine_name}), which "
+                               "does not match the trainer's:\n  " + "\n  ".join(differences))
+
+    def generate(self, request: GenerateRequest) -> dict:
+        self.check_fingerprint(request.fingerprint)
+        if len(request.n) != len(request.prompts) or any(k < 1 for k in request.n):
+            raise Refused(422, f"n must hold one count >= 1 per prompt ({len(request.prompts)}), got {request.n}")
+        bad = [t for p in request.prompts for t in p if not 0 <= t < self.vocab_size]
+        if bad or not all(request.prompts):
+            raise Refused(422, f"prompt token ids must be non-empty lists of ids in [0, {self.vocab_size}); got {bad[:5]}")
+        params = SamplingParams(**request.sampling.model_dump())
+        if params.temperature > 0 and (request.seeds is None or len(request.seeds) != sum(request.n)):
+            raise Refused(422, f"sampling needs one seed per completion ({sum(request.n)})")
+        with self.lock:
+            if (request.boot_id, request.weights_version) != (self.boot_id, self.version):
+                raise Refused(409, STALE_WEIGHTS)
+            batch = self.engine.generate(request.prompts, request.n, params, request.seeds)
+        lengths = batch.completion_mask.sum(-1).tolist()
+        entropies = None if batch.entropies is None else batch.entropies.tolist()
+        return {
+            "boot_id": self.boot_id,
+            "weights_version": self.version,
+            "completions": [
+                {"token_ids": ids[:k], "logprobs": lps[:k], "entropies": None if entropies is None else entropies[i][:k],
+                 "finish_reason": reason}
+                for i, (ids, lps, k, reason) in enumerate(zip(batch.completion_ids.tolist(), batch.sampling_logps.tolist(),
+                                                              lengths, batch.finish_reasons))
+            ],
+        }
+
+    def join_group(self, request: GroupRequest) -> dict:
+        self.check_fingerprint(request.fingerprint)
+        with self.lock:
+            if self.group is not None:
+                self.group.close()
+                self.group = None
+            try:
+                self.group = WeightGroup(request.host, request.port, 1, self.engine.device, request.timeout_s)
+            except Exception as e:  # noqa: BLE001 - reported to the trainer, which owns the error
+                raise Refused(503, f"could not join the weight group at {request.host}:{request.port}: {e}") from None
+        return {"joined": True}
+
+    def update(self, request: UpdateRequest) -> dict:
+        self.check_fingerprint(request.fingerprint)
+        with self.lock:
+            if self.group is None:
+                raise Refused(409, "no weight group: POST /weights/group first")
+            if layout_hash(request.tensors) != self.fingerprint["parameters"]:
+                raise Refused(422, "the tensors announced do not match this model's parameters")
+            try:
+                checksum = self.engine.load_weights(self.group.receive(request.tensors))
+            except Exception as e:  # noqa: BLE001
+                self.group.close()
+                self.group = None
+                self.version = -1  # what it generates with is unknown: every generation is refused as stale
+                raise Refused(503, f"receiving weights failed: {e}") from None
+            self.version, self.checksum = request.weights_version, checksum
+        return {"weights_version": self.version, "checksum": self.checksum}
+
+
+class Refused(Exception):
+    def __init__(self, status: int, detail: str):
+        super().__init__(detail)
+        self.status, self.detail = status, detail
+
+
+def make_app(service: RolloutService):
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
+
+    app = FastAPI(title="grpokit rollout server")
+
+    @app.exception_handler(Refused)
+    async def refused(_: Request, error: Refused):
+        return JSONResponse(status_code=error.status, content={"detail": error.detail})
+
+    # Plain `def` endpoints run in FastAPI's thread pool: a long generation does not block /health.
+    app.get("/health")(service.health)
+    app.post("/generate")(service.generate)
+    app.post("/weights/group")(service.join_group)
+    app.post("/weights/update")(service.update)
+    return app
+
+
+def serve(model_name: str, engine_name: str, host: str, port: int, dtype: str) -> None:
+    """Load the model, build the engine, and serve until interrupted."""
+    import uvicorn
+
+    from grpokit.models import eos_token_ids, load_model, load_tokenizer
+    from grpokit.rollout.transformers_engine import TransformersEngine
+    from grpokit.rollout.weights import fingerprint
+
+    tokenizer = load_tokenizer(model_name)
+    if engine_name == "vllm":
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from grpokit.models import DTYPES
+        from grpokit.rollout.vllm_engine import VLLMEngine, model_path
+
+        path = model_path(model_name)
+        config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):  # names and shapes only, for the fingerprint
+            shapes = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+        fp = fingerprint(shapes)
+        engine = VLLMEngine(path, dtype, tokenizer.pad_token_id, eos_token_ids(shapes, tokenizer))
+    else:
+        # requires_grad stays on, as on the trainer's policy: PyTorch runs other CPU kernels for
+        # parameters without it (measured: log-probs differ in the last bits), and the server must
+        # sample exactly as the trainer's own engine would. Generation runs under no_grad anyway.
+        model = load_model(model_name, dtype).eval()
+        engine = TransformersEngine(model, tokenizer.pad_token_id, eos_token_ids(model, tokenizer))
+        fp = fingerprint(model)
+    service = RolloutService(engine, engine_name, model_name, fp, fp["vocab_size"])
+    print(f"grpokit serve: {model_name} ({engine_name}, {dtype}) on http://{host}:{port}", flush=True)
+    uvicorn.run(make_app(service), host=host, port=port, log_level="warning")

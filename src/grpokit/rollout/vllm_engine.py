@@ -1,0 +1,192 @@
+"""`rollout.engine=vllm` (in the training process) and `grpokit serve --engine vllm`: generation
+with vLLM's offline `LLM` API. Needs a GPU and `pip install 'grpokit[vllm]'`.
+
+- Requests: each sampled completion is its own request (`SamplingParams(n=1, seed=...)`) so that
+  what it samples depends on its seed alone, as with every engine (rollout/__init__.py); vLLM's
+  prefix cache computes the prompt they share once. Greedy requests (no seeds) ask for `n`
+  completions of a prompt in one request.
+- Log-probs: `SamplingParams(logprobs=0)` returns the sampled token's log-prob, and the engine is
+  built with `logprobs_mode="processed_logprobs"`, so it is the log-prob under the distribution
+  actually sampled from (after temperature, top-k, top-p), the trainer's `sampling_logps`. vLLM's
+  kernels differ from the trainer's, so these differ from the trainer's log-probs: the trainer
+  corrects with truncated importance sampling (loss.py, `rollout.is_correction`).
+- Entropies are not measured by vLLM: the `entropy` metric is left out with this engine.
+- Weights: `load_weights` hands (name, tensor) pairs to the model inside vLLM's worker through
+  `LLM.collective_rpc`; vLLM's model classes take Hugging Face checkpoint names and fuse q/k/v and
+  gate/up themselves. `vllm_name` strips the wrappers a trainer's names can carry.
+- Sleep mode (`enable_sleep_mode=True`): in the training process, vLLM's weights and KV cache are
+  released while the trainer updates (`sleep(level=2)`); before the next generation the weights
+  are woken, loaded, then the KV cache (`wake_up(tags=...)`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from grpokit.config import StartupError
+from grpokit.rollout import RolloutBatch, SamplingParams
+from grpokit.rollout.weights import Checksum
+
+# Wrappers that put a prefix or infix on parameter names: DDP / accelerate, torch.compile, PEFT.
+_PREFIXES = ("module.", "_orig_mod.", "base_model.model.")
+
+
+def import_vllm():
+    try:
+        import vllm
+    except ImportError:
+        raise StartupError(
+            "rollout.engine=vllm needs vLLM, which runs on GPUs: pip install 'grpokit[vllm]' (on CPU use "
+            "rollout.engine=transformers)") from None
+    return vllm
+
+
+def vllm_name(name: str) -> str:
+    """A trainer's parameter name as vLLM's `load_weights` expects it (a Hugging Face checkpoint name)."""
+    changed = True
+    while changed:
+        changed = False
+        for prefix in _PREFIXES:
+            if name.startswith(prefix):
+                name, changed = name[len(prefix):], True
+    return name.replace(".base_layer.", ".")  # a PEFT-wrapped linear, after its adapter is merged
+
+
+def sampling_params(vllm, params: SamplingParams, n: int, seed: int | None, stop_token_ids: list[int]):
+    return vllm.SamplingParams(
+        n=n,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k if params.top_k > 0 else -1,  # -1: off, in every vLLM version
+        max_tokens=params.max_tokens,
+        logprobs=0,  # the sampled token's own log-prob
+        seed=seed,
+        stop_token_ids=stop_token_ids,
+        detokenize=False,
+    )
+
+
+def build_requests(vllm, prompts: list[list[int]], counts: list[int], params: SamplingParams,
+                   seeds: Sequence[int] | None, stop_token_ids: list[int]):
+    """(prompts, sampling params) for `LLM.generate`: one request per completion when seeded,
+    one per prompt (n = its count) when greedy."""
+    from vllm.inputs import TokensPrompt
+
+    if seeds is None:
+        return ([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                [sampling_params(vllm, params, k, None, stop_token_ids) for k in counts])
+    requests, sampling, i = [], [], 0
+    for prompt, k in zip(prompts, counts):
+        for _ in range(k):
+            requests.append(TokensPrompt(prompt_token_ids=prompt))
+            sampling.append(sampling_params(vllm, params, 1, int(seeds[i]), stop_token_ids))
+            i += 1
+    return requests, sampling
+
+
+def to_completions(outputs) -> list[dict]:
+    """vLLM `RequestOutput`s, in request order, as per-completion dicts (client.from_completions)."""
+    completions = []
+    for output in outputs:
+        for sample in output.outputs:
+            ids = list(sample.token_ids)
+            if sample.logprobs is None or len(sample.logprobs) != len(ids):
+                raise RuntimeError("vLLM returned no log-prob for some sampled tokens (SamplingParams.logprobs=0 was set)")
+            completions.append({
+                "token_ids": ids,
+                "logprobs": [step[token].logprob for step, token in zip(sample.logprobs, ids)],
+                "entropies": None,
+                "finish_reason": "length" if sample.finish_reason == "length" else "stop",
+            })
+    return completions
+
+
+def model_path(name: str) -> str:
+    """A folder or Hub id vLLM can load for model.name (it builds its own model from it)."""
+    from grpokit.models import BUNDLED, TINY, bundled_model_path
+
+    if name == TINY:
+        raise StartupError("rollout.engine=vllm needs a model vLLM can load from a folder or the Hub; "
+                           "tiny-random exists only in memory")
+    return str(bundled_model_path()) if name == BUNDLED else name
+
+
+def _load_into_worker(worker, pairs):
+    worker.model_runner.model.load_weights(weights=pairs)
+
+
+class VLLMEngine:
+    exact_logprobs = False  # vLLM's kernels: the trainer needs the importance-sampling correction
+    remote = False
+
+    def __init__(self, model_path: str, dtype: str, pad_id: int, eos_ids: list[int], *, policy=None,
+                 sleep: bool = False, gpu_memory_utilization: float = 0.5, max_model_len: int | None = None,
+                 seed: int = 0):
+        """`policy`: in the training process, the trainer's model, whose weights are loaded before
+        a generation that follows `weights_updated()`; None in a server (weights are pushed)."""
+        # One process: the engine's worker lives in this process, so collective_rpc passes tensors by reference.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        vllm = import_vllm()
+        if not torch.cuda.is_available():
+            raise StartupError("rollout.engine=vllm needs a CUDA GPU; on CPU use rollout.engine=transformers")
+        self.vllm, self.pad_id, self.eos_ids, self.sleeps = vllm, pad_id, list(eos_ids), sleep
+        self.llm = vllm.LLM(model=model_path, dtype=dtype, seed=seed, enable_sleep_mode=sleep,
+                            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                            logprobs_mode="processed_logprobs", enable_prefix_caching=True)
+        self.device = torch.device("cuda")
+        self.checksum: str | None = None  # of the last weights loaded; None: as read from model_path
+        self.asleep = False
+        self.policy = policy
+        self.dirty = policy is not None  # a resumed policy differs from model_path's weights
+
+    def weights_updated(self) -> None:
+        self.dirty = self.policy is not None
+
+    def weights_checksum(self) -> str | None:
+        """vLLM holds fused tensors under its own names: the checksum is that of the last weights
+        loaded, as they arrived; None until then (the weights of model_path)."""
+        return self.checksum
+
+    def load_weights(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> str:
+        """Load (name, tensor) pairs as they arrive; returns the checksum of what was loaded."""
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+        digest = Checksum()
+
+        def named():
+            for name, tensor in pairs:
+                digest.add(name, tensor)
+                yield vllm_name(name), tensor
+
+        self.llm.collective_rpc(_load_into_worker, args=(named(),))
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        self.checksum = digest.hexdigest()
+        return self.checksum
+
+    def sleep(self) -> None:
+        """Free vLLM's GPU memory while the trainer updates (weights are pushed again after)."""
+        if self.sleeps and not self.asleep and self.policy is not None:
+            self.llm.sleep(level=2)  # level 2 drops the weights too: the next generation loads the policy's
+            self.asleep = True
+            self.dirty = True
+
+    def generate(self, prompts: list[list[int]], n: int | Sequence[int], params: SamplingParams,
+                 seeds: Sequence[int] | None = None) -> RolloutBatch:
+        from grpokit.rollout.client import from_completions
+
+        if self.dirty:
+            from grpokit.rollout.weights import named_weights
+
+            self.load_weights(named_weights(self.policy))
+            self.dirty = False
+        if self.asleep:
+            raise RuntimeError("vLLM is asleep: load the weights (load_weights) before generating")
+        counts = [n] * len(prompts) if isinstance(n, int) else [int(k) for k in n]
+        requests, sampling = build_requests(self.vllm, prompts, counts, params, seeds, self.eos_ids)
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        return from_completions(prompts, counts, to_completions(outputs), self.pad_id)

@@ -1,0 +1,115 @@
+"""Weights between the trainer and a rollout engine in another process: their identity, their
+checksum, and the torch.distributed group that carries them.
+
+- `fingerprint(model)`: what must match for a server to generate for a trainer: architecture,
+  vocabulary size, dtype, and every parameter's name and shape. A server refuses a request whose
+  fingerprint differs from its own, listing the differences.
+- `checksum(named_tensors)`: the identity of the values. A CRC-32 of every tensor's bytes (zlib:
+  ~5 GB/s on one core), combined in name order with names, dtypes and shapes by SHA-256. The
+  trainer computes it over its parameters after pushing them and compares it with the one the
+  server computed over what it now generates with: equal means the same bits, tensor by tensor.
+- `WeightGroup`: a two-process group (trainer rank 0 = rank 0, server = rank 1) built from its
+  own TCPStore, separate from any data-parallel group the trainer has: gloo on CPU, NCCL when both
+  sides are on GPUs. HTTP only carries the control messages; the tensors go over this group, one
+  broadcast per tensor, in the order of `fingerprint`'s names.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import zlib
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+
+def named_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of the model's checkpoint (parameters and persistent buffers) by name; a tied
+    tensor once, under its first name."""
+    seen, out = set(), []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        out.append((name, tensor))
+    return out
+
+
+def layout(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[list]:
+    """[name, shape, dtype] of each tensor, in order: what a receiver allocates."""
+    return [[name, list(t.shape), str(t.dtype).removeprefix("torch.")] for name, t in named_tensors]
+
+
+def layout_hash(entries: Iterable[list]) -> str:
+    return hashlib.sha256(repr([(name, tuple(shape)) for name, shape, *_ in entries]).encode()).hexdigest()[:16]
+
+
+def fingerprint(model: torch.nn.Module) -> dict:
+    """Works on a model on the meta device too (a server whose engine keeps its own tensors)."""
+    config = model.config
+    return {
+        "architecture": (getattr(config, "architectures", None) or [type(model).__name__])[0],
+        "vocab_size": int(config.vocab_size),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "parameters": layout_hash(layout(named_weights(model))),
+    }
+
+
+def fingerprint_differences(mine: dict, theirs: dict) -> list[str]:
+    return [f"{key}: {theirs.get(key)!r} in the request, {mine.get(key)!r} here"
+            for key in ("architecture", "vocab_size", "dtype", "parameters") if mine.get(key) != theirs.get(key)]
+
+
+class Checksum:
+    """Add (name, tensor) pairs in order; `hexdigest()` identifies their names, dtypes, shapes and bytes."""
+
+    def __init__(self):
+        self.digest = hashlib.sha256()
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        data = tensor.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy()  # (bytes,)
+        self.digest.update(f"{name}:{str(tensor.dtype)}:{tuple(tensor.shape)}:{zlib.crc32(data):08x};".encode())
+
+    def hexdigest(self) -> str:
+        return self.digest.hexdigest()[:32]
+
+
+def checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    total = Checksum()
+    for name, tensor in named_tensors:
+        total.add(name, tensor)
+    return total.hexdigest()
+
+
+class WeightGroup:
+    """One side of the trainer-server weight group. The trainer (rank 0) hosts the TCPStore on
+    `port`; the server (rank 1) connects to it. Both constructors block until both sides are in."""
+
+    def __init__(self, host: str, port: int, rank: int, device: torch.device, timeout_s: float):
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(host, port, 2, rank == 0, timeout=timeout, wait_for_workers=False)
+        self.rank = rank
+        if device.type == "cuda":
+            self.group = dist.ProcessGroupNCCL(self.store, rank, 2)
+        else:
+            self.group = dist.ProcessGroupGloo(self.store, rank, 2, timeout)
+        self.device = device
+
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for _, tensor in named_tensors:
+            self.group.broadcast(tensor.detach().contiguous(), 0).wait()
+
+    def receive(self, entries: list[list]):
+        """Yield (name, tensor) as each of `layout` entries arrives, for the engine to load one at a time."""
+        for name, shape, dtype in entries:
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+            self.group.broadcast(tensor, 0).wait()
+            yield name, tensor
+
+    def close(self) -> None:
+        try:
+            self.group.shutdown()
+        except (AttributeError, RuntimeError):
+            pass

@@ -1,0 +1,265 @@
+"""rollout.engine=server against a real `grpokit serve` on 127.0.0.1: the run equals the in-process
+engine's, bit for bit; every push is verified by checksum; a server killed and restarted mid-run is
+survived; a wrong model, a server that is down or mute, and malformed requests give clear errors
+within bounded time."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from grpokit.cli import main
+from grpokit.rollout.weights import checksum, named_weights
+
+pytest.importorskip("fastapi", reason="the server needs: pip install 'grpokit[server]'")
+
+TESTS = Path(__file__).parent
+RUN = ["--no-progress", "model.name=tiny-random", "reward.functions=[length]", "train.prompts_per_step=2",
+       "rollout.num_generations=4", "data.eval_size=4", "train.eval_every=2"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url: str, path: str = "/health") -> dict:
+    with urllib.request.urlopen(url + path, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def post(url: str, path: str, body) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+class Server:
+    """`grpokit serve` in its own process; `restart()` kills it (SIGKILL) and starts a new one."""
+
+    def __init__(self, *args: str):
+        self.args, self.port = args, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.start()
+
+    def start(self):
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "grpokit", "serve", "--model", "tiny-random", "--port", str(self.port), *self.args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                return get(self.url)
+            except (urllib.error.URLError, ConnectionError):
+                assert self.process.poll() is None, self.process.stdout.read()
+                time.sleep(0.2)
+        raise AssertionError("the server did not start in 120 s")
+
+    def kill(self):
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=30)
+
+    def stop(self):
+        if self.process.poll() is None:
+            self.kill()
+
+
+@pytest.fixture
+def server():
+    servers = []
+
+    def make(*args):
+        servers.append(Server(*args))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.stop()
+
+
+def final_weights(run: Path) -> dict:
+    return load_file(run / "final" / "model.safetensors")
+
+
+def metrics(run: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if "time" not in k} for r in rows]
+
+
+def test_a_server_run_equals_the_in_process_run(server, tmp_path):
+    s = server()
+    assert main(["train", *RUN, "train.max_steps=3", f"train.output_dir={tmp_path / 'local'}"]) == 0
+    assert main(["train", *RUN, "train.max_steps=3", "rollout.engine=server", f"rollout.server_url={s.url}",
+                 f"train.output_dir={tmp_path / 'served'}"]) == 0
+    # Same seeds, same weights (each push verified), the same sampling code: the same run, bit for bit.
+    assert metrics(tmp_path / "served") == metrics(tmp_path / "local")
+    local, served = final_weights(tmp_path / "local"), final_weights(tmp_path / "served")
+    assert all(torch.equal(local[k], served[k]) for k in local)
+    from grpokit.models import load_model
+
+    start = dict(named_weights(load_model("tiny-random")))
+    assert any(not torch.equal(start[k], v) for k, v in served.items() if k in start)  # training moved them
+    health = get(s.url)
+    # Pushes: before the step-0 evaluation, then after each of the 3 updates; the last one verified
+    # against the trainer's final weights, here recomputed from the saved model.
+    assert health["weights_version"] == 4
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "served" / "final")
+    assert health["checksum"] == checksum(named_weights(model))
+
+
+def test_the_trainer_checks_every_push(tmp_path, monkeypatch):
+    """A server that generates with other weights than those pushed is caught at the first push."""
+    import uvicorn
+
+    from grpokit.models import eos_token_ids, load_model, load_tokenizer
+    from grpokit.rollout.server import RolloutService, make_app
+    from grpokit.rollout.transformers_engine import TransformersEngine
+    from grpokit.rollout.weights import fingerprint
+
+    class Corrupting(TransformersEngine):
+        def load_weights(self, pairs):
+            def changed():
+                for name, tensor in pairs:
+                    yield name, tensor + (1e-3 if name.endswith("norm.weight") else 0)
+            return super().load_weights(changed())
+
+    model, tokenizer = load_model("tiny-random"), load_tokenizer("tiny-random")
+    engine = Corrupting(model, tokenizer.pad_token_id, eos_token_ids(model, tokenizer))
+    port = free_port()
+    app = make_app(RolloutService(engine, "transformers", "tiny-random", fingerprint(model), 49152))
+    http = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    try:
+        while not http.started:
+            time.sleep(0.05)
+        from grpokit.rollout.client import RolloutServerError
+
+        with pytest.raises(RolloutServerError, match="reports checksum .* the trainer's weights have"):
+            main(["train", *RUN, "train.max_steps=1", "rollout.engine=server",
+                  f"rollout.server_url=http://127.0.0.1:{port}", f"train.output_dir={tmp_path / 'run'}"])
+    finally:
+        http.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_a_server_killed_and_restarted_mid_run_is_survived(server, tmp_path):
+    s = server()
+    steps = ["train.max_steps=12", "data.eval_size=0"]
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "grpokit", "train", *RUN, *steps, "rollout.engine=server",
+         f"rollout.server_url={s.url}", "rollout.server_timeout=60", f"train.output_dir={tmp_path / 'served'}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    log = tmp_path / "served" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (log.exists() and len(log.read_text().splitlines()) >= 3):
+        assert time.monotonic() < deadline and trainer.poll() is None, trainer.communicate()
+        time.sleep(0.05)
+    s.kill()
+    time.sleep(1.0)  # the trainer meets a dead server and retries
+    s.start()
+    out, err = trainer.communicate(timeout=180)
+    assert trainer.returncode == 0, err[-3000:]
+    assert "restarted" in err and "pushing the weights again" in err
+    assert len(metrics(tmp_path / "served")) == 12
+    # The new server got the same weights, so the run is the uninterrupted one.
+    assert main(["train", *RUN, *steps, f"train.output_dir={tmp_path / 'local'}"]) == 0
+    assert metrics(tmp_path / "served") == metrics(tmp_path / "local")
+    local, served = final_weights(tmp_path / "local"), final_weights(tmp_path / "served")
+    assert all(torch.equal(local[k], served[k]) for k in local)
+
+
+def test_a_mismatched_model_is_refused(server, tmp_path, capsys):
+    s = server("--dtype", "float64")
+    code = main(["train", *RUN, "train.max_steps=1", "rollout.engine=server", f"rollout.server_url={s.url}",
+                 f"train.output_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "does not match model.name" in err and "dtype: 'float32' in the trainer, 'float64' here" in err
+    # The server refuses such a request by itself, too.
+    fp = {**get(s.url)["fingerprint"], "vocab_size": 32000}
+    status, body = post(s.url, "/generate", {"fingerprint": fp, "boot_id": "x", "weights_version": 0,
+                                             "prompts": [[1, 2]], "n": [1], "seeds": [0],
+                                             "sampling": {"max_tokens": 2, "temperature": 1, "top_p": 1, "top_k": 0}})
+    assert status == 409 and "vocab_size: 32000 in the request, 49152 here" in body["detail"]
+
+
+def test_malformed_requests_get_422_with_the_reason(server):
+    s = server()
+    health = get(s.url)
+    good = {"fingerprint": health["fingerprint"], "boot_id": health["boot_id"], "weights_version": 0,
+            "prompts": [[1, 2, 3]], "n": [2], "seeds": [5, 6],
+            "sampling": {"max_tokens": 3, "temperature": 1.0, "top_p": 1.0, "top_k": 0}}
+    status, body = post(s.url, "/generate", good)
+    assert status == 200 and len(body["completions"]) == 2
+    assert all(len(c["token_ids"]) == len(c["logprobs"]) <= 3 for c in body["completions"])
+    for bad, reason in [
+        (b"{not json", "JSON decode error"),
+        ({**good, "prompts": "hello"}, "prompts"),
+        ({**good, "prompts": [[1, 99999999]]}, "prompt token ids must be"),
+        ({**good, "n": [2, 2]}, "n must hold one count"),
+        ({**good, "seeds": [1]}, "one seed per completion"),
+        ({**good, "sampling": {**good["sampling"], "top_p": 0}}, "top_p"),
+    ]:
+        status, body = post(s.url, "/generate", bad)
+        assert status == 422 and reason in json.dumps(body), (reason, body)
+    status, body = post(s.url, "/generate", {**good, "weights_version": 3})
+    assert status == 409 and body["detail"] == "stale weights"
+
+
+def test_a_server_that_is_down_or_mute_is_a_clear_error_in_bounded_time(tmp_path, capsys):
+    port = free_port()  # nothing listens there
+    start = time.monotonic()
+    code = main(["train", *RUN, "train.max_steps=1", "rollout.engine=server",
+                 f"rollout.server_url=http://127.0.0.1:{port}", "rollout.server_timeout=2",
+                 f"train.output_dir={tmp_path / 'down'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"the rollout server at http://127.0.0.1:{port} cannot be reached" in err
+    assert f"grpokit serve --model <model.name> --port {port}" in err
+    assert time.monotonic() - start < 30
+    with socket.socket() as mute:  # accepts connections, never answers
+        mute.bind(("127.0.0.1", 0))
+        mute.listen()
+        start = time.monotonic()
+        code = main(["train", *RUN, "train.max_steps=1", "rollout.engine=server",
+                     f"rollout.server_url=http://127.0.0.1:{mute.getsockname()[1]}", "rollout.server_timeout=2",
+                     f"train.output_dir={tmp_path / 'mute'}"])
+    assert code == 2 and "did not answer /health within rollout.server_timeout=2 s" in capsys.readouterr().err
+    assert time.monotonic() - start < 30
+
+
+def test_two_trainer_processes_share_one_server(server, tmp_path):
+    """Process 0 alone talks to the server; process 1 gets its rows. The 2-process run equals the
+    1-process run (float64: the sums over processes agree to rounding)."""
+    s = server("--dtype", "float64")
+    args = [*RUN, "model.dtype=float64", "train.max_steps=2", "rollout.engine=server", f"rollout.server_url={s.url}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for nproc in (1, 2):
+        result = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+             "-m", "grpokit", "train", *args, f"train.output_dir={tmp_path / f'p{nproc}'}"],
+            capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+    one, two = metrics(tmp_path / "p1"), metrics(tmp_path / "p2")
+    assert len(one) == len(two) == 4  # evaluations at steps 0 and 2, steps 1 and 2
+    for a, b in zip(one, two):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert b[key] == pytest.approx(a[key], rel=1e-9, abs=1e-12), key

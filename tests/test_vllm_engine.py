@@ -1,0 +1,192 @@
+"""The vLLM engine's CPU-testable parts, with vLLM's classes replaced at the boundary only (vLLM needs
+a GPU): request building, result conversion, weight names and loading, sleep mode; the trainer's
+importance-sampling correction for an engine whose log-probs are not its own."""
+
+import json
+import sys
+import types
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from grpokit.cli import main
+from grpokit.rollout import SamplingParams
+from grpokit.rollout.weights import checksum, named_weights
+
+
+class FakeSamplingParams:
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
+
+
+@dataclass
+class Logprob:
+    logprob: float
+
+
+@dataclass
+class CompletionOutput:
+    token_ids: list
+    logprobs: list | None
+    finish_reason: str
+
+
+@dataclass
+class RequestOutput:
+    outputs: list
+
+
+@dataclass
+class Worker:
+    loaded: list = field(default_factory=list)
+
+    @property
+    def model_runner(self):
+        return types.SimpleNamespace(model=types.SimpleNamespace(load_weights=lambda weights: self.loaded.extend(
+            (name, tensor.clone()) for name, tensor in weights)))
+
+
+class FakeLLM:
+    """Records what grpokit asks of vLLM's `LLM`; generates token 5 + i for completion i."""
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.calls, self.worker = kwargs, [], Worker()
+
+    def generate(self, prompts, sampling, use_tqdm=True):
+        self.calls.append(("generate", prompts, sampling))
+        outputs = []
+        for i, (prompt, params) in enumerate(zip(prompts, sampling)):
+            samples = []
+            for j in range(params.n):
+                ids = [5 + i, 6 + j][: params.max_tokens]
+                samples.append(CompletionOutput(ids, [{t: Logprob(-0.5 * (k + 1))} for k, t in enumerate(ids)],
+                                                "length" if len(ids) == params.max_tokens else "stop"))
+            outputs.append(RequestOutput(samples))
+        return outputs
+
+    def collective_rpc(self, method, args=()):
+        self.calls.append(("collective_rpc",))
+        return [method(self.worker, *args)]
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tuple(tags)))
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    vllm = types.ModuleType("vllm")
+    vllm.SamplingParams, vllm.LLM = FakeSamplingParams, FakeLLM
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}  # a TypedDict in vLLM
+    vllm.inputs = inputs
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    return vllm
+
+
+def test_requests_one_per_seeded_completion_or_n_per_greedy_prompt(fake_vllm):
+    from grpokit.rollout.vllm_engine import build_requests
+
+    params = SamplingParams(max_tokens=4, temperature=0.7, top_p=0.9, top_k=0)
+    prompts, sampling = build_requests(fake_vllm, [[1, 2], [3]], [2, 1], params, [7, 8, 9], [2])
+    assert prompts == [{"prompt_token_ids": [1, 2]}] * 2 + [{"prompt_token_ids": [3]}]
+    assert [(s.n, s.seed) for s in sampling] == [(1, 7), (1, 8), (1, 9)]
+    s = sampling[0]
+    assert (s.temperature, s.top_p, s.top_k, s.max_tokens, s.logprobs, s.stop_token_ids, s.detokenize) == \
+        (0.7, 0.9, -1, 4, 0, [2], False)
+    prompts, sampling = build_requests(fake_vllm, [[1, 2], [3]], [2, 1], SamplingParams(4, 0.0, top_k=5), None, [2])
+    assert len(prompts) == 2 and [(s.n, s.seed, s.top_k, s.temperature) for s in sampling] == [(2, None, 5, 0.0), (1, None, 5, 0.0)]
+
+
+def test_outputs_become_a_rollout_batch():
+    from grpokit.rollout.client import from_completions
+    from grpokit.rollout.vllm_engine import to_completions
+
+    outputs = [RequestOutput([CompletionOutput([11, 12, 2], [{11: Logprob(-0.1)}, {12: Logprob(-0.2)}, {2: Logprob(-0.3)}], "stop")]),
+               RequestOutput([CompletionOutput([13], [{13: Logprob(-1.5)}], "length"),
+                              CompletionOutput([14, 15], [{14: Logprob(-2.0)}, {15: Logprob(-2.5)}], "abort")])]
+    completions = to_completions(outputs)
+    assert [c["finish_reason"] for c in completions] == ["stop", "length", "stop"]
+    batch = from_completions([[1, 2, 3], [4]], [1, 2], completions, pad_id=0)
+    assert batch.prompt_index.tolist() == [0, 1, 1]
+    assert batch.prompt_ids.tolist() == [[1, 2, 3], [0, 0, 4], [0, 0, 4]]  # left-padded
+    assert batch.prompt_mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 0, 1]]
+    assert batch.completion_ids.tolist() == [[11, 12, 2], [13, 0, 0], [14, 15, 0]]  # right-padded
+    assert batch.completion_mask.tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0]]
+    torch.testing.assert_close(batch.sampling_logps, torch.tensor([[-0.1, -0.2, -0.3], [-1.5, 0, 0], [-2.0, -2.5, 0]]))
+    assert batch.entropies is None and batch.finish_reasons == ["stop", "length", "stop"]
+    with pytest.raises(RuntimeError, match="no log-prob"):
+        to_completions([RequestOutput([CompletionOutput([11], None, "stop")])])
+
+
+def test_weight_names_lose_their_wrappers():
+    from grpokit.rollout.vllm_engine import vllm_name
+
+    assert vllm_name("module._orig_mod.model.layers.0.self_attn.q_proj.weight") == "model.layers.0.self_attn.q_proj.weight"
+    assert vllm_name("base_model.model.model.layers.3.mlp.up_proj.base_layer.weight") == "model.layers.3.mlp.up_proj.weight"
+    assert vllm_name("lm_head.weight") == "lm_head.weight"
+
+
+def test_the_engine_loads_the_policy_before_generating_and_sleeps_through_updates(fake_vllm, tiny):
+    from grpokit.rollout.vllm_engine import VLLMEngine
+
+    policy, tokenizer = tiny
+    engine = VLLMEngine("/models/x", "float32", tokenizer.pad_token_id, [2], policy=policy, sleep=True,
+                        gpu_memory_utilization=0.3)
+    llm = engine.llm
+    assert llm.kwargs["logprobs_mode"] == "processed_logprobs" and llm.kwargs["enable_sleep_mode"] is True
+    assert llm.kwargs["gpu_memory_utilization"] == 0.3 and llm.kwargs["model"] == "/models/x"
+    assert engine.exact_logprobs is False
+
+    batch = engine.generate([[1, 2, 3]], 2, SamplingParams(2), [10, 11])
+    # A resumed policy differs from the model folder's weights: loaded before the first generation.
+    assert [c[0] for c in llm.calls] == ["collective_rpc", "generate"]
+    assert [n for n, _ in llm.worker.loaded] == [n for n, _ in named_weights(policy)]
+    assert engine.weights_checksum() == checksum(named_weights(policy))
+    assert batch.completion_ids.tolist() == [[5, 6], [6, 6]] and batch.finish_reasons == ["length", "length"]
+
+    engine.generate([[1]], 1, SamplingParams(2), [3])  # nothing changed: nothing loaded
+    assert [c[0] for c in llm.calls][-1] == "generate" and [c[0] for c in llm.calls].count("collective_rpc") == 1
+    llm.calls.clear()
+    engine.sleep()  # the trainer's update begins: weights and KV cache go
+    with torch.no_grad():
+        next(policy.parameters()).add_(1.0)
+    engine.weights_updated()
+    engine.generate([[1]], 1, SamplingParams(2), [3])
+    assert [c[:1] if c[0] == "generate" else c for c in llm.calls] == [
+        ("sleep", 2), ("wake_up", ("weights",)), ("collective_rpc",), ("wake_up", ("kv_cache",)), ("generate",)]
+    assert engine.weights_checksum() == checksum(named_weights(policy))
+    with torch.no_grad():
+        next(policy.parameters()).sub_(1.0)
+
+
+def test_vllm_missing_is_a_clear_startup_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    code = main(["train", "--no-progress", "model.name=smollm2-135m-instruct", "rollout.engine=vllm",
+                 "train.max_steps=1", f"train.output_dir={tmp_path / 'run'}"])
+    assert code == 2 and "rollout.engine=vllm needs vLLM" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("correct", [True, False])
+def test_the_trainer_corrects_an_engine_whose_logprobs_are_not_its_own(tmp_path, monkeypatch, correct):
+    """Here the in-process engine poses as inexact: its sampling log-probs are the trainer's to float
+    rounding, so every weight is ~1 and logged; with is_correction off nothing is logged."""
+    from grpokit.rollout.transformers_engine import TransformersEngine
+
+    monkeypatch.setattr(TransformersEngine, "exact_logprobs", False)
+    run = tmp_path / "run"
+    assert main(["train", "--no-progress", "model.name=tiny-random", "reward.functions=[length]", "train.max_steps=2",
+                 "train.prompts_per_step=2", "rollout.num_generations=4", "data.eval_size=0",
+                 f"rollout.is_correction={str(correct).lower()}", f"train.output_dir={run}"]) == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        if correct:
+            assert row["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-4)
+            assert 1.0 <= row["sampling/importance_sampling_ratio/max"] < 1.001
+        else:
+            assert not any(k.startswith("sampling/") for k in row)
