@@ -63,6 +63,18 @@ def test_derived_batch_values():
         c.validate(world_size=3)
 
 
+def test_rollout_engine_settings_that_contradict_each_other():
+    with pytest.raises(ConfigError, match="rollout.engine=server needs rollout.server_url"):
+        load_config(None, ["rollout.engine=server"])
+    with pytest.raises(ConfigError, match="rollout.server_url is set but rollout.engine=transformers"):
+        load_config(None, ["rollout.server_url=http://127.0.0.1:8000"])
+    with pytest.raises(ConfigError, match="rollout.is_cap=0.5: must be >= 1"):
+        load_config(None, ["rollout.is_cap=0.5"])
+    c = load_config(None, ["rollout.engine=vllm"])
+    with pytest.raises(ConfigError, match="rollout.engine=vllm runs vLLM inside one training process, not 2"):
+        c.validate(world_size=2)
+
+
 def test_reward_functions_field(tmp_path):
     from grpokit.config import reward_specs
 

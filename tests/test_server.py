@@ -195,16 +195,21 @@ def test_a_mismatched_model_is_refused(server, tmp_path, capsys):
     assert code == 2 and "does not match model.name" in err and "dtype: 'float32' in the trainer, 'float64' here" in err
     # The server refuses such a request by itself, too.
     fp = {**get(s.url)["fingerprint"], "vocab_size": 32000}
-    status, body = post(s.url, "/generate", {"fingerprint": fp, "boot_id": "x", "weights_version": 0,
+    status, body = post(s.url, "/generate", {"fingerprint": fp, "session": None, "weights_version": 0,
                                              "prompts": [[1, 2]], "n": [1], "seeds": [0],
                                              "sampling": {"max_tokens": 2, "temperature": 1, "top_p": 1, "top_k": 0}})
     assert status == 409 and "vocab_size: 32000 in the request, 49152 here" in body["detail"]
 
 
-def test_malformed_requests_get_422_with_the_reason(server):
+def test_malformed_requests_get_422_with_the_reason(server, tiny):
+    from grpokit.rollout import SamplingParams
+    from grpokit.rollout.client import RolloutServerError, ServerEngine
+
     s = server()
-    health = get(s.url)
-    good = {"fingerprint": health["fingerprint"], "boot_id": health["boot_id"], "weights_version": 0,
+    model, tokenizer = tiny
+    trainer = ServerEngine(s.url, model, tokenizer.pad_token_id, timeout_s=30)
+    trainer.generate([[1, 2]], 1, SamplingParams(2), [0])  # joins a weight group and pushes
+    good = {"fingerprint": get(s.url)["fingerprint"], "session": trainer.session, "weights_version": trainer.version,
             "prompts": [[1, 2, 3]], "n": [2], "seeds": [5, 6],
             "sampling": {"max_tokens": 3, "temperature": 1.0, "top_p": 1.0, "top_k": 0}}
     status, body = post(s.url, "/generate", good)
@@ -222,6 +227,16 @@ def test_malformed_requests_get_422_with_the_reason(server):
         assert status == 422 and reason in json.dumps(body), (reason, body)
     status, body = post(s.url, "/generate", {**good, "weights_version": 3})
     assert status == 409 and body["detail"] == "stale weights"
+
+    # One server, one trainer: a second one takes it over, and the first is told so (no retry loop).
+    second = ServerEngine(s.url, model, tokenizer.pad_token_id, timeout_s=30)
+    second.generate([[1, 2]], 1, SamplingParams(2), [0])
+    trainer.weights_updated()
+    with pytest.raises(RolloutServerError, match="another trainer joined"):
+        trainer.generate([[1, 2]], 1, SamplingParams(2), [0])
+    status, body = post(s.url, "/generate", good)
+    assert status == 409 and "another trainer joined" in body["detail"]
+    second.close()
 
 
 def test_a_server_that_is_down_or_mute_is_a_clear_error_in_bounded_time(tmp_path, capsys):

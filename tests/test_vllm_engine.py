@@ -69,6 +69,9 @@ class FakeLLM:
         self.calls.append(("collective_rpc",))
         return [method(self.worker, *args)]
 
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
     def sleep(self, level):
         self.calls.append(("sleep", level))
 
@@ -145,7 +148,7 @@ def test_the_engine_loads_the_policy_before_generating_and_sleeps_through_update
 
     batch = engine.generate([[1, 2, 3]], 2, SamplingParams(2), [10, 11])
     # A resumed policy differs from the model folder's weights: loaded before the first generation.
-    assert [c[0] for c in llm.calls] == ["collective_rpc", "generate"]
+    assert [c[0] for c in llm.calls] == ["collective_rpc", "reset_prefix_cache", "generate"]
     assert [n for n, _ in llm.worker.loaded] == [n for n, _ in named_weights(policy)]
     assert engine.weights_checksum() == checksum(named_weights(policy))
     assert batch.completion_ids.tolist() == [[5, 6], [6, 6]] and batch.finish_reasons == ["length", "length"]
@@ -159,7 +162,8 @@ def test_the_engine_loads_the_policy_before_generating_and_sleeps_through_update
     engine.weights_updated()
     engine.generate([[1]], 1, SamplingParams(2), [3])
     assert [c[:1] if c[0] == "generate" else c for c in llm.calls] == [
-        ("sleep", 2), ("wake_up", ("weights",)), ("collective_rpc",), ("wake_up", ("kv_cache",)), ("generate",)]
+        ("sleep", 2), ("wake_up", ("weights",)), ("collective_rpc",), ("reset_prefix_cache",), ("wake_up", ("kv_cache",)),
+        ("generate",)]
     assert engine.weights_checksum() == checksum(named_weights(policy))
     with torch.no_grad():
         next(policy.parameters()).sub_(1.0)
@@ -190,3 +194,17 @@ def test_the_trainer_corrects_an_engine_whose_logprobs_are_not_its_own(tmp_path,
             assert 1.0 <= row["sampling/importance_sampling_ratio/max"] < 1.001
         else:
             assert not any(k.startswith("sampling/") for k in row)
+
+
+def test_a_vllm_server_fingerprints_its_model_from_the_config_alone(tiny):
+    """`grpokit serve --engine vllm` builds its fingerprint from a meta-device model (vLLM keeps the
+    weights): it must equal that of the trainer's real model, tied weights included."""
+    from transformers import AutoModelForCausalLM
+
+    from grpokit.rollout.weights import fingerprint
+
+    model, _ = tiny
+    with torch.device("meta"):
+        shapes = AutoModelForCausalLM.from_config(model.config)
+    assert fingerprint(shapes) == fingerprint(model)
+    assert [n for n, _ in named_weights(shapes)] == [n for n, _ in named_weights(model)]

@@ -208,6 +208,9 @@ class Config:
                 f"train.updates_per_step={self.train.updates_per_step}) cannot be split evenly over "
                 f"{world_size} processes: make it a multiple of {world_size}"
             )
+        if self.rollout.engine == "vllm" and world_size > 1:
+            errors.append(f"rollout.engine=vllm runs vLLM inside one training process, not {world_size}: with "
+                          "several, serve vLLM apart (grpokit serve --engine vllm) and use rollout.engine=server")
         if errors:
             raise ConfigError("invalid config:\n" + "\n".join(f"  - {e}" for e in errors))
 

@@ -112,14 +112,19 @@ class Trainer:
         self.reference = None
         if config.algorithm.beta > 0:
             self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
-        self.engine = make_engine(config.rollout, self.policy, self.tokenizer,
-                                  eos_token_ids(self.policy, self.tokenizer), config.model.name,
-                                  main=distributed.is_main())
         # A server engine exists on process 0 alone: it generates the whole step, then shares it.
         self.remote = config.rollout.engine == "server"
-        # Sampling log-probs from other kernels than the trainer's are corrected (loss.py).
-        self.is_correction = config.rollout.is_correction and not distributed.on_main(
-            lambda: self.engine.exact_logprobs)
+        self.engine = None
+
+        def connect() -> bool:
+            self.engine = make_engine(config.rollout, self.policy, self.tokenizer,
+                                      eos_token_ids(self.policy, self.tokenizer), config.model.name)
+            return self.engine.exact_logprobs
+
+        # Sampling log-probs from other kernels than the trainer's are corrected (loss.py). A server
+        # that cannot be used stops every process (on_main hands process 0's error to all).
+        exact = distributed.on_main(connect) if self.remote else connect()
+        self.is_correction = config.rollout.is_correction and not exact
 
         # The global completions of a step this process owns, in update order (distributed.py).
         self.rows = distributed.shard_rows(config.completions_per_step, config.completions_per_update, W, rank)
@@ -516,15 +521,20 @@ class Trainer:
             return {}
         W, rank = distributed.world_size(), distributed.rank()
         first, last = rank * len(examples) // W, (rank + 1) * len(examples) // W
-        if self.remote:  # process 0 alone talks to the server: it scores them all
-            first, last = (0, len(examples)) if rank == 0 else (0, 0)
         rng = rng_state()
+
+        def scored(first: int, last: int) -> list[dict]:
+            return score(self.engine, self.tokenizer, self.rewards, examples[first:last], self.greedy,
+                         first_index=first, max_prompt_length=self.config.data.max_prompt_length)
+
         try:
-            records = score(self.engine, self.tokenizer, self.rewards, examples[first:last], self.greedy,
-                            first_index=first, max_prompt_length=self.config.data.max_prompt_length)
+            if self.remote:  # process 0 alone talks to the server: it scores them all, and shares
+                records = distributed.on_main(lambda: scored(0, len(examples)))
+            else:
+                records = distributed.gather_lists(scored(first, last))
         finally:
             set_rng_state(rng)
-        metrics = summarize(distributed.gather_lists(records), self.rewards.names)
+        metrics = summarize(records, self.rewards.names)
         self.monitor.eval(step, metrics)
         return {"step": step, **metrics}
 

@@ -14,8 +14,10 @@ from typing import Protocol
 import torch
 
 
-# A rollout server's answer (HTTP 409) to a request that expects other weights than it holds.
+# A rollout server's answers (HTTP 409) to a request that expects other weights than it holds,
+# and to a trainer whose place another trainer took.
 STALE_WEIGHTS = "stale weights"
+TAKEN_OVER = "another trainer joined this server's weight group since: one server serves one trainer"
 
 
 @dataclass(frozen=True)

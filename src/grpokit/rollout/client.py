@@ -8,7 +8,8 @@ optimizer update.
   server cannot be reached (refused, reset, down): retries with backoff (0.5 s doubling to 8 s)
   for `rollout.server_timeout` seconds in all, then an error naming the URL.
 - A server that restarted (a new `boot_id`) or holds other weights answers "stale weights"; the
-  client then joins a new weight group, pushes the weights again, and repeats the request.
+  client then joins a new weight group, pushes the weights again, and repeats the request. A
+  server another trainer has joined since answers that, and the run stops (one server, one trainer).
 - Only the trainer's process 0 makes an engine; the trainer hands the other processes their rows.
 """
 
@@ -29,8 +30,9 @@ import torch
 from tqdm.auto import tqdm
 
 from grpokit.config import StartupError
-from grpokit.rollout import STALE_WEIGHTS, RolloutBatch, SamplingParams
-from grpokit.rollout.weights import WeightGroup, checksum, fingerprint, fingerprint_differences, layout, named_weights
+from grpokit.rollout import STALE_WEIGHTS, TAKEN_OVER, RolloutBatch, SamplingParams
+from grpokit.rollout.weights import (WeightGroup, backend_between, checksum, device_id, fingerprint,
+                                    fingerprint_differences, layout, named_weights)
 
 
 class RolloutServerError(RuntimeError):
@@ -44,12 +46,17 @@ class ServerEngine:
         self.url = url.rstrip("/")
         self.model, self.pad_id, self.timeout_s = model, pad_id, timeout_s
         self.fingerprint = fingerprint(model)
+        self.device = next(model.parameters()).device
         self.group: WeightGroup | None = None
         self.boot_id: str | None = None  # the server run our weights were pushed to
-        self.version = 0  # pushes so far
+        self.session: str | None = None  # our weight group session on that server
+        self.version = 0  # pushes in this session
         self.dirty = True  # the policy changed since the last push (or nothing was pushed yet)
-        self.engine_name = self._check_server()
-        self.exact_logprobs = self.engine_name == "transformers"  # the trainer's own sampling code
+        # No proxies: a rollout server is reached directly (http_proxy must not catch 127.0.0.1).
+        self.http = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        health = self._check_server()
+        # The trainer's own sampling code on the same kind of device: log-probs need no correction.
+        self.exact_logprobs = health["engine"] == "transformers" and health["device"].split(":")[0] == self.device.type
 
     # ---------------------------------------------------------------- HTTP with retries
 
@@ -62,7 +69,7 @@ class ServerEngine:
         while True:
             request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                with self.http.open(request, timeout=self.timeout_s) as response:
                     return json.loads(response.read())
             except urllib.error.HTTPError as e:
                 try:
@@ -82,6 +89,8 @@ class ServerEngine:
                         f"the rollout server at {self.url} did not answer {path} within rollout.server_timeout="
                         f"{self.timeout_s:g} s") from None
                 last = str(reason)
+            if not retry:
+                raise RolloutServerError(f"the rollout server at {self.url} failed {path}: {last}")
             if time.monotonic() + delay > deadline:
                 raise RolloutServerError(
                     f"the rollout server at {self.url} cannot be reached ({last}); tried for rollout.server_timeout="
@@ -100,7 +109,7 @@ class ServerEngine:
                 f"the rollout server at {self.url} serves {health['model']}, which does not match model.name "
                 "(serve the same model and dtype):\n  " + "\n  ".join(d.replace("in the request", "in the trainer")
                                                                        for d in differences))
-        return health["engine"]
+        return health
 
     # ---------------------------------------------------------------- weights
 
@@ -109,28 +118,31 @@ class ServerEngine:
         self.dirty = True
 
     def _push(self) -> None:
-        """Join a weight group if there is none, send every tensor, and check the server's checksum.
-        Raises _PushFailed when the server went away meanwhile (the caller tries again)."""
+        """Join a weight group if the server holds none of ours, send every tensor, and check the
+        server's checksum. Raises _PushFailed when the server went away meanwhile (the caller
+        tries again), RolloutServerError when another trainer took the server over."""
         health = self._request("/health")  # waits (bounded) for a server that is down
-        if self.group is None or health["boot_id"] != self.boot_id:
+        if self.group is None or health["boot_id"] != self.boot_id or health["session"] is None:
             if self.boot_id is not None:
                 tqdm.write(f"grpokit: the rollout server at {self.url} restarted (or lost its weight group): "
                            "joining a new group and pushing the weights again", file=sys.stderr)
             try:
-                self._join_group()
-            except Exception as e:  # noqa: BLE001
+                self._join_group(health["device"])
+            except (RolloutServerError, RuntimeError) as e:
                 raise _PushFailed(f"joining the weight group failed: {e}") from None
             self.boot_id = health["boot_id"]
+        elif health["session"] != self.session:
+            raise RolloutServerError(f"the rollout server at {self.url}: {TAKEN_OVER}")
         self.version += 1
         weights = named_weights(self.model)
         try:
-            answer = self._while_requesting("/weights/update", {"fingerprint": self.fingerprint,
-                                                                "weights_version": self.version,
-                                                                "tensors": layout(weights)},
-                                            lambda: self.group.send(weights))
-        except (RolloutServerError, RuntimeError) as e:  # the server died mid-transfer, or refused it
+            answer, _ = self._while_requesting(
+                "/weights/update", {"fingerprint": self.fingerprint, "session": self.session,
+                                    "weights_version": self.version, "tensors": layout(weights)},
+                lambda: self.group.send(weights))
+        except (RolloutServerError, RuntimeError, _Stale) as e:  # the server died mid-transfer, or refused it
             self.close()
-            raise _PushFailed(f"pushing the weights failed: {e}") from None
+            raise _PushFailed(f"pushing the weights failed: {e or 'stale'}") from None
         mine = checksum(weights)
         if answer["checksum"] != mine:
             raise RolloutServerError(
@@ -139,42 +151,38 @@ class ServerEngine:
                 "trainer's policy")
         self.dirty = False
 
-    def _join_group(self) -> None:
-        if self.group is not None:
-            self.group.close()
+    def _join_group(self, server_device: str) -> None:
+        self.close()
         host = _address_towards(urlparse(self.url).hostname or "127.0.0.1")
-        device = next(self.model.parameters()).device
-        store_port = _free_port(host)
-        self.group = None
-        group = []
-        self._while_requesting("/weights/group", {"fingerprint": self.fingerprint, "host": host, "port": store_port,
-                                                  "timeout_s": self.timeout_s},
-                               lambda: group.append(WeightGroup(host, store_port, 0, device, self.timeout_s)))
-        self.group = group[0]
+        backend = backend_between(device_id() if self.device.type == "cuda" else "cpu", server_device)
+        group = WeightGroup(host, 0, backend, self.timeout_s)  # hosts the store on a port the OS picks
+        answer, self.group = self._while_requesting(
+            "/weights/group", {"fingerprint": self.fingerprint, "host": host, "port": group.port,
+                               "backend": backend, "timeout_s": self.timeout_s}, group.connect)
+        self.session, self.version = answer["session"], 0
 
-    def _while_requesting(self, path: str, body: dict, action) -> dict:
-        """POST `path` and run `action` (this side of a collective) at the same time."""
-        answer: dict = {}
+    def _while_requesting(self, path: str, body: dict, action):
+        """POST `path` while `action` (this side of a collective) runs in a thread; (the answer,
+        what `action` returned). A POST that fails returns at once: the collective is abandoned
+        (the caller drops the group, which aborts it)."""
+        done: dict = {}
 
-        def post():
+        def run():
             try:
-                answer["ok"] = self._request(path, body, retry=False)  # the caller retries the whole push
+                done["ok"] = action()
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-                answer["error"] = e
+                done["error"] = e
 
-        thread = threading.Thread(target=post, daemon=True)
+        thread = threading.Thread(target=run, daemon=True)
         thread.start()
-        try:
-            action()
-        except Exception:
-            thread.join(timeout=self.timeout_s)
-            if "error" in answer:
-                raise answer["error"] from None
-            raise
-        thread.join()
-        if "error" in answer:
-            raise answer["error"]
-        return answer["ok"]
+        answer = self._request(path, body, retry=False)  # the caller retries the whole push
+        thread.join(self.timeout_s)
+        if thread.is_alive():
+            raise RolloutServerError(f"the rollout server answered {path} but the transfer did not end within "
+                                     f"rollout.server_timeout={self.timeout_s:g} s")
+        if "error" in done:
+            raise done["error"]
+        return answer, done["ok"]
 
     # ---------------------------------------------------------------- generation
 
@@ -186,11 +194,11 @@ class ServerEngine:
                              "top_p": params.top_p, "top_k": params.top_k},
                 "seeds": None if seeds is None else [int(s) for s in seeds]}
         failures = []
-        while len(failures) < 3:
+        while len(failures) < 3:  # each wait inside is bounded by timeout_s
             try:
                 if self.dirty:
                     self._push()
-                answer = self._request("/generate", {**body, "boot_id": self.boot_id, "weights_version": self.version})
+                answer = self._request("/generate", {**body, "session": self.session, "weights_version": self.version})
             except _Stale:  # restarted, or a push it did not finish: push again and repeat
                 failures.append(STALE_WEIGHTS)
                 self.dirty = True
@@ -253,9 +261,3 @@ def _address_towards(host: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host, 9))  # UDP: picks the route, sends nothing
         return s.getsockname()[0]
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

@@ -3,15 +3,18 @@ pushes it weights; it generates with any engine (transformers, or vLLM on a GPU)
 
 HTTP (FastAPI) carries control; tensors go over a torch.distributed group (weights.py).
 
-- `GET /health`: engine, model, fingerprint, `boot_id` (new at every start: a trainer sees a
-  restart), `weights_version` (the version last pushed; 0 = as loaded) and the weights' checksum.
+- `GET /health`: engine, model, device, fingerprint, `boot_id` (new at every start: a trainer sees
+  a restart), `session` (the trainer whose weights it holds), `weights_version` (the version that
+  trainer last pushed; 0 = as loaded) and the weights' checksum.
 - `POST /generate`: prompts as token ids, a completion count per prompt, sampling parameters, one
-  seed per completion, the trainer's fingerprint and the `boot_id` / `weights_version` it expects.
+  seed per completion, the trainer's fingerprint and the `session` / `weights_version` it expects.
   Returns each completion's token ids, sampling log-probs, entropies (or null when the engine does
   not measure them) and finish reason. Answers 409 when the fingerprint differs (the body lists
-  what differs) or when the weights are not the expected ones (`"stale weights"`: the trainer
-  pushes them again), 422 for a malformed request.
-- `POST /weights/group`: join the trainer's weight group (its TCPStore at host:port).
+  what differs), when the weights are not the expected ones (`"stale weights"`: the trainer
+  pushes them again), or when another trainer has joined since (one server serves one trainer);
+  422 for a malformed request.
+- `POST /weights/group`: join the trainer's weight group (its TCPStore at host:port) and start a
+  session; a server restarted or taken over by another trainer knows the old session no more.
 - `POST /weights/update`: receive every tensor over the group, load them, and answer the new
   version and checksum. Generation waits while weights change.
 """
@@ -20,12 +23,14 @@ from __future__ import annotations
 
 import threading
 import uuid
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, Field
 
-from grpokit.rollout import STALE_WEIGHTS, SamplingParams
-from grpokit.rollout.weights import WeightGroup, fingerprint_differences, layout_hash
+from grpokit.rollout import STALE_WEIGHTS, TAKEN_OVER, SamplingParams
+from grpokit.rollout.weights import WeightGroup, device_id, fingerprint_differences, layout_hash
+
 
 class Sampling(BaseModel):
     max_tokens: int = Field(ge=1)
@@ -36,7 +41,7 @@ class Sampling(BaseModel):
 
 class GenerateRequest(BaseModel):
     fingerprint: dict
-    boot_id: str
+    session: str | None  # the weight group session whose weights the request expects
     weights_version: int
     prompts: list[list[int]] = Field(min_length=1)
     n: list[int]
@@ -48,11 +53,13 @@ class GroupRequest(BaseModel):
     fingerprint: dict
     host: str
     port: int
+    backend: Literal["gloo", "nccl"]
     timeout_s: float = Field(gt=0)
 
 
 class UpdateRequest(BaseModel):
     fingerprint: dict
+    session: str
     weights_version: int = Field(ge=1)
     tensors: list[list]  # weights.layout(): [name, shape, dtype] in the order they are sent
 
@@ -64,14 +71,25 @@ class RolloutService:
         self.engine, self.engine_name, self.model_name = engine, engine_name, model_name
         self.fingerprint, self.vocab_size = fingerprint, vocab_size
         self.boot_id = uuid.uuid4().hex
+        self.device = device_id() if engine.device.type == "cuda" else "cpu"
+        # The trainer whose weights it holds: a weight group session (one trainer per server), and
+        # the version of that trainer's weights it last received (0: those it loaded itself).
+        self.session: str | None = None
         self.version = 0
         self.checksum = engine.weights_checksum()
         self.group: WeightGroup | None = None
         self.lock = threading.Lock()  # generation and a weight update never overlap
 
     def health(self) -> dict:
-        return {"status": "ok", "engine": self.engine_name, "model": self.model_name, "fingerprint": self.fingerprint,
-                "boot_id": self.boot_id, "weights_version": self.version, "checksum": self.checksum}
+        return {"status": "ok", "engine": self.engine_name, "model": self.model_name, "device": self.device,
+                "fingerprint": self.fingerprint, "boot_id": self.boot_id, "session": self.session,
+                "weights_version": self.version, "checksum": self.checksum}
+
+    def _forget_weights(self) -> None:
+        """After a failed transfer: no group, no session, weights of unknown version."""
+        if self.group is not None:
+            self.group.close()
+        self.group, self.session, self.version = None, None, -1
 
     def check_fingerprint(self, theirs: dict) -> None:
         if differences := fingerprint_differences(self.fingerprint, theirs):
@@ -89,14 +107,16 @@ class RolloutService:
         if params.temperature > 0 and (request.seeds is None or len(request.seeds) != sum(request.n)):
             raise Refused(422, f"sampling needs one seed per completion ({sum(request.n)})")
         with self.lock:
-            if (request.boot_id, request.weights_version) != (self.boot_id, self.version):
+            if self.session is not None and request.session != self.session:
+                raise Refused(409, TAKEN_OVER)
+            if self.session is None or request.weights_version != self.version:
                 raise Refused(409, STALE_WEIGHTS)
             batch = self.engine.generate(request.prompts, request.n, params, request.seeds)
+            version = self.version
         lengths = batch.completion_mask.sum(-1).tolist()
         entropies = None if batch.entropies is None else batch.entropies.tolist()
         return {
-            "boot_id": self.boot_id,
-            "weights_version": self.version,
+            "weights_version": version,
             "completions": [
                 {"token_ids": ids[:k], "logprobs": lps[:k], "entropies": None if entropies is None else entropies[i][:k],
                  "finish_reason": reason}
@@ -107,32 +127,34 @@ class RolloutService:
 
     def join_group(self, request: GroupRequest) -> dict:
         self.check_fingerprint(request.fingerprint)
-        with self.lock:
-            if self.group is not None:
-                self.group.close()
-                self.group = None
+        with self.lock:  # a new trainer (or the same one after a failure) takes the server over
+            self._forget_weights()
             try:
-                self.group = WeightGroup(request.host, request.port, 1, self.engine.device, request.timeout_s)
+                # The client chooses the timeout; the server holds its lock at most 10 minutes for it.
+                self.group = WeightGroup(request.host, 1, request.backend, min(request.timeout_s, 600.0),
+                                         port=request.port).connect()
             except Exception as e:  # noqa: BLE001 - reported to the trainer, which owns the error
+                self._forget_weights()
                 raise Refused(503, f"could not join the weight group at {request.host}:{request.port}: {e}") from None
-        return {"joined": True}
+            self.session, self.version = uuid.uuid4().hex, 0
+            return {"session": self.session}
 
     def update(self, request: UpdateRequest) -> dict:
         self.check_fingerprint(request.fingerprint)
         with self.lock:
+            if self.session is not None and request.session != self.session:
+                raise Refused(409, TAKEN_OVER)
             if self.group is None:
-                raise Refused(409, "no weight group: POST /weights/group first")
+                raise Refused(409, STALE_WEIGHTS)  # no group (restarted, or a failed transfer): join again
             if layout_hash(request.tensors) != self.fingerprint["parameters"]:
                 raise Refused(422, "the tensors announced do not match this model's parameters")
             try:
                 checksum = self.engine.load_weights(self.group.receive(request.tensors))
             except Exception as e:  # noqa: BLE001
-                self.group.close()
-                self.group = None
-                self.version = -1  # what it generates with is unknown: every generation is refused as stale
+                self._forget_weights()  # what it holds is unknown: every generation is refused until a new push
                 raise Refused(503, f"receiving weights failed: {e}") from None
             self.version, self.checksum = request.weights_version, checksum
-        return {"weights_version": self.version, "checksum": self.checksum}
+            return {"weights_version": self.version, "checksum": self.checksum}
 
 
 class Refused(Exception):
@@ -184,7 +206,7 @@ def serve(model_name: str, engine_name: str, host: str, port: int, dtype: str) -
         # requires_grad stays on, as on the trainer's policy: PyTorch runs other CPU kernels for
         # parameters without it (measured: log-probs differ in the last bits), and the server must
         # sample exactly as the trainer's own engine would. Generation runs under no_grad anyway.
-        model = load_model(model_name, dtype).eval()
+        model = load_model(model_name, dtype).eval().to("cuda" if torch.cuda.is_available() else "cpu")
         engine = TransformersEngine(model, tokenizer.pad_token_id, eos_token_ids(model, tokenizer))
         fp = fingerprint(model)
     service = RolloutService(engine, engine_name, model_name, fp, fp["vocab_size"])

@@ -13,7 +13,12 @@ with vLLM's offline `LLM` API. Needs a GPU and `pip install 'grpokit[vllm]'`.
 - Entropies are not measured by vLLM: the `entropy` metric is left out with this engine.
 - Weights: `load_weights` hands (name, tensor) pairs to the model inside vLLM's worker through
   `LLM.collective_rpc`; vLLM's model classes take Hugging Face checkpoint names and fuse q/k/v and
-  gate/up themselves. `vllm_name` strips the wrappers a trainer's names can carry.
+  gate/up themselves. `vllm_name` strips the wrappers a trainer's names can carry. The prefix
+  cache is reset after each load. The checksum is that of the tensors as received (vLLM keeps
+  them fused and cast), so for vLLM it proves the transfer, not vLLM's own copy.
+- Log-probs with `top_p < 1` or `top_k > 0`: vLLM's processed log-probs are renormalised over the
+  kept tokens, the trainer's are not (they are the tempered policy's, as TRL's), so the importance
+  weights sit at or below 1 by the filtering alone; keep the correction's cap in mind there.
 - Sleep mode (`enable_sleep_mode=True`): in the training process, vLLM's weights and KV cache are
   released while the trainer updates (`sleep(level=2)`); before the next generation the weights
   are woken, loaded, then the KV cache (`wake_up(tags=...)`).
@@ -127,8 +132,10 @@ class VLLMEngine:
                  seed: int = 0):
         """`policy`: in the training process, the trainer's model, whose weights are loaded before
         a generation that follows `weights_updated()`; None in a server (weights are pushed)."""
-        # One process: the engine's worker lives in this process, so collective_rpc passes tensors by reference.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # One process: the engine's worker lives in this process, so collective_rpc passes tensors
+        # (and the generator load_weights consumes) by reference. Forced: a multiprocess engine
+        # would have to pickle them.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         vllm = import_vllm()
         if not torch.cuda.is_available():
             raise StartupError("rollout.engine=vllm needs a CUDA GPU; on CPU use rollout.engine=transformers")
@@ -162,6 +169,8 @@ class VLLMEngine:
                 yield vllm_name(name), tensor
 
         self.llm.collective_rpc(_load_into_worker, args=(named(),))
+        # Cached KV blocks of shared prefixes were computed with the old weights.
+        self.llm.reset_prefix_cache()
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False

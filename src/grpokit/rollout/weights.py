@@ -26,15 +26,10 @@ import torch.distributed as dist
 
 
 def named_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The tensors of the model's checkpoint (parameters and persistent buffers) by name; a tied
-    tensor once, under its first name."""
-    seen, out = set(), []
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if tensor.data_ptr() in seen:
-            continue
-        seen.add(tensor.data_ptr())
-        out.append((name, tensor))
-    return out
+    """The tensors of the model's checkpoint by name: parameters (a tied one once, under its first
+    name) and persistent buffers. Works on the meta device (no data pointers to compare)."""
+    persistent = model.state_dict(keep_vars=True).keys()
+    return [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n in persistent)]
 
 
 def layout(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[list]:
@@ -83,33 +78,56 @@ def checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     return total.hexdigest()
 
 
-class WeightGroup:
-    """One side of the trainer-server weight group. The trainer (rank 0) hosts the TCPStore on
-    `port`; the server (rank 1) connects to it. Both constructors block until both sides are in."""
+def device_id() -> str:
+    """Where this process keeps its weights: "cpu", or "cuda:<uuid of the GPU>"."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    return f"cuda:{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
 
-    def __init__(self, host: str, port: int, rank: int, device: torch.device, timeout_s: float):
-        timeout = datetime.timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(host, port, 2, rank == 0, timeout=timeout, wait_for_workers=False)
-        self.rank = rank
-        if device.type == "cuda":
-            self.group = dist.ProcessGroupNCCL(self.store, rank, 2)
+
+def backend_between(trainer: str, server: str) -> str:
+    """NCCL when trainer and server hold their weights on two different GPUs; else gloo, through CPU
+    memory (NCCL cannot connect two processes on one GPU)."""
+    return "nccl" if trainer.startswith("cuda:") and server.startswith("cuda:") and trainer != server else "gloo"
+
+
+class WeightGroup:
+    """One side of the trainer-server weight group: rank 0 (the trainer) hosts the TCPStore, on a
+    port the OS picks (`port`), rank 1 (the server) connects to it. `connect()` blocks until both
+    sides are in, at most `timeout_s`; so does every broadcast."""
+
+    def __init__(self, host: str, rank: int, backend: str, timeout_s: float, port: int = 0):
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(host, port, 2, rank == 0, timeout=self.timeout, wait_for_workers=False)
+        self.port, self.rank, self.backend = self.store.port, rank, backend
+        self.device = torch.device("cuda" if backend == "nccl" else "cpu")
+        self.group = None
+
+    def connect(self) -> WeightGroup:
+        if self.backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = self.timeout  # a peer that dies mid-transfer: an error after the timeout, not a hang
+            self.group = dist.ProcessGroupNCCL(self.store, self.rank, 2, options)
         else:
-            self.group = dist.ProcessGroupGloo(self.store, rank, 2, timeout)
-        self.device = device
+            self.group = dist.ProcessGroupGloo(self.store, self.rank, 2, self.timeout)
+        return self
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         for _, tensor in named_tensors:
-            self.group.broadcast(tensor.detach().contiguous(), 0).wait()
+            self.group.broadcast(tensor.detach().to(self.device).contiguous(), 0).wait(self.timeout)
 
     def receive(self, entries: list[list]):
         """Yield (name, tensor) as each of `layout` entries arrives, for the engine to load one at a time."""
         for name, shape, dtype in entries:
             tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
-            self.group.broadcast(tensor, 0).wait()
+            self.group.broadcast(tensor, 0).wait(self.timeout)
             yield name, tensor
 
     def close(self) -> None:
-        try:
-            self.group.shutdown()
-        except (AttributeError, RuntimeError):
-            pass
+        """Abort (not shut down): a transfer in flight with a dead peer must not be waited for."""
+        if self.group is not None:
+            try:
+                self.group.abort()
+            except (AttributeError, RuntimeError):
+                pass
+            self.group = None
