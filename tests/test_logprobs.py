@@ -2,6 +2,7 @@
 
 import copy
 
+import pytest
 import torch
 
 from grpokit.logprobs import completion_logprobs
@@ -77,3 +78,71 @@ def test_gradients_are_repeatable_bit_for_bit_on_several_threads():
             assert all(torch.equal(a, b) for a, b in zip(first, gradients()))
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def float64(monkeypatch):
+    """Float64 all through (exact.py): any difference between two paths is then a bug, not rounding."""
+    from exact import rmsnorm_in_input_dtype
+    from transformers.models.llama import modeling_llama
+
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", rmsnorm_in_input_dtype)
+
+
+def _batch():
+    prompt_ids = torch.tensor([[5, 6, 7, 8], [0, 0, 9, 10]])
+    prompt_mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
+    completions = torch.tensor([[11, 12, 13, 2], [14, 15, 2, 0], [16, 2, 0, 0], [17, 18, 19, 20], [21, 2, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]])
+    return prompt_ids, prompt_mask, completions, torch.tensor([0, 0, 0, 1, 1]), mask
+
+
+@pytest.mark.parametrize("variant", [dict(chunk_size=1), dict(chunk_size=3), dict(chunk_size=7), dict(chunk_size=1000),
+                                     dict(share_prompt=False), dict(share_prompt=False, chunk_size=4)],
+                         ids=["chunk1", "chunk3", "chunk7", "chunk-all", "whole", "whole-chunk4"])
+def test_chunked_and_whole_sequence_logprobs_equal_the_shared_pass(tiny, float64, variant):
+    """float64: the default path's values and gradients, for chunks of 1 position, sizes that do
+    not divide the 20 positions, and more; and with every completion run whole."""
+    prompt_ids, prompt_mask, completions, index, mask = _batch()
+    weights = torch.linspace(-1, 1, completions.numel()).view(completions.shape).double() * mask
+
+    def run(**kw):
+        model = copy.deepcopy(tiny[0]).double()
+        logps = completion_logprobs(model, prompt_ids, prompt_mask, completions, index, 0.7, **kw)
+        (logps * weights).sum().backward()
+        return logps.detach() * mask, {n: p.grad for n, p in model.named_parameters()}
+
+    ref, ref_grads = run()
+    got, grads = run(**variant)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
+    for name, g in grads.items():
+        assert (g - ref_grads[name]).norm() <= 1e-9 * ref_grads[name].norm() + 1e-15, name
+
+
+def test_activation_checkpointing_gives_the_same_gradients(tiny, float64):
+    """model.gradient_checkpointing: the trainer's policy pass runs whole sequences (the checkpointed
+    layers drop the cache in training mode); its gradients are the plain ones."""
+    prompt_ids, prompt_mask, completions, index, mask = _batch()
+
+    def grads(checkpointed: bool):
+        model = copy.deepcopy(tiny[0]).double().train()
+        if checkpointed:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        logps = completion_logprobs(model, prompt_ids, prompt_mask, completions, index, 1.0, chunk_size=5,
+                                    share_prompt=not checkpointed)
+        (logps * mask).sum().backward()
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    plain, checkpointed = grads(False), grads(True)
+    for name, g in checkpointed.items():
+        assert (g - plain[name]).norm() <= 1e-9 * plain[name].norm() + 1e-15, name
+
+
+def test_chunking_refuses_heads_that_do_more_than_the_output_layer(tiny):
+    from grpokit.logprobs import check_chunkable
+
+    model = copy.deepcopy(tiny[0])
+    check_chunkable(model)
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        check_chunkable(model)

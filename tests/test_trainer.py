@@ -156,3 +156,33 @@ def test_none_rewards_train_and_are_left_out_of_the_metrics(make_trainer, monkey
     assert row["reward"] < 0 and row["rewards/half/mean"] == row["reward"]  # means over scored ones
     assert row["grad_norm"] > 0
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.policy.parameters()))
+
+
+def test_memory_knobs_leave_the_run_unchanged(tmp_path, monkeypatch):
+    """model.gradient_checkpointing and train.logprob_chunk_size change memory, not the math: a
+    3-step float64 run (beta > 0, two iterations: old and reference log-probs too) ends with the
+    same weights and metrics as without them."""
+    from exact import rmsnorm_in_input_dtype, update_difference
+    from transformers.models.llama import modeling_llama
+
+    from grpokit.models import load_model
+
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", rmsnorm_in_input_dtype)
+    monkeypatch.setitem(__import__("grpokit.rewards", fromlist=["x"]).REWARD_FUNCTIONS, "shortness", shortness)
+    runs = {}
+    for name, knobs in (("plain", []), ("knobs", ["model.gradient_checkpointing=true", "train.logprob_chunk_size=5"])):
+        config = load_config(None, [
+            "model.name=tiny-random", "model.dtype=float64", "reward.functions=[shortness]", "data.eval_size=0",
+            "train.prompts_per_step=2", "rollout.num_generations=4", "train.learning_rate=1e-3", "train.max_steps=3",
+            "algorithm.beta=0.04", "algorithm.num_iterations=2", f"train.output_dir={tmp_path / name}", *knobs])
+        trainer = Trainer(config, progress=False)
+        assert any(getattr(m, "gradient_checkpointing", False) for m in trainer.policy.modules()) == (name == "knobs")
+        trainer.train()
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = ({n: p.detach().clone() for n, p in trainer.policy.named_parameters()}, rows)
+    start = {n: p.detach() for n, p in load_model("tiny-random", "float64").named_parameters()}
+    assert update_difference(start, runs["plain"][0], runs["knobs"][0]) < 1e-9
+    for a, b in zip(runs["plain"][1], runs["knobs"][1]):
+        for key, value in a.items():
+            if "time" not in key:
+                assert b[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key

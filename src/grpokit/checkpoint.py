@@ -47,6 +47,7 @@ RESUMABLE_CHANGES = frozenset({
     "train.max_steps", "train.eval_every", "train.save_every", "train.keep_checkpoints", "train.resume",
     "train.micro_batch_size", "train.max_skipped_steps", "train.output_dir", "monitor.tensorboard",
     "monitor.log_completions", "monitor.wandb", "monitor.wandb_project", "rollout.server_url", "rollout.server_timeout",
+    "train.logprob_chunk_size", "model.gradient_checkpointing",  # memory knobs: the same math
 })
 # The run's logs, one JSON object per line, each with its step: truncated together on resume.
 LOGS = ("metrics.jsonl", "alerts.jsonl", "completions.jsonl")
@@ -277,8 +278,19 @@ def write_state_files(folder: Path, config: Config, optimizer, scheduler, rng: d
 
 
 def load_weights(model: torch.nn.Module, folder: Path) -> None:
-    """Load a model folder's safetensors weights into `model` in place (tied weights are stored once)."""
+    """Load a model folder's safetensors weights into `model` in place (tied weights are stored once);
+    a LoRA checkpoint's adapter weights into a peft model."""
     from safetensors.torch import load_file
+
+    if (Path(folder) / "adapter_config.json").is_file():
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, load_file(Path(folder) / "adapter_model.safetensors"))
+        missing = [k for k in result.missing_keys if "lora_" in k]
+        if missing or result.unexpected_keys:
+            raise ValueError(f"checkpoint {folder} does not fit the model's adapters: missing {missing[:5]}, "
+                             f"unexpected {result.unexpected_keys[:5]}")
+        return
 
     state = {}
     for f in sorted(Path(folder).glob("*.safetensors")):

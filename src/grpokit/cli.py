@@ -12,6 +12,9 @@ from grpokit.config import ConfigError, StartupError, describe, load_config
 
 def _train(args) -> int:
     config = load_config(args.config, args.overrides)
+    if args.merge and not config.model.lora_rank:
+        raise ConfigError("--merge merges LoRA adapters into the model, but model.lora_rank=0 trains every weight: "
+                          "final/ already holds the whole model")
     from grpokit import distributed  # heavy imports (torch, transformers) only when training
     from grpokit.trainer import Interrupted, train
 
@@ -34,6 +37,10 @@ def _train(args) -> int:
         for key in (k for k in first if k.startswith("eval/rewards/") or k == "eval/reward"):
             print(f"held-out greedy {key}: {first[key]:.3f} at step {first['step']} -> "
                   f"{last[key]:.3f} at step {last['step']}")
+    if args.merge:
+        from grpokit.models import merge_adapter
+
+        print(f"merged model: {merge_adapter(result.run_dir / 'final')}")
     print(f"run directory: {result.run_dir}  (metrics.jsonl, config.yaml, checkpoints/, final/)\n"
           f"plots and samples: grpokit report {result.run_dir}; diagnosis: grpokit doctor {result.run_dir}")
     return 0
@@ -97,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", help="YAML config file; the overrides that follow win over it")
     p.add_argument("overrides", nargs="*", metavar="section.field=value", help="e.g. train.max_steps=50")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--merge", action="store_true",
+                   help="with model.lora_rank > 0: also write final/merged, the model with the adapters merged in")
     p.set_defaults(run=_train)
 
     p = commands.add_parser("eval", help="score a model on held-out prompts (mean rewards, pass@k)")
@@ -144,7 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     p = commands.add_parser("config", help="print every config field with its default and meaning")
     p.set_defaults(run=lambda args: print(describe()) or 0)
 
-    args = parser.parse_args(argv)
+    # Overrides may come on either side of a flag (`train a=1 --merge b=2`): argparse stops a
+    # positional list at the first flag, so the rest arrive here.
+    args, rest = parser.parse_known_args(argv)
+    if rest and hasattr(args, "overrides") and all("=" in r and not r.startswith("-") for r in rest):
+        args.overrides = [*args.overrides, *rest]
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return args.run(args)
     except StartupError as e:  # nothing was trained, nothing was written over

@@ -41,6 +41,18 @@ class ModelConfig:
         "'tiny-random' (a tiny random model for tests), a local folder, or a Hub id",
     )
     dtype: str = _f("float32", "weights and compute dtype: float32 | bfloat16 | float16 | float64 (use float32 on CPU; float64 for exactness checks)")
+    lora_rank: int = _f(0, "train LoRA adapters of this rank (through peft) instead of every weight; 0: full training")
+    lora_alpha: float = _f(16.0, "LoRA scaling numerator: the adapter's update is scaled by lora_alpha / lora_rank")
+    lora_dropout: float = _f(0.0, "dropout on the LoRA adapters' input")
+    lora_target_modules: list[str] | str = _f(
+        "all-linear", "modules that get adapters: 'all-linear' (every linear layer but the output layer) or a list of "
+        "module names, e.g. [q_proj, v_proj]"
+    )
+    gradient_checkpointing: bool = _f(
+        False, "recompute each layer's activations in the backward pass instead of keeping them: less memory, "
+        "about a third more compute; the policy's training pass then runs every completion whole (checkpointed "
+        "layers drop the prompt's key/value cache that the shared-prompt pass needs)"
+    )
 
 
 @dataclass
@@ -133,6 +145,11 @@ class TrainConfig:
         None,
         "completions per forward/backward pass on each process; a memory knob only, it never changes "
         "the update; null means a process's whole share of an update at once",
+    )
+    logprob_chunk_size: int | None = _f(
+        None, "run the output layer and log-softmax over at most this many completion tokens at a time, "
+        "recomputed in the backward pass, so that memory grows with it and not with tokens x vocabulary; a "
+        "memory knob only (same values and gradients); null: all at once"
     )
     learning_rate: float = _f(2e-5, "AdamW peak learning rate")
     warmup_steps: int = _f(0, "linear warm-up, in optimizer updates; constant afterwards")
@@ -281,6 +298,12 @@ def _check_ranges(c: Config) -> list[str]:
     need(t.learning_rate > 0, f"train.learning_rate={t.learning_rate}: must be > 0")
     need(t.max_steps >= 0, f"train.max_steps={t.max_steps}: must be >= 0")
     need(t.max_grad_norm >= 0, f"train.max_grad_norm={t.max_grad_norm}: must be >= 0 (0 turns clipping off)")
+    m = c.model
+    need(m.lora_rank >= 0, f"model.lora_rank={m.lora_rank}: must be >= 0 (0 trains every weight)")
+    need(0 <= m.lora_dropout < 1, f"model.lora_dropout={m.lora_dropout}: must be in [0, 1)")
+    need(m.lora_alpha > 0, f"model.lora_alpha={m.lora_alpha}: must be > 0")
+    need(t.logprob_chunk_size is None or t.logprob_chunk_size >= 1,
+         f"train.logprob_chunk_size={t.logprob_chunk_size}: must be >= 1, or null")
     need(t.keep_checkpoints is None or t.keep_checkpoints >= 1,
          f"train.keep_checkpoints={t.keep_checkpoints}: must be >= 1, or null to keep every checkpoint")
     need(c.monitor.log_completions >= 0, f"monitor.log_completions={c.monitor.log_completions}: must be >= 0")

@@ -5,17 +5,65 @@ So the prompt goes through the model once, its key/value cache is indexed out to
 that continues it, and the completions run on top of it. Autograd sums the completions' gradients
 into the shared prompt activations: the same math as running every sequence whole, a fraction of
 the FLOPs. Only positions that predict completion tokens reach the output layer.
+
+Two variants, the same values and gradients (tests/test_logprobs.py checks both in float64):
+
+- `chunk_size` (train.logprob_chunk_size): the output layer and the log-softmax run over at most
+  that many positions at a time, each chunk under activation checkpointing (its logits are
+  recomputed in the backward pass), so the memory of this step grows with the chunk, not with
+  completion tokens x vocabulary.
+- `share_prompt=False`: each completion runs whole, prompt included. Activation checkpointing
+  (model.gradient_checkpointing) drops the key/value cache in training mode, so the trainer uses
+  this path for the policy's forward when it is on.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
+
+# Config attributes of models whose causal-LM head does more than the output layer (soft-capping,
+# scaling): the chunked path, which applies the output layer itself, refuses them.
+_HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that skip left padding: the first real token of every row is position 0."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / temperature) at `targets`: logits (..., V), targets (...) -> (...)."""
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()  # log-softmax over a 49k vocabulary needs more than 8 mantissa bits
+    if temperature != 1.0:
+        logits = logits / temperature
+    logz = torch.logsumexp(logits, dim=-1)
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
+
+
+def chunked_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, temperature: float,
+                     chunk_size: int) -> torch.Tensor:
+    """token_logprobs(head(hidden), targets) over at most `chunk_size` positions at a time, each
+    recomputed in the backward pass: hidden (B, T, H), targets (B, T) -> (B, T)."""
+    B, T, H = hidden.shape
+    flat, flat_targets = hidden.reshape(B * T, H), targets.reshape(B * T)
+
+    def chunk(h, t):
+        return token_logprobs(head(h), t, temperature)
+
+    parts = [checkpoint(chunk, flat[i:i + chunk_size], flat_targets[i:i + chunk_size], use_reentrant=False)
+             for i in range(0, B * T, chunk_size)]
+    return torch.cat(parts).view(B, T)
+
+
+def check_chunkable(model) -> None:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    extras = [a for a in _HEAD_EXTRAS if getattr(config, a, None) not in (None, 1, 1.0)]
+    if extras:
+        raise ValueError(f"train.logprob_chunk_size applies the output layer alone, but this model's head also "
+                         f"uses {', '.join(extras)}: leave train.logprob_chunk_size null for it")
 
 
 def completion_logprobs(
@@ -25,6 +73,8 @@ def completion_logprobs(
     completion_ids: torch.Tensor,
     prompt_index: torch.Tensor | None = None,
     temperature: float = 1.0,
+    chunk_size: int | None = None,
+    share_prompt: bool = True,
 ) -> torch.Tensor:
     """log pi(completion token t | prompt, tokens < t), shape (B, T).
 
@@ -32,8 +82,14 @@ def completion_logprobs(
     completion_ids: (B, T) right-padded; padding positions get values that the caller masks.
     prompt_index: (B,) the prompt row each completion continues; None means row i of both (P == B).
     Logits are divided by `temperature` so that log-probs are those of the sampling distribution
-    (as TRL does).
+    (as TRL does). `chunk_size`, `share_prompt`: see the module docstring.
     """
+    if chunk_size is not None or not share_prompt:
+        hidden = _completion_hidden(model, prompt_ids, prompt_mask, completion_ids, prompt_index, share_prompt)
+        head = model.get_output_embeddings()
+        if chunk_size is None:
+            return token_logprobs(head(hidden), completion_ids, temperature)
+        return chunked_logprobs(hidden, head, completion_ids, temperature, chunk_size)
     B, T = completion_ids.shape
     prompt_out = model(
         input_ids=prompt_ids,
@@ -67,9 +123,34 @@ def completion_logprobs(
             use_cache=True,
         )
         logits = torch.cat([logits, out.logits], dim=1)  # (B, T, V)
-    if logits.dtype in (torch.bfloat16, torch.float16):
-        logits = logits.float()  # log-softmax over a 49k vocabulary needs more than 8 mantissa bits
-    if temperature != 1.0:
-        logits = logits / temperature
-    logz = torch.logsumexp(logits, dim=-1)  # (B, T)
-    return logits.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1) - logz  # (B, T)
+    return token_logprobs(logits, completion_ids, temperature)  # (B, T)
+
+
+def _completion_hidden(model, prompt_ids, prompt_mask, completion_ids, prompt_index, share_prompt) -> torch.Tensor:
+    """The last hidden state (B, T, H) at the positions that predict each completion token."""
+    decoder = model.get_decoder()
+    B, T = completion_ids.shape
+    if not share_prompt:  # every completion whole: prompt + completion tokens but the last
+        if prompt_index is not None:
+            prompt_ids, prompt_mask = prompt_ids.index_select(0, prompt_index), prompt_mask.index_select(0, prompt_index)
+        Lp = prompt_ids.shape[1]
+        ids = torch.cat([prompt_ids, completion_ids[:, :-1]], dim=1)  # (B, Lp + T - 1)
+        attention = torch.cat([prompt_mask, prompt_mask.new_ones(B, T - 1)], dim=1)
+        hidden = decoder(input_ids=ids, attention_mask=attention, position_ids=position_ids(attention),
+                         use_cache=False).last_hidden_state
+        return hidden[:, Lp - 1:]  # (B, T, H)
+    out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
+                  past_key_values=DynamicCache(), use_cache=True)
+    cache, first = out.past_key_values, out.last_hidden_state[:, -1:]  # (P, 1, H)
+    if prompt_index is not None:  # as in completion_logprobs: index_select for repeatable sums
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys.index_select(0, prompt_index), layer.values.index_select(0, prompt_index)
+        first, prompt_mask = first.index_select(0, prompt_index), prompt_mask.index_select(0, prompt_index)
+    if T == 1:
+        return first
+    attention = torch.cat([prompt_mask, prompt_mask.new_ones(B, T - 1)], dim=1)
+    start = prompt_mask.sum(-1, keepdim=True)
+    rest = decoder(input_ids=completion_ids[:, :-1], attention_mask=attention,
+                   position_ids=start + torch.arange(T - 1, device=start.device), past_key_values=cache,
+                   use_cache=True).last_hidden_state
+    return torch.cat([first, rest], dim=1)  # (B, T, H)

@@ -128,10 +128,19 @@ def _tiny_random(tokenizer, dtype: torch.dtype):
 
 
 def load_model(name: str, dtype: str = "float32"):
-    """The causal LM for `model.name`, in `dtype`, in train mode."""
+    """The causal LM for `model.name`, in `dtype`, in train mode. A folder holding a LoRA adapter
+    (a LoRA run's final/ or checkpoint) loads its base model with the adapter on top."""
     from transformers import AutoModelForCausalLM
 
     torch_dtype = DTYPES[dtype]
+    adapter = Path(name) / "adapter_config.json"
+    if adapter.is_file():
+        import json
+
+        from peft import PeftModel
+
+        base = load_model(json.loads(adapter.read_text())["base_model_name_or_path"], dtype)
+        return PeftModel.from_pretrained(base, name).train()
     if name == TINY:
         model = _tiny_random(load_tokenizer(name), torch_dtype)
     else:
@@ -153,6 +162,45 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return ids
 
 
+def apply_lora(model, m, base_name: str):
+    """`model` with LoRA adapters of config section `m` (model.lora_*) through peft: only the
+    adapters train. `base_name` is recorded in the adapter's config so the adapter folder loads."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise StartupError("model.lora_rank > 0 needs peft: pip install 'grpokit[lora]'") from None
+    targets = m.lora_target_modules
+    if targets in (["all-linear"], "all-linear"):
+        targets = "all-linear"  # peft's name for every linear layer but the output layer
+    config = LoraConfig(r=m.lora_rank, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout, target_modules=targets,
+                        task_type="CAUSAL_LM")
+    try:
+        model = get_peft_model(model, config)
+    except ValueError as e:  # e.g. a target module the model does not have
+        raise StartupError(f"model.lora_target_modules={m.lora_target_modules}: {e}") from None
+    # peft records the model's own path; grpokit's model.name (a built-in name too) is what loads it.
+    model.peft_config["default"].base_model_name_or_path = base_name
+    return model
+
+
+def merge_adapter(folder: Path) -> Path:
+    """`grpokit train --merge`: <folder>/merged, the base model with the LoRA adapter of `folder`
+    merged into its weights (a plain Hugging Face folder, no peft needed to load it)."""
+    merged = load_model(str(folder)).merge_and_unload()
+    save_model(merged, load_tokenizer(str(folder)), Path(folder) / "merged")
+    return Path(folder) / "merged"
+
+
+def enable_activation_checkpointing(model) -> None:
+    """model.gradient_checkpointing: transformers' per-layer checkpointing, non-reentrant (it
+    supports inputs that need no gradient and keyword arguments)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def save_model(model, tokenizer, folder: Path) -> None:
     """Write a Hugging Face folder (weights, config, tokenizer, chat template) into `folder`; the
     caller makes it atomic (checkpoint.py writes into a temporary folder and renames it)."""
@@ -161,7 +209,10 @@ def save_model(model, tokenizer, folder: Path) -> None:
     shown = logging.is_progress_bar_enabled()
     logging.disable_progress_bar()  # no "Writing model shards" bar under the run's own
     try:
-        model.save_pretrained(folder)
+        if hasattr(model, "peft_config"):  # the adapters alone; embeddings are not adapted, no Hub lookup to check
+            model.save_pretrained(folder, save_embedding_layers=False)
+        else:
+            model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
     finally:
         if shown:

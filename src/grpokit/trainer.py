@@ -49,10 +49,11 @@ from grpokit.checkpoint import (
     checkpoint_bytes, check_disk_space, link_model_files, load_state, load_weights, open_run_dir, release_run_dir,
     rng_state, set_rng_state, start_run_dir, write_checkpoint, write_state_files,
 )
-from grpokit.config import Config, reward_specs
-from grpokit.logprobs import completion_logprobs
+from grpokit.config import Config, StartupError, reward_specs
+from grpokit.logprobs import check_chunkable, completion_logprobs
 from grpokit.loss import CLIP_METRICS, IS_MAX, IS_MEAN, grpo_loss
-from grpokit.models import eos_token_ids, load_model, load_tokenizer, save_model
+from grpokit.models import (apply_lora, enable_activation_checkpointing, eos_token_ids, load_model, load_tokenizer,
+                            save_model)
 from grpokit.diagnose import RunFacts
 from grpokit.monitor import Monitor
 from grpokit.rewards import RewardSet
@@ -106,12 +107,22 @@ class Trainer:
         self.seed_stream = torch.Generator().manual_seed(seed)
 
         self.policy = load_model(config.model.name, config.model.dtype).to(self.device)
-        distributed.broadcast_parameters(self.policy)
         # The reference model exists only when the KL term does (CONTEXT.md, report 1). It is the
-        # initial policy, so it is copied before a checkpoint's weights are loaded.
+        # initial policy, so it is copied before a checkpoint's weights are loaded. With LoRA it is
+        # the policy itself with its adapters switched off: no second copy of the weights.
         self.reference = None
-        if config.algorithm.beta > 0:
+        if config.model.lora_rank:
+            self.policy = apply_lora(self.policy, config.model, config.model.name)
+        elif config.algorithm.beta > 0:
             self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
+        distributed.broadcast_parameters(self.policy)
+        if config.model.gradient_checkpointing:  # after the reference copy, which never trains
+            enable_activation_checkpointing(self.policy)
+        if t.logprob_chunk_size is not None:
+            try:
+                check_chunkable(self.policy)
+            except ValueError as e:
+                raise StartupError(str(e)) from None
         # A server engine exists on process 0 alone: it generates the whole step, then shares it.
         self.remote = config.rollout.engine == "server"
         self.engine = None
@@ -312,7 +323,7 @@ class Trainer:
         active = advantages != 0 if a.beta == 0 else torch.ones_like(advantages, dtype=torch.bool)  # (n,)
 
         t0 = time.perf_counter()
-        ref_logps = self.batch_logprobs(self.reference, batch, active) if self.reference is not None else None
+        ref_logps = self.reference_logprobs(batch, active) if a.beta > 0 else None
         old_logps = self.batch_logprobs(self.policy, batch, active) if cfg.needs_old_logps else None
         t_logprobs = time.perf_counter() - t0
 
@@ -491,7 +502,17 @@ class Trainer:
         return completion_logprobs(
             model, batch.prompt_ids[first], batch.prompt_mask[first],
             batch.completion_ids[rows], prompt_index.to(self.device), self.config.rollout.temperature,
+            chunk_size=self.config.train.logprob_chunk_size,
+            # Checkpointed layers drop the key/value cache in training mode: run completions whole.
+            share_prompt=not (self.config.model.gradient_checkpointing and model.training),
         )
+
+    def reference_logprobs(self, batch: RolloutBatch, active: torch.Tensor) -> torch.Tensor:
+        """The reference model's log-probs: its own copy, or, with LoRA, the policy without adapters."""
+        if self.reference is not None:
+            return self.batch_logprobs(self.reference, batch, active)
+        with self.policy.disable_adapter():
+            return self.batch_logprobs(self.policy, batch, active)
 
     @torch.no_grad()
     def batch_logprobs(self, model, batch: RolloutBatch, active: torch.Tensor) -> torch.Tensor:

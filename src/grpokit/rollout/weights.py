@@ -27,9 +27,32 @@ import torch.distributed as dist
 
 def named_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The tensors of the model's checkpoint by name: parameters (a tied one once, under its first
-    name) and persistent buffers. Works on the meta device (no data pointers to compare)."""
+    name) and persistent buffers. Works on the meta device (no data pointers to compare). A peft
+    model gives its merged weights under the base model's names: W + scale * B @ A, computed
+    apart (the base weights are never merged into and unmerged from, which would drift them)."""
+    if hasattr(model, "get_base_model") and hasattr(model, "peft_config"):
+        return _merged_lora_weights(model)
     persistent = model.state_dict(keep_vars=True).keys()
     return [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n in persistent)]
+
+
+@torch.no_grad()
+def _merged_lora_weights(model) -> list[tuple[str, torch.Tensor]]:
+    base = model.get_base_model()
+    modules = dict(base.named_modules())
+    out = []
+    for name, tensor in named_weights(base):
+        if "lora_" in name:
+            continue
+        if ".base_layer." in name:
+            owner, leaf = name.split(".base_layer.")
+            layer = modules[owner]
+            if leaf == "weight" and not layer.merged:
+                for adapter in layer.active_adapters:
+                    tensor = tensor + layer.get_delta_weight(adapter)
+            name = f"{owner}.{leaf}"
+        out.append((name, tensor.detach()))
+    return out
 
 
 def layout(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[list]:
@@ -42,10 +65,12 @@ def layout_hash(entries: Iterable[list]) -> str:
 
 
 def fingerprint(model: torch.nn.Module) -> dict:
-    """Works on a model on the meta device too (a server whose engine keeps its own tensors)."""
-    config = model.config
+    """Works on a model on the meta device too (a server whose engine keeps its own tensors); a
+    peft model is fingerprinted as its merged base model (what a rollout engine receives)."""
+    plain = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = plain.config
     return {
-        "architecture": (getattr(config, "architectures", None) or [type(model).__name__])[0],
+        "architecture": (getattr(config, "architectures", None) or [type(plain).__name__])[0],
         "vocab_size": int(config.vocab_size),
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "parameters": layout_hash(layout(named_weights(model))),
