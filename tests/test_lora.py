@@ -65,7 +65,9 @@ def test_final_loads_for_evaluation_and_merges(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", *RUN, "train.max_steps=2", "--merge", f"train.output_dir={run}"]) == 0
     assert f"merged model: {run / 'final' / 'merged'}" in capsys.readouterr().out
-    adapted = load_model(str(run / "final")).eval()
+    from peft import PeftModel
+
+    adapted = PeftModel.from_pretrained(load_model("tiny-random"), str(run / "final")).eval()
     merged = load_model(str(run / "final" / "merged")).eval()
     assert not hasattr(merged, "peft_config")  # a plain transformers model
     ids = torch.tensor([[5, 6, 7, 8, 9]])
@@ -106,6 +108,9 @@ def test_a_rollout_engine_gets_the_merged_weights_under_the_base_names(tiny):
         torch.testing.assert_close(reference(input_ids=ids).logits, peft_model(input_ids=ids).logits,
                                    rtol=1e-5, atol=1e-5)
     assert all(torch.equal(t, base_before[n]) for n, t in named_weights(peft_model.get_base_model()) if n in base_before)
+    # In bf16 the adapters stay float32 (peft's default): the merged weights come back in bf16.
+    bf16 = apply_lora(load_model("tiny-random", "bfloat16"), config.model, "tiny-random")
+    assert {t.dtype for _, t in named_weights(bf16)} == {torch.bfloat16}
 
 
 def test_a_lora_run_through_a_rollout_server(tmp_path):

@@ -40,7 +40,7 @@ def _train(args) -> int:
     if args.merge:
         from grpokit.models import merge_adapter
 
-        print(f"merged model: {merge_adapter(result.run_dir / 'final')}")
+        print(f"merged model: {merge_adapter(result.run_dir / 'final', config.model.dtype)}")
     print(f"run directory: {result.run_dir}  (metrics.jsonl, config.yaml, checkpoints/, final/)\n"
           f"plots and samples: grpokit report {result.run_dir}; diagnosis: grpokit doctor {result.run_dir}")
     return 0

@@ -44,9 +44,9 @@ class ModelConfig:
     lora_rank: int = _f(0, "train LoRA adapters of this rank (through peft) instead of every weight; 0: full training")
     lora_alpha: float = _f(16.0, "LoRA scaling numerator: the adapter's update is scaled by lora_alpha / lora_rank")
     lora_dropout: float = _f(0.0, "dropout on the LoRA adapters' input")
-    lora_target_modules: list[str] | str = _f(
-        "all-linear", "modules that get adapters: 'all-linear' (every linear layer but the output layer) or a list of "
-        "module names, e.g. [q_proj, v_proj]"
+    lora_target_modules: str = _f(
+        "all-linear", "modules that get adapters: all-linear (every linear layer but the output layer) or module names "
+        "separated by commas, e.g. q_proj,v_proj"
     )
     gradient_checkpointing: bool = _f(
         False, "recompute each layer's activations in the backward pass instead of keeping them: less memory, "

@@ -23,9 +23,6 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
-# Config attributes of models whose causal-LM head does more than the output layer (soft-capping,
-# scaling): the chunked path, which applies the output layer itself, refuses them.
-_HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -53,17 +50,28 @@ def chunked_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch
     def chunk(h, t):
         return token_logprobs(head(h), t, temperature)
 
-    parts = [checkpoint(chunk, flat[i:i + chunk_size], flat_targets[i:i + chunk_size], use_reentrant=False)
-             for i in range(0, B * T, chunk_size)]
+    # split(), not slicing: one backward for all the pieces (each slice's would be a full-size zero gradient).
+    parts = [checkpoint(chunk, h, t, use_reentrant=False)
+             for h, t in zip(flat.split(chunk_size), flat_targets.split(chunk_size))]
     return torch.cat(parts).view(B, T)
 
 
+@torch.no_grad()
 def check_chunkable(model) -> None:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    extras = [a for a in _HEAD_EXTRAS if getattr(config, a, None) not in (None, 1, 1.0)]
-    if extras:
-        raise ValueError(f"train.logprob_chunk_size applies the output layer alone, but this model's head also "
-                         f"uses {', '.join(extras)}: leave train.logprob_chunk_size null for it")
+    """The chunked path applies the output layer to the decoder's last hidden state itself; some
+    models' heads do more (Gemma's soft-capping, Cohere's logit scaling, ...). Checked on the
+    model's own output: the output layer alone must reproduce its logits."""
+    was_training = model.training
+    model.eval()
+    try:
+        ids = torch.tensor([[1, 2, 3, 4]], device=next(model.parameters()).device)
+        logits = model(input_ids=ids).logits
+        alone = model.get_output_embeddings()(model.get_decoder()(input_ids=ids).last_hidden_state)
+    finally:
+        model.train(was_training)
+    if not torch.allclose(alone.float(), logits.float(), rtol=1e-4, atol=1e-4):
+        raise ValueError("train.logprob_chunk_size applies the output layer alone, but this model's head does more "
+                         "(its logits differ from the output layer's): leave train.logprob_chunk_size null for it")
 
 
 def completion_logprobs(
@@ -84,13 +92,15 @@ def completion_logprobs(
     Logits are divided by `temperature` so that log-probs are those of the sampling distribution
     (as TRL does). `chunk_size`, `share_prompt`: see the module docstring.
     """
-    if chunk_size is not None or not share_prompt:
+    if chunk_size is not None:
         hidden = _completion_hidden(model, prompt_ids, prompt_mask, completion_ids, prompt_index, share_prompt)
-        head = model.get_output_embeddings()
-        if chunk_size is None:
-            return token_logprobs(head(hidden), completion_ids, temperature)
-        return chunked_logprobs(hidden, head, completion_ids, temperature, chunk_size)
+        return chunked_logprobs(hidden, model.get_output_embeddings(), completion_ids, temperature, chunk_size)
     B, T = completion_ids.shape
+    if not share_prompt:  # every completion whole, through the model's own head
+        ids, attention, Lp = _whole_sequences(prompt_ids, prompt_mask, completion_ids, prompt_index)
+        logits = model(input_ids=ids, attention_mask=attention, position_ids=position_ids(attention), use_cache=False,
+                       logits_to_keep=T).logits  # (B, T, V): positions Lp - 1 .. Lp + T - 2
+        return token_logprobs(logits, completion_ids, temperature)
     prompt_out = model(
         input_ids=prompt_ids,
         attention_mask=prompt_mask,
@@ -126,16 +136,22 @@ def completion_logprobs(
     return token_logprobs(logits, completion_ids, temperature)  # (B, T)
 
 
+def _whole_sequences(prompt_ids, prompt_mask, completion_ids, prompt_index):
+    """Each completion's prompt and its tokens but the last: ids and mask (B, Lp + T - 1), and Lp."""
+    if prompt_index is not None:
+        prompt_ids, prompt_mask = prompt_ids.index_select(0, prompt_index), prompt_mask.index_select(0, prompt_index)
+    B, T = completion_ids.shape
+    ids = torch.cat([prompt_ids, completion_ids[:, :-1]], dim=1)
+    attention = torch.cat([prompt_mask, prompt_mask.new_ones(B, T - 1)], dim=1)
+    return ids, attention, prompt_ids.shape[1]
+
+
 def _completion_hidden(model, prompt_ids, prompt_mask, completion_ids, prompt_index, share_prompt) -> torch.Tensor:
     """The last hidden state (B, T, H) at the positions that predict each completion token."""
     decoder = model.get_decoder()
     B, T = completion_ids.shape
-    if not share_prompt:  # every completion whole: prompt + completion tokens but the last
-        if prompt_index is not None:
-            prompt_ids, prompt_mask = prompt_ids.index_select(0, prompt_index), prompt_mask.index_select(0, prompt_index)
-        Lp = prompt_ids.shape[1]
-        ids = torch.cat([prompt_ids, completion_ids[:, :-1]], dim=1)  # (B, Lp + T - 1)
-        attention = torch.cat([prompt_mask, prompt_mask.new_ones(B, T - 1)], dim=1)
+    if not share_prompt:
+        ids, attention, Lp = _whole_sequences(prompt_ids, prompt_mask, completion_ids, prompt_index)
         hidden = decoder(input_ids=ids, attention_mask=attention, position_ids=position_ids(attention),
                          use_cache=False).last_hidden_state
         return hidden[:, Lp - 1:]  # (B, T, H)

@@ -129,18 +129,18 @@ def _tiny_random(tokenizer, dtype: torch.dtype):
 
 def load_model(name: str, dtype: str = "float32"):
     """The causal LM for `model.name`, in `dtype`, in train mode. A folder holding a LoRA adapter
-    (a LoRA run's final/ or checkpoint) loads its base model with the adapter on top."""
+    (a LoRA run's final/ or checkpoint) loads as its base model with the adapter merged in."""
     from transformers import AutoModelForCausalLM
 
     torch_dtype = DTYPES[dtype]
     adapter = Path(name) / "adapter_config.json"
-    if adapter.is_file():
+    if adapter.is_file():  # a plain model from here on: evaluation, merging, or training from it
         import json
 
         from peft import PeftModel
 
         base = load_model(json.loads(adapter.read_text())["base_model_name_or_path"], dtype)
-        return PeftModel.from_pretrained(base, name).train()
+        return PeftModel.from_pretrained(base, name).merge_and_unload().train()
     if name == TINY:
         model = _tiny_random(load_tokenizer(name), torch_dtype)
     else:
@@ -169,25 +169,29 @@ def apply_lora(model, m, base_name: str):
         from peft import LoraConfig, get_peft_model
     except ImportError:
         raise StartupError("model.lora_rank > 0 needs peft: pip install 'grpokit[lora]'") from None
-    targets = m.lora_target_modules
-    if targets in (["all-linear"], "all-linear"):
-        targets = "all-linear"  # peft's name for every linear layer but the output layer
+    # "all-linear": peft's name for every linear layer but the output layer.
+    targets = m.lora_target_modules if m.lora_target_modules == "all-linear" else [
+        t.strip() for t in m.lora_target_modules.split(",") if t.strip()]
+    if "lm_head" in targets and getattr(model.config, "tie_word_embeddings", False):
+        raise StartupError("model.lora_target_modules includes lm_head, whose weight this model ties to its input "
+                           "embeddings: adapt the other layers")
     config = LoraConfig(r=m.lora_rank, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout, target_modules=targets,
                         task_type="CAUSAL_LM")
     try:
         model = get_peft_model(model, config)
     except ValueError as e:  # e.g. a target module the model does not have
         raise StartupError(f"model.lora_target_modules={m.lora_target_modules}: {e}") from None
-    # peft records the model's own path; grpokit's model.name (a built-in name too) is what loads it.
-    model.peft_config["default"].base_model_name_or_path = base_name
+    # peft records the model's own path; grpokit's model.name (a built-in name too) is what loads it,
+    # a local folder by its absolute path (the adapter may be loaded from anywhere).
+    model.peft_config["default"].base_model_name_or_path = (
+        str(Path(base_name).resolve()) if Path(base_name).is_dir() else base_name)
     return model
 
 
-def merge_adapter(folder: Path) -> Path:
+def merge_adapter(folder: Path, dtype: str) -> Path:
     """`grpokit train --merge`: <folder>/merged, the base model with the LoRA adapter of `folder`
     merged into its weights (a plain Hugging Face folder, no peft needed to load it)."""
-    merged = load_model(str(folder)).merge_and_unload()
-    save_model(merged, load_tokenizer(str(folder)), Path(folder) / "merged")
+    save_model(load_model(str(folder), dtype), load_tokenizer(str(folder)), Path(folder) / "merged")
     return Path(folder) / "merged"
 
 

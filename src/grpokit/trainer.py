@@ -107,15 +107,16 @@ class Trainer:
         self.seed_stream = torch.Generator().manual_seed(seed)
 
         self.policy = load_model(config.model.name, config.model.dtype).to(self.device)
+        distributed.broadcast_parameters(self.policy)
         # The reference model exists only when the KL term does (CONTEXT.md, report 1). It is the
         # initial policy, so it is copied before a checkpoint's weights are loaded. With LoRA it is
         # the policy itself with its adapters switched off: no second copy of the weights.
         self.reference = None
         if config.model.lora_rank:
             self.policy = apply_lora(self.policy, config.model, config.model.name)
+            distributed.broadcast_parameters(self.policy)  # the adapters' random initialisation
         elif config.algorithm.beta > 0:
             self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
-        distributed.broadcast_parameters(self.policy)
         if config.model.gradient_checkpointing:  # after the reference copy, which never trains
             enable_activation_checkpointing(self.policy)
         if t.logprob_chunk_size is not None:

@@ -48,8 +48,10 @@ def _merged_lora_weights(model) -> list[tuple[str, torch.Tensor]]:
             owner, leaf = name.split(".base_layer.")
             layer = modules[owner]
             if leaf == "weight" and not layer.merged:
-                for adapter in layer.active_adapters:
-                    tensor = tensor + layer.get_delta_weight(adapter)
+                for adapter in layer.active_adapters:  # in the wider dtype (peft keeps adapters in float32), back to W's
+                    delta = layer.get_delta_weight(adapter)
+                    wide = torch.promote_types(tensor.dtype, delta.dtype)
+                    tensor = (tensor.to(wide) + delta.to(wide)).to(tensor.dtype)
             name = f"{owner}.{leaf}"
         out.append((name, tensor.detach()))
     return out
