@@ -277,3 +277,31 @@ def test_two_process_grpokit_train(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     single = json.loads((tmp_path / "single" / "one" / "metrics.jsonl").read_text().splitlines()[0])
     assert single["eval/reward"] == pytest.approx(evals[0]["eval/reward"], rel=1e-6)
+
+
+CONFIGS = sorted((TESTS.parent / "examples" / "accelerate").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_shipped_accelerate_configs_load_in_accelerate(path):
+    """examples/accelerate/: each file is read by accelerate's own config loader, and describes a
+    launch grpokit runs (its data parallelism over processes; mixed precision is model.dtype's)."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(path))
+    assert str(config.distributed_type) == "DistributedType.MULTI_GPU"
+    assert config.num_processes % config.num_machines == 0 and config.mixed_precision == "no"
+    assert f"examples/accelerate/{path.name}" in path.read_text()  # its own launch command is in it
+
+
+def test_the_cpu_accelerate_config_launches_a_run(tmp_path):
+    config = TESTS.parent / "examples" / "accelerate" / "cpu-2-processes.yaml"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+         f"--main_process_port={free_port()}", "-m", "grpokit", "train", "--no-progress", "model.name=tiny-random",
+         "train.max_steps=2", "data.eval_size=0", "train.prompts_per_step=2", "rollout.num_generations=4"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = (tmp_path / "runs").iterdir()
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
