@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_distributed import free_port
 
 from grpokit.cli import main
 from grpokit.rollout.weights import checksum, named_weights
@@ -27,12 +28,6 @@ pytest.importorskip("fastapi", reason="the server needs: pip install 'grpokit[se
 TESTS = Path(__file__).parent
 RUN = ["--no-progress", "model.name=tiny-random", "reward.functions=[length]", "train.prompts_per_step=2",
        "rollout.num_generations=4", "data.eval_size=4", "train.eval_every=2"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(url: str, path: str = "/health") -> dict:

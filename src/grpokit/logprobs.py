@@ -92,25 +92,42 @@ def completion_logprobs(
     Logits are divided by `temperature` so that log-probs are those of the sampling distribution
     (as TRL does). `chunk_size`, `share_prompt`: see the module docstring.
     """
-    if chunk_size is not None:
-        hidden = _completion_hidden(model, prompt_ids, prompt_mask, completion_ids, prompt_index, share_prompt)
-        return chunked_logprobs(hidden, model.get_output_embeddings(), completion_ids, temperature, chunk_size)
+    if chunk_size is None:  # logits from the model's own head
+        def run(keep: int, **inputs) -> torch.Tensor:
+            return model(**inputs, logits_to_keep=keep).logits
+    else:  # hidden states, for the output layer to be applied chunk by chunk
+        decoder = model.get_decoder()
+
+        def run(keep: int, **inputs) -> torch.Tensor:
+            return decoder(**inputs).last_hidden_state[:, -keep:]  # -0: every position
+    passes = _shared_prompt_pass if share_prompt else _whole_sequence_pass
+    out = passes(run, prompt_ids, prompt_mask, completion_ids, prompt_index)  # (B, T, V) or (B, T, H)
+    if chunk_size is None:
+        return token_logprobs(out, completion_ids, temperature)  # (B, T)
+    return chunked_logprobs(out, model.get_output_embeddings(), completion_ids, temperature, chunk_size)
+
+
+def _whole_sequence_pass(run, prompt_ids, prompt_mask, completion_ids, prompt_index) -> torch.Tensor:
+    """`run`'s outputs (B, T, ...) at the positions that predict each completion token, every
+    completion run whole: its prompt and its tokens but the last, no cache.
+    run(keep, **inputs): the model's outputs at the last `keep` positions (0: all)."""
+    if prompt_index is not None:
+        prompt_ids, prompt_mask = prompt_ids.index_select(0, prompt_index), prompt_mask.index_select(0, prompt_index)
     B, T = completion_ids.shape
-    if not share_prompt:  # every completion whole, through the model's own head
-        ids, attention, Lp = _whole_sequences(prompt_ids, prompt_mask, completion_ids, prompt_index)
-        logits = model(input_ids=ids, attention_mask=attention, position_ids=position_ids(attention), use_cache=False,
-                       logits_to_keep=T).logits  # (B, T, V): positions Lp - 1 .. Lp + T - 2
-        return token_logprobs(logits, completion_ids, temperature)
-    prompt_out = model(
-        input_ids=prompt_ids,
-        attention_mask=prompt_mask,
-        position_ids=position_ids(prompt_mask),
-        past_key_values=DynamicCache(),
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    cache = prompt_out.past_key_values
-    first = prompt_out.logits[:, -1]  # (P, V): the prompt's last position predicts completion token 0
+    ids = torch.cat([prompt_ids, completion_ids[:, :-1]], dim=1)  # (B, Lp + T - 1)
+    attention = torch.cat([prompt_mask, prompt_mask.new_ones(B, T - 1)], dim=1)
+    # The last T positions, Lp - 1 .. Lp + T - 2, predict the T completion tokens.
+    return run(T, input_ids=ids, attention_mask=attention, position_ids=position_ids(attention), use_cache=False)
+
+
+def _shared_prompt_pass(run, prompt_ids, prompt_mask, completion_ids, prompt_index) -> torch.Tensor:
+    """As _whole_sequence_pass, with each prompt run once and its key/value cache shared by the
+    completions that continue it (the module docstring)."""
+    B, T = completion_ids.shape
+    cache = DynamicCache()
+    # (P, 1, ...): the prompt's last position predicts completion token 0.
+    first = run(1, input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
+                past_key_values=cache, use_cache=True)
     if prompt_index is not None:
         # (P, ...) -> (B, ...), differentiable. index_select, not Tensor[index] (what the cache's
         # own batch_select_indices does): the backward of indexing sums the rows that share a
@@ -119,54 +136,12 @@ def completion_logprobs(
         for layer in cache.layers:
             layer.keys, layer.values = layer.keys.index_select(0, prompt_index), layer.values.index_select(0, prompt_index)
         first, prompt_mask = first.index_select(0, prompt_index), prompt_mask.index_select(0, prompt_index)
-    logits = first[:, None, :]  # (B, 1, V)
-    if T > 1:
-        # Completion token t-1 at position len(prompt) + t - 1 predicts token t. Padding after an
-        # EOS is attended only by later padding (causal), so a mask of ones changes no real token.
-        attention = torch.cat([prompt_mask, prompt_mask.new_ones(B, T - 1)], dim=1)  # (B, Lp + T - 1)
-        start = prompt_mask.sum(-1, keepdim=True)  # (B, 1)
-        out = model(
-            input_ids=completion_ids[:, :-1],
-            attention_mask=attention,
-            position_ids=start + torch.arange(T - 1, device=start.device),
-            past_key_values=cache,
-            use_cache=True,
-        )
-        logits = torch.cat([logits, out.logits], dim=1)  # (B, T, V)
-    return token_logprobs(logits, completion_ids, temperature)  # (B, T)
-
-
-def _whole_sequences(prompt_ids, prompt_mask, completion_ids, prompt_index):
-    """Each completion's prompt and its tokens but the last: ids and mask (B, Lp + T - 1), and Lp."""
-    if prompt_index is not None:
-        prompt_ids, prompt_mask = prompt_ids.index_select(0, prompt_index), prompt_mask.index_select(0, prompt_index)
-    B, T = completion_ids.shape
-    ids = torch.cat([prompt_ids, completion_ids[:, :-1]], dim=1)
-    attention = torch.cat([prompt_mask, prompt_mask.new_ones(B, T - 1)], dim=1)
-    return ids, attention, prompt_ids.shape[1]
-
-
-def _completion_hidden(model, prompt_ids, prompt_mask, completion_ids, prompt_index, share_prompt) -> torch.Tensor:
-    """The last hidden state (B, T, H) at the positions that predict each completion token."""
-    decoder = model.get_decoder()
-    B, T = completion_ids.shape
-    if not share_prompt:
-        ids, attention, Lp = _whole_sequences(prompt_ids, prompt_mask, completion_ids, prompt_index)
-        hidden = decoder(input_ids=ids, attention_mask=attention, position_ids=position_ids(attention),
-                         use_cache=False).last_hidden_state
-        return hidden[:, Lp - 1:]  # (B, T, H)
-    out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
-                  past_key_values=DynamicCache(), use_cache=True)
-    cache, first = out.past_key_values, out.last_hidden_state[:, -1:]  # (P, 1, H)
-    if prompt_index is not None:  # as in completion_logprobs: index_select for repeatable sums
-        for layer in cache.layers:
-            layer.keys, layer.values = layer.keys.index_select(0, prompt_index), layer.values.index_select(0, prompt_index)
-        first, prompt_mask = first.index_select(0, prompt_index), prompt_mask.index_select(0, prompt_index)
     if T == 1:
-        return first
-    attention = torch.cat([prompt_mask, prompt_mask.new_ones(B, T - 1)], dim=1)
-    start = prompt_mask.sum(-1, keepdim=True)
-    rest = decoder(input_ids=completion_ids[:, :-1], attention_mask=attention,
-                   position_ids=start + torch.arange(T - 1, device=start.device), past_key_values=cache,
-                   use_cache=True).last_hidden_state
-    return torch.cat([first, rest], dim=1)  # (B, T, H)
+        return first  # (B, 1, ...)
+    # Completion token t-1 at position len(prompt) + t - 1 predicts token t. Padding after an EOS
+    # is attended only by later padding (causal), so a mask of ones changes no real token.
+    attention = torch.cat([prompt_mask, prompt_mask.new_ones(B, T - 1)], dim=1)  # (B, Lp + T - 1)
+    start = prompt_mask.sum(-1, keepdim=True)  # (B, 1)
+    rest = run(0, input_ids=completion_ids[:, :-1], attention_mask=attention,
+               position_ids=start + torch.arange(T - 1, device=start.device), past_key_values=cache, use_cache=True)
+    return torch.cat([first, rest], dim=1)  # (B, T, ...)
