@@ -285,11 +285,16 @@ CONFIGS = sorted((TESTS.parent / "examples" / "accelerate").glob("*.yaml"))
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_shipped_accelerate_configs_load_in_accelerate(path):
     """examples/accelerate/: each file is read by accelerate's own config loader, and describes a
-    launch grpokit runs (its data parallelism over processes; mixed precision is model.dtype's)."""
+    launch grpokit runs (data parallel, FSDP2 or ZeRO-2/3; mixed precision is model.dtype's)."""
     from accelerate.commands.config.config_args import load_config_from_file
 
     config = load_config_from_file(str(path))
-    assert str(config.distributed_type) == "DistributedType.MULTI_GPU"
+    kind = str(config.distributed_type).removeprefix("DistributedType.")
+    assert kind in ("MULTI_GPU", "FSDP", "DEEPSPEED")  # data parallel, or sharded (test_sharding.py)
+    if kind == "FSDP":
+        assert config.fsdp_config["fsdp_version"] == 2 and not config.fsdp_config["fsdp_activation_checkpointing"]
+    if kind == "DEEPSPEED":
+        assert config.deepspeed_config["zero_stage"] in (2, 3)
     assert config.num_processes % config.num_machines == 0 and config.mixed_precision == "no"
     assert f"examples/accelerate/{path.name}" in path.read_text()  # its own launch command is in it
 

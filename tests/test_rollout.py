@@ -57,6 +57,29 @@ def test_forced_eos_gives_stop_and_mask_with_eos(tiny):
     assert batch.completion_mask.tolist() == [[1, 1, 1]] * 4
 
 
+def test_lockstep_decoding_goes_on_until_every_process_is_done(tiny, monkeypatch):
+    """Sharded weights (sharding.py): a process whose completions all finished keeps making forward
+    calls (masked, padding) while another process's are still running, and stops with the last."""
+    from grpokit.rollout import transformers_engine
+
+    model, tokenizer = tiny
+    every_token = list(range(model.config.vocab_size))  # every token ends a completion: done at once here
+    others_running = [3, 2, 1, 0]  # what the all-reduce reports after each decoding step
+    calls = []
+    monkeypatch.setattr(transformers_engine.distributed, "all_reduce",
+                        lambda t: calls.append(t.item()) or torch.tensor(t.item() + others_running[len(calls) - 1]))
+    forwards = []
+    real_forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **k: forwards.append(1) or real_forward(*a, **k))
+    engine = TransformersEngine(model, pad_id=tokenizer.pad_token_id, eos_ids=every_token, lockstep=True)
+    batch = engine.generate([[5, 6, 7]], 2, SamplingParams(max_tokens=8), seeds=[1, 2])
+    assert calls == [0, 0, 0, 0]  # this process had no unfinished completion after its first token
+    assert len(forwards) == 1 + 3  # the prefill, then one decoding step per step another process ran
+    assert batch.completion_mask.tolist() == [[1, 0, 0, 0]] * 2 and batch.finish_reasons == ["stop"] * 2
+    alone = TransformersEngine(model, pad_id=tokenizer.pad_token_id, eos_ids=every_token)
+    assert alone.generate([[5, 6, 7]], 2, SamplingParams(max_tokens=8), seeds=[1, 2]).completion_ids.shape[1] == 1
+
+
 def test_sampling_is_seeded_and_greedy_is_argmax(tiny):
     model, tokenizer = tiny
     engine = TransformersEngine(model, pad_id=tokenizer.pad_token_id, eos_ids=[tokenizer.eos_token_id])

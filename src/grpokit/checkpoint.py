@@ -4,7 +4,7 @@ A checkpoint is the folder `<run_dir>/checkpoints/step-N/`:
 
     config.json, model.safetensors, tokenizer files   the policy, a Hugging Face model folder
                                                       (`from_pretrained` and `grpokit eval` load it)
-    optimizer.pt        AdamW and learning-rate scheduler state
+    optimizer.pt        AdamW state (full, keyed by parameter name: the same sharded or not) and learning-rate schedule
     rng.pt              every process's RNG states (python, numpy, torch, CUDA) and the stream
                         the per-completion sampling seeds are drawn from
     config.yaml         the run's config, checked against the config of a resumed run
@@ -269,9 +269,10 @@ def write_checkpoint(run_dir: Path, step: int, write_files, keep: int | None) ->
     return target
 
 
-def write_state_files(folder: Path, config: Config, optimizer, scheduler, rng: dict, state: dict) -> None:
-    """The non-weight files of a checkpoint (trainer_state.json last)."""
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, folder / "optimizer.pt")
+def write_state_files(folder: Path, config: Config, optimizer_state: dict, scheduler, rng: dict, state: dict) -> None:
+    """The non-weight files of a checkpoint (trainer_state.json last). `optimizer_state`: the full
+    AdamW state keyed by parameter name (sharding.py), whichever way the run was sharded."""
+    torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict()}, folder / "optimizer.pt")
     torch.save(rng, folder / "rng.pt")
     save_config(config, folder / "config.yaml")
     (folder / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
@@ -302,13 +303,13 @@ def load_weights(model: torch.nn.Module, folder: Path) -> None:
         raise ValueError(f"checkpoint {folder} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
-def load_state(folder: Path, optimizer, scheduler) -> tuple[dict, dict]:
-    """Restore the optimizer and scheduler in place; return (rng, trainer state)."""
+def load_state(folder: Path, scheduler) -> tuple[dict, dict, dict]:
+    """Restore the scheduler in place; return (the optimizer state, as write_state_files got it,
+    rng, trainer state)."""
     saved = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True)
-    optimizer.load_state_dict(saved["optimizer"])
     scheduler.load_state_dict(saved["scheduler"])
     rng = torch.load(folder / "rng.pt", map_location="cpu", weights_only=True)
-    return rng, json.loads((folder / STATE_FILE).read_text())
+    return saved["optimizer"], rng, json.loads((folder / STATE_FILE).read_text())
 
 
 # ---------------------------------------------------------------- random number generators

@@ -83,6 +83,7 @@ def completion_logprobs(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     share_prompt: bool = True,
+    sharded: bool = False,
 ) -> torch.Tensor:
     """log pi(completion token t | prompt, tokens < t), shape (B, T).
 
@@ -90,7 +91,8 @@ def completion_logprobs(
     completion_ids: (B, T) right-padded; padding positions get values that the caller masks.
     prompt_index: (B,) the prompt row each completion continues; None means row i of both (P == B).
     Logits are divided by `temperature` so that log-probs are those of the sampling distribution
-    (as TRL does). `chunk_size`, `share_prompt`: see the module docstring.
+    (as TRL does). `chunk_size`, `share_prompt`: see the module docstring. `sharded`: the model's
+    weights are sharded (sharding.py), and only a call of the whole model gathers all of them.
     """
     if chunk_size is None:  # logits from the model's own head
         def run(keep: int, **inputs) -> torch.Tensor:
@@ -99,6 +101,8 @@ def completion_logprobs(
         decoder = model.get_decoder()
 
         def run(keep: int, **inputs) -> torch.Tensor:
+            if sharded:  # the whole model, for one position's logits; its last hidden state is the decoder's
+                return model(**inputs, logits_to_keep=1, output_hidden_states=True).hidden_states[-1][:, -keep:]
             return decoder(**inputs).last_hidden_state[:, -keep:]  # -0: every position
     passes = _shared_prompt_pass if share_prompt else _whole_sequence_pass
     out = passes(run, prompt_ids, prompt_mask, completion_ids, prompt_index)  # (B, T, V) or (B, T, H)

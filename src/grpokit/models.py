@@ -205,9 +205,10 @@ def enable_activation_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def save_model(model, tokenizer, folder: Path) -> None:
+def save_model(model, tokenizer, folder: Path, weights: list | None = None) -> None:
     """Write a Hugging Face folder (weights, config, tokenizer, chat template) into `folder`; the
-    caller makes it atomic (checkpoint.py writes into a temporary folder and renames it)."""
+    caller makes it atomic (checkpoint.py writes into a temporary folder and renames it). `weights`:
+    (name, tensor) pairs to write instead of the model's own (a sharded model's, gathered)."""
     from transformers.utils import logging
 
     shown = logging.is_progress_bar_enabled()
@@ -216,7 +217,7 @@ def save_model(model, tokenizer, folder: Path) -> None:
         if hasattr(model, "peft_config"):  # the adapters alone; embeddings are not adapted, no Hub lookup to check
             model.save_pretrained(folder, save_embedding_layers=False)
         else:
-            model.save_pretrained(folder)
+            model.save_pretrained(folder, state_dict=None if weights is None else dict(weights))
         tokenizer.save_pretrained(folder)
     finally:
         if shown:

@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from grpokit import distributed
+from grpokit import distributed, sharding
 from grpokit.advantages import group_advantages
 from grpokit.checkpoint import (
     checkpoint_bytes, check_disk_space, link_model_files, load_state, load_weights, open_run_dir, release_run_dir,
@@ -85,6 +85,8 @@ class Trainer:
         self.device = distributed.init()
         W, rank = distributed.world_size(), distributed.rank()
         config.validate(world_size=W)
+        # Replicated, or sharded by FSDP2 / DeepSpeed as the launcher's accelerate config says (sharding.py).
+        self.parallel = sharding.from_launcher(config, W)
         self.config = config
         t, seed = config.train, config.train.seed
         # Start-up checks, cheapest first, before anything is written (checkpoint.py): the data and
@@ -130,7 +132,8 @@ class Trainer:
 
         def connect() -> bool:
             self.engine = make_engine(config.rollout, self.policy, self.tokenizer,
-                                      eos_token_ids(self.policy, self.tokenizer), config.model.name)
+                                      eos_token_ids(self.policy, self.tokenizer), config.model.name,
+                                      lockstep=self.parallel.lockstep)
             return self.engine.exact_logprobs
 
         # Sampling log-probs from other kernels than the trainer's are corrected (loss.py). A server
@@ -141,10 +144,17 @@ class Trainer:
         # The global completions of a step this process owns, in update order (distributed.py).
         self.rows = distributed.shard_rows(config.completions_per_step, config.completions_per_update, W, rank)
         self.micro_batch = t.micro_batch_size or config.completions_per_update // W
+        needed = checkpoint_bytes(self.policy)  # counted while every process holds the whole model
+        if resume_from is not None:  # into whole weights, before sharding spreads them
+            load_weights(self.policy, resume_from)
+        self.policy, self.reference = self.parallel.wrap(self.policy, self.reference)
         self.params = [p for p in self.policy.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=t.learning_rate, weight_decay=t.weight_decay)
-        for p in self.params:  # see update(): gradients are zeroed in place, never dropped
-            p.grad = torch.zeros_like(p)
+        self.optimizer = self.parallel.make_optimizer(
+            self.policy, self.params,
+            lambda params: torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay))
+        if not self.parallel.lockstep:
+            for p in self.params:  # see update(): gradients are zeroed in place, never dropped
+                p.grad = torch.zeros_like(p)
         warmup = t.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda update: min(1.0, (update + 1) / warmup) if warmup else 1.0
@@ -154,7 +164,7 @@ class Trainer:
         self.greedy = SamplingParams(r.max_completion_length, temperature=0.0)
 
         def start() -> tuple[list[dict], str | None]:
-            check_disk_space(self.run_dir, checkpoint_bytes(self.policy))
+            check_disk_space(self.run_dir, needed)
             return start_run_dir(self.run_dir, config, resume_from)
 
         # The metrics.jsonl rows kept from before the checkpoint, and what to tell the user about them.
@@ -173,7 +183,7 @@ class Trainer:
                                history=self.resumed_rows, initial=self.step, enabled=progress,
                                wandb=config.monitor.wandb and {"config": config.to_dict(),
                                                                "project": config.monitor.wandb_project})
-        for line in (note, *getattr(self.task, "notes", ())):
+        for line in (note, self.parallel.describe(self.policy), *getattr(self.task, "notes", ())):
             if line:
                 self.monitor.write(line)
 
@@ -287,6 +297,7 @@ class Trainer:
         G, N = self.config.rollout.num_generations, self.config.completions_per_step
         seeds = torch.randint(0, 2**62, (N,), generator=self.seed_stream)  # (N,) the whole step's
         if self.remote:  # process 0 asks for the whole step; each process keeps its rows
+            self.gather_weights_for_server()
             batch = distributed.on_main(lambda: self.engine.generate(
                 [self.encode(e) for e in examples], G, self.sampling, seeds.tolist()))
             return batch if distributed.world_size() == 1 else batch.select(self.rows)
@@ -320,8 +331,10 @@ class Trainer:
         # Whole groups and the whole batch, wherever their completions were generated.
         advantages = group_advantages(rewards, G, a.scale_rewards)[self.rows]  # (n,)
         # With no KL term, a completion with advantage exactly 0 adds exactly 0 to the loss, its
-        # gradient and the clip metrics: it needs no forward/backward at all.
-        active = advantages != 0 if a.beta == 0 else torch.ones_like(advantages, dtype=torch.bool)  # (n,)
+        # gradient and the clip metrics: it needs no forward/backward at all. Sharded weights need
+        # every process in every forward (sharding.py), so there every row runs.
+        skip = a.beta == 0 and not self.parallel.lockstep
+        active = advantages != 0 if skip else torch.ones_like(advantages, dtype=torch.bool)  # (n,)
 
         t0 = time.perf_counter()
         ref_logps = self.reference_logprobs(batch, active) if a.beta > 0 else None
@@ -389,7 +402,8 @@ class Trainer:
                 num_tokens = distributed.all_reduce(mask[local].sum().double()).item()
                 rows = local[active[local]]
                 update_loss = 0.0
-                for mb in rows.split(self.micro_batch) if len(rows) else ():  # split() of nothing gives one empty part
+                micro_batches = rows.split(self.micro_batch) if len(rows) else ()  # split() of nothing gives one empty part
+                for i, mb in enumerate(micro_batches):
                     logps = self.logprobs(self.policy, batch, mb)  # (M, T)
                     loss, metrics = grpo_loss(
                         logps,
@@ -408,7 +422,7 @@ class Trainer:
                         sampling_logps=batch.sampling_logps[mb].to(self.device) if self.is_correction else None,
                         is_cap=cfg.rollout.is_cap,
                     )
-                    loss.backward()
+                    self.parallel.backward(loss, last=i == len(micro_batches) - 1)
                     update_loss += loss.item()
                     if self.is_correction:
                         is_max = max(is_max, metrics.pop(IS_MAX).item())
@@ -419,21 +433,19 @@ class Trainer:
                 partial["loss"] += update_loss
                 # Each process's loss is its share of the whole-batch loss: sum, never average.
                 whole_loss = distributed.all_reduce(torch.tensor(update_loss, dtype=torch.float64)).item()
-                distributed.sum_gradients(self.params)
                 shared["learning_rate"] += self.optimizer.param_groups[0]["lr"]
-                clip = cfg.train.max_grad_norm or float("inf")
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip).item()  # the same on every process
+                # Gradients reduced over processes, clipped, applied if finite, zeroed (sharding.py);
+                # a non-finite update is not applied at all (train_step counts and reports it).
+                grad_norm, applied = self.parallel.step(self.optimizer, self.params, cfg.train.max_grad_norm or math.inf,
+                                                        math.isfinite(whole_loss))
                 shared["grad_norm"] += grad_norm
-                if math.isfinite(whole_loss) and math.isfinite(grad_norm):
-                    self.num_updates += 1  # first: a step that raises midway has changed weights
-                    self.optimizer.step()
+                if applied:
+                    self.num_updates += 1
                     self.scheduler.step()
                     if self.engine is not None:
                         self.engine.weights_updated()
-                else:  # a non-finite update is not applied at all (train_step counts and reports it)
+                else:
                     skipped += 1
-                # Zeros, not None: AdamW must step every parameter even when no row was active.
-                self.optimizer.zero_grad(set_to_none=False)
                 num_updates += 1
         summed = distributed.all_reduce(torch.tensor(list(partial.values()), dtype=torch.float64)).tolist()
         out = {**{k: v / num_updates for k, v in (*zip(partial, summed), *shared.items())}, "skipped_updates": skipped}
@@ -462,19 +474,23 @@ class Trainer:
         """checkpoints/step-`step` (checkpoint.py), from this moment's state or a `captured` one
         (the weights and optimizer must not have changed since)."""
         rng, state = captured or self.capture(step)
+        # Gathered by every process when sharded; whole on process 0, which writes.
+        weights = self.parallel.full_weights(self.policy) if self.parallel.lockstep else None
+        optimizer_state = self.parallel.optimizer_state(self.policy, self.optimizer)
 
         def write(folder: Path) -> None:
-            save_model(self.policy, self.tokenizer, folder)
-            write_state_files(folder, self.config, self.optimizer, self.scheduler, rng, state)
+            save_model(self.policy, self.tokenizer, folder, weights)
+            write_state_files(folder, self.config, optimizer_state, self.scheduler, rng, state)
 
         path = distributed.on_main(lambda: write_checkpoint(self.run_dir, step, write, self.config.train.keep_checkpoints))
         self.saved_step = step
         return path
 
     def resume(self, folder: Path) -> None:
-        """Continue from checkpoint `folder`: weights, optimizer, scheduler, RNGs, data position, counters."""
-        load_weights(self.policy, folder)
-        rng, state = load_state(folder, self.optimizer, self.scheduler)
+        """Continue from checkpoint `folder` (its weights are loaded already): optimizer, scheduler,
+        RNGs, data position, counters."""
+        optimizer_state, rng, state = load_state(folder, self.scheduler)
+        self.parallel.load_optimizer_state(self.policy, self.optimizer, optimizer_state)
         processes = rng["processes"]
         # Each process its own RNG state; resumed on another process count, process 0's for all.
         set_rng_state(processes[distributed.rank()] if len(processes) == distributed.world_size() else processes[0])
@@ -506,7 +522,16 @@ class Trainer:
             chunk_size=self.config.train.logprob_chunk_size,
             # Checkpointed layers drop the key/value cache in training mode: run completions whole.
             share_prompt=not (self.config.model.gradient_checkpointing and model.training),
+            sharded=self.parallel.lockstep,
         )
+
+    def gather_weights_for_server(self) -> None:
+        """Sharded weights reach the rollout server whole: every process gathers them (a collective)
+        when they changed since the last push, and process 0's client sends them."""
+        if self.parallel.lockstep and distributed.on_main(lambda: self.engine.dirty):
+            weights = self.parallel.full_weights(self.policy)
+            if distributed.is_main():
+                self.engine.gathered = weights
 
     def reference_logprobs(self, batch: RolloutBatch, active: torch.Tensor) -> torch.Tensor:
         """The reference model's log-probs: its own copy, or, with LoRA, the policy without adapters."""
@@ -546,14 +571,19 @@ class Trainer:
         rng = rng_state()
 
         def scored(first: int, last: int) -> list[dict]:
-            return score(self.engine, self.tokenizer, self.rewards, examples[first:last], self.greedy,
+            chunk = [examples[min(i, len(examples) - 1)] for i in range(first, last)]  # padding repeats the last
+            return score(self.engine, self.tokenizer, self.rewards, chunk, self.greedy,
                          first_index=first, max_prompt_length=self.config.data.max_prompt_length)
 
+        if self.parallel.lockstep:  # equal slices (every forward is collective): the last padded, then cut
+            share = -(-len(examples) // W)
+            first, last = rank * share, rank * share + share
         try:
             if self.remote:  # process 0 alone talks to the server: it scores them all, and shares
+                self.gather_weights_for_server()
                 records = distributed.on_main(lambda: scored(0, len(examples)))
             else:
-                records = distributed.gather_lists(scored(first, last))
+                records = distributed.gather_lists(scored(first, last))[:len(examples)]
         finally:
             set_rng_state(rng)
         metrics = summarize(records, self.rewards.names)

@@ -101,13 +101,15 @@ def decode_completions(tokenizer, batch: RolloutBatch, prompts: list) -> list:
             for text, prompt in zip(texts, prompts)]
 
 
-def make_engine(rollout, model, tokenizer, eos_ids: list[int], model_name: str, main: bool = True) -> RolloutEngine | None:
+def make_engine(rollout, model, tokenizer, eos_ids: list[int], model_name: str, main: bool = True,
+                lockstep: bool = False) -> RolloutEngine | None:
     """The engine of `rollout` (config.rollout) for the trainer's `model`. A server engine exists
-    on process 0 alone (None elsewhere): only it talks to the server."""
+    on process 0 alone (None elsewhere): only it talks to the server. `lockstep`: the model's
+    weights are sharded, so every process makes every forward call (sharding.py)."""
     if rollout.engine == "transformers":
         from grpokit.rollout.transformers_engine import TransformersEngine
 
-        return TransformersEngine(model, pad_id=tokenizer.pad_token_id, eos_ids=eos_ids)
+        return TransformersEngine(model, pad_id=tokenizer.pad_token_id, eos_ids=eos_ids, lockstep=lockstep)
     if rollout.engine == "server":
         if not main:
             return None

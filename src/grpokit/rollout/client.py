@@ -52,6 +52,7 @@ class ServerEngine:
         self.session: str | None = None  # our weight group session on that server
         self.version = 0  # pushes in this session
         self.dirty = True  # the policy changed since the last push (or nothing was pushed yet)
+        self.gathered = None  # a sharded policy's whole weights, gathered by the trainer (sharding.py)
         # No proxies: a rollout server is reached directly (http_proxy must not catch 127.0.0.1).
         self.http = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         health = self._check_server()
@@ -134,7 +135,7 @@ class ServerEngine:
         elif health["session"] != self.session:
             raise RolloutServerError(f"the rollout server at {self.url}: {TAKEN_OVER}")
         self.version += 1
-        weights = named_weights(self.model)
+        weights = self.gathered if self.gathered is not None else named_weights(self.model)
         try:
             answer, _ = self._while_requesting(
                 "/weights/update", {"fingerprint": self.fingerprint, "session": self.session,
@@ -149,7 +150,7 @@ class ServerEngine:
                 f"after weight push {self.version} the rollout server at {self.url} reports checksum "
                 f"{answer['checksum']}, the trainer's weights have {mine}: it would not generate with the "
                 "trainer's policy")
-        self.dirty = False
+        self.dirty = False  # (gathered weights are kept: a restarted server is sent them again)
 
     def _join_group(self, server_device: str) -> None:
         self.close()

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
+from grpokit import distributed
 from grpokit.logprobs import position_ids
 from grpokit.rollout import RolloutBatch, SamplingParams
 from grpokit.rollout.weights import checksum, named_weights
@@ -60,8 +61,9 @@ class TransformersEngine:
     exact_logprobs = True
     remote = False
 
-    def __init__(self, model, pad_id: int, eos_ids: list[int]):
+    def __init__(self, model, pad_id: int, eos_ids: list[int], lockstep: bool = False):
         self.model = model
+        self.lockstep = lockstep
         self.pad_id = pad_id
         self.eos_ids = torch.tensor(eos_ids)
 
@@ -151,7 +153,10 @@ class TransformersEngine:
             entropies.append(torch.where(alive, ent, torch.zeros_like(ent)))
             masks.append(alive)
             finished = finished | torch.isin(tok, eos_ids)
-            if bool(finished.all()):
+            unfinished = (~finished).sum()
+            if self.lockstep:  # sharded weights: decode until every process's completions are done
+                unfinished = distributed.all_reduce(unfinished)
+            if unfinished.item() == 0:
                 break
             attn = torch.cat([attn, torch.ones((N, 1), dtype=attn.dtype, device=device)], dim=1)
             out = self.model(

@@ -1,0 +1,197 @@
+"""Sharded training (sharding.py) on CPU: `grpokit train` launched by `accelerate launch` with the
+shipped FSDP2 and DeepSpeed config files, 2 gloo processes, reproduces the 1-process run; its
+checkpoints are the same files, so a run moves between engines; a rollout server receives the
+gathered weights; and every shipped config is one grpokit accepts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_distributed import free_port
+
+pytest.importorskip("deepspeed", reason="the DeepSpeed tests need: pip install 'grpokit[deepspeed]'")
+
+TESTS = Path(__file__).parent
+EXAMPLES = TESTS.parent / "examples" / "accelerate"
+REWARD = "def shortness(completions, **columns):\n    return [-float(len(c[0]['content'])) for c in completions]\n"
+# A KL term (so a sharded reference model too), evaluation, and a reward that moves the weights.
+RUN = ["--no-progress", "model.name=tiny-random", "reward.functions=[short.py:shortness]", "train.prompts_per_step=2",
+       "rollout.num_generations=4", "data.eval_size=5", "train.eval_every=2", "algorithm.beta=0.04",
+       "train.learning_rate=1e-3"]
+
+
+def accelerate_launch(config: Path, args: list[str], cwd: Path, nproc: int | None = None) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+               f"--main_process_port={free_port()}", *([f"--num_processes={nproc}"] if nproc else []), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS)}
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def train(cwd: Path, out: str, *extra: str, config: Path | None = None) -> subprocess.CompletedProcess:
+    (cwd / "short.py").write_text(REWARD)
+    args = ["-m", "grpokit", "train", *RUN, f"train.output_dir={out}", *extra]
+    if config is None:
+        result = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=600,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+    else:
+        result = accelerate_launch(config, args, cwd)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result
+
+
+def metrics(run: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if "time" not in k} for r in rows]
+
+
+def assert_same_run(run: Path, reference: Path, weights_tol: float = 2e-6, evals: bool = True) -> None:
+    """The same metrics (to float32 reduction order) and final weights; the same optimizer state.
+    evals=False: the training rows only (a run stopped at max_steps also evaluated there)."""
+    mine, theirs = metrics(run), metrics(reference)
+    if not evals:
+        mine, theirs = ([r for r in rows if "loss" in r] for rows in (mine, theirs))
+    assert [r["step"] for r in mine] == [r["step"] for r in theirs]
+    for a, b in zip(mine, theirs):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    w, v = load_file(run / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
+    assert w.keys() == v.keys()
+    assert max((w[k] - v[k]).abs().max().item() for k in w) < weights_tol
+    step = max(r["step"] for r in theirs)
+    o, p = (torch.load(r / "checkpoints" / f"step-{step}" / "optimizer.pt", weights_only=True)["optimizer"]
+            for r in (run, reference))
+    assert o["state"].keys() == p["state"].keys() and len(o["state"]) > 0
+    for name in o["state"]:
+        assert o["state"][name]["step"] == p["state"][name]["step"]
+        for moment in ("exp_avg", "exp_avg_sq"):
+            mine, theirs = o["state"][name][moment], p["state"][name][moment]
+            assert (mine - theirs).norm() <= 1e-3 * theirs.norm(), (name, moment)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    """The unsharded, 1-process run of 3 steps every sharded run must reproduce."""
+    cwd = tmp_path_factory.mktemp("one")
+    train(cwd, "run", "train.max_steps=3")
+    return cwd / "run"
+
+
+def variant(tmp_path: Path, shipped: str, **changes: str) -> Path:
+    """A copy of a shipped config with some `key: value` lines changed."""
+    text = (EXAMPLES / shipped).read_text()
+    for key, value in changes.items():
+        lines = [line for line in text.splitlines() if line.strip().startswith(f"{key}:")]
+        assert len(lines) == 1, key
+        indent = lines[0][: len(lines[0]) - len(lines[0].lstrip())]
+        text = text.replace(lines[0], f"{indent}{key}: {value}")
+    path = tmp_path / f"{Path(shipped).stem}-variant.yaml"
+    path.write_text(text)
+    return path
+
+
+VARIANTS = {
+    "fsdp2": ("cpu-2-processes-fsdp2.yaml", {}, [], "FSDP2 over 2 processes: process 0 holds 5"),
+    # Parameters, gradients and AdamW state offloaded; the output layer applied in chunks.
+    "fsdp2-offload-chunked": ("cpu-2-processes-fsdp2.yaml", {"fsdp_offload_params": "true"},
+                              ["train.logprob_chunk_size=3", "model.gradient_checkpointing=true"], "CPU offload on"),
+    "zero3": ("cpu-2-processes-zero3.yaml", {}, [], "DeepSpeed ZeRO-3 over 2 processes: process 0 holds 5"),
+    "zero3-offload": ("cpu-2-processes-zero3.yaml", {"offload_optimizer_device": "cpu", "offload_param_device": "cpu"},
+                      [], "AdamW state offloaded to cpu, weights offloaded to cpu"),
+    "zero2-offload": ("cpu-2-processes-zero3.yaml", {"zero_stage": "2", "offload_optimizer_device": "cpu"}, [],
+                      "ZeRO-2 over 2 processes: every process holds the whole weights"),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_a_sharded_run_equals_the_one_process_run(name, one_process, tmp_path):
+    shipped, changes, extra, described = VARIANTS[name]
+    config = variant(tmp_path, shipped, **changes) if changes else EXAMPLES / shipped
+    result = train(tmp_path, "run", "train.max_steps=3", *extra, config=config)
+    assert described in result.stderr + result.stdout  # sharded as asked, and said so
+    # Chunked log-probs sum in another order: float32 noise, not a different update.
+    assert_same_run(tmp_path / "run", one_process, weights_tol=2e-5 if extra else 2e-6)
+    from grpokit.models import load_model
+
+    load_model(str(tmp_path / "run" / "final"))  # a plain Hugging Face folder
+
+
+def test_a_run_resumes_across_engines(one_process, tmp_path):
+    """Checkpoints hold full weights and the full AdamW state whatever the engine: step 1 under
+    FSDP2, step 2 under DeepSpeed ZeRO-2, step 3 under ZeRO-3, is the 1-process run."""
+    train(tmp_path, "run", "train.max_steps=1", config=EXAMPLES / "cpu-2-processes-fsdp2.yaml")
+    zero2 = variant(tmp_path, "cpu-2-processes-zero3.yaml", zero_stage="2")
+    for steps, config in ((2, zero2), (3, EXAMPLES / "cpu-2-processes-zero3.yaml")):
+        result = train(tmp_path, "run", f"train.max_steps={steps}", config=config)
+        assert f"resuming from {Path('run', 'checkpoints', f'step-{steps - 1}')}" in result.stderr + result.stdout
+    assert_same_run(tmp_path / "run", one_process, evals=False)
+
+
+def test_a_rollout_server_gets_the_gathered_weights(one_process, tmp_path):
+    """rollout.engine=server under FSDP2: every push (checksum-verified by the client) carries
+    the whole weights, gathered from both processes; the run is the 1-process in-process run."""
+    pytest.importorskip("fastapi", reason="the server needs: pip install 'grpokit[server]'")
+    from test_server import Server, get
+
+    server = Server()
+    try:
+        train(tmp_path, "run", "train.max_steps=3", "rollout.engine=server", f"rollout.server_url={server.url}",
+              config=EXAMPLES / "cpu-2-processes-fsdp2.yaml")
+        assert get(server.url)["session"] is not None
+    finally:
+        server.stop()
+    assert_same_run(tmp_path / "run", one_process)
+
+
+def refused(result: subprocess.CompletedProcess) -> bool:
+    """grpokit exited 2 (a start-up refusal); the launcher reports its own failure."""
+    return result.returncode != 0 and "(exitcode: 2)" in result.stderr
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"fsdp_version": "1"}, "fsdp_version: 1 (grpokit shards with FSDP2"),
+    ({"fsdp_activation_checkpointing": "true"}, "model.gradient_checkpointing=true"),
+    ({"mixed_precision": "bf16"}, "grpokit has one precision setting, model.dtype"),
+], ids=["fsdp1", "fsdp-checkpointing", "mixed-precision"])
+def test_fsdp_settings_grpokit_owns_are_refused(tmp_path, changes, message):
+    config = variant(tmp_path, "cpu-2-processes-fsdp2.yaml", **changes)
+    result = accelerate_launch(config, ["-m", "grpokit", "train", *RUN, "train.output_dir=run"], tmp_path, nproc=1)
+    assert refused(result) and message in result.stderr, result.stderr[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_deepspeed_settings_grpokit_owns_are_refused(tmp_path):
+    (tmp_path / "ds.json").write_text(json.dumps({
+        "zero_optimization": {"stage": 1}, "gradient_clipping": 0.5, "train_micro_batch_size_per_gpu": "auto",
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}}))
+    config = tmp_path / "ds.yaml"
+    config.write_text("distributed_type: DEEPSPEED\nnum_processes: 1\nuse_cpu: true\n"
+                      f"deepspeed_config:\n  deepspeed_config_file: {tmp_path / 'ds.json'}\n  zero3_init_flag: false\n")
+    result = accelerate_launch(config, ["-m", "grpokit", "train", *RUN, "train.output_dir=run",
+                                        "model.lora_rank=4"], tmp_path)
+    assert refused(result), result.stderr[-3000:]
+    for message in ("gradient_clipping is set by grpokit's train.max_grad_norm", "optimizer is set by grpokit's",
+                    "zero_stage: 1", "LoRA with DeepSpeed"):
+        assert message in result.stderr, (message, result.stderr[-3000:])
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_config_is_accepted_by_grpokit(path, tmp_path):
+    """Each file, launched by accelerate (as 1 process, here on CPU), gives the environment grpokit
+    reads its strategy from, and grpokit accepts it."""
+    probe = ("import sys; from grpokit.config import Config; from grpokit import sharding; "
+             "s = sharding.from_launcher(Config(), 1); print('strategy', s.name, getattr(s, 'stage', ''))")
+    (tmp_path / "probe.py").write_text(probe)
+    result = accelerate_launch(path, ["--num_machines=1", "--machine_rank=0", "probe.py"], tmp_path, nproc=1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = {"FSDP": "FSDP2", "DEEPSPEED": "DeepSpeed", "MULTI_GPU": "replicated"}
+    kind = next(line.split(":")[1].strip() for line in path.read_text().splitlines()
+                if line.startswith("distributed_type:"))
+    assert f"strategy {expected[kind]}" in result.stdout
