@@ -26,6 +26,7 @@ What sharding changes, and what it must not:
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 
@@ -53,6 +54,9 @@ def from_launcher(config, world_size: int):
     if config.rollout.engine == "vllm":
         problems.append("rollout.engine=vllm (it runs in one process; serve it with `grpokit serve --engine vllm` "
                         "and set rollout.engine=server)")
+    if engine == "DeepSpeed" and importlib.util.find_spec("deepspeed") is None:
+        raise StartupError("the accelerate config asks for DeepSpeed, which is not installed: "
+                           "pip install 'grpokit[deepspeed]'")
     try:
         strategy = FSDP2(config) if engine == "FSDP" else DeepSpeed(config, world_size)
     except StartupError as e:  # reported together with the problems above
