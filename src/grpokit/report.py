@@ -48,7 +48,7 @@ PANELS = (
           ("completions/mean_length", "completions/min_length", "completions/max_length"),
           below=("completions/clipped_ratio",)),
     Panel("learning_rate", "learning rate", ("learning_rate",)),
-    Panel("step_time", "seconds per step, and its parts", ("step_time", "time/generate", "time/logprobs", "time/update")),
+    Panel("step_time", "seconds per step, and its parts", ("step_time", "time/generate", "time/logprobs", "time/update", "time/optimizer")),
 )
 
 

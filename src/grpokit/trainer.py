@@ -279,7 +279,7 @@ class Trainer:
         else:
             self.skipped_in_a_row = 0
         times = torch.tensor([t_generate, metrics.pop("time/logprobs"), metrics.pop("time/update"),
-                              time.perf_counter() - start])
+                              metrics.pop("time/optimizer"), time.perf_counter() - start])
         times = distributed.all_reduce(times, "max").tolist()  # the slowest process sets the pace
         self.in_flight = None
         return {
@@ -289,7 +289,8 @@ class Trainer:
             "time/generate": times[0],
             "time/logprobs": times[1],
             "time/update": times[2],
-            "step_time": times[3],
+            "time/optimizer": times[3],
+            "step_time": times[4],
         }
 
     def generate(self, examples: list[Example]) -> RolloutBatch:
@@ -345,7 +346,7 @@ class Trainer:
         if hasattr(self.engine, "sleep"):  # vLLM in this process: free its memory for the update
             self.engine.sleep()
         update_metrics = self.update(batch, advantages.to(self.device), active, old_logps, ref_logps)
-        t_update = time.perf_counter() - t0
+        t_update = time.perf_counter() - t0 - update_metrics["time/optimizer"]
 
         mask = batch.completion_mask.cpu()  # (n, T)
         lengths = distributed.gather_rows(mask.sum(-1).float(), N, U)  # (N,)
@@ -374,7 +375,7 @@ class Trainer:
             "completions/clipped_ratio": truncated.mean().item(),
             "num_tokens": self.num_tokens,
             "time/logprobs": t_logprobs,
-            "time/update": t_update,
+            "time/update": t_update,  # forward and backward passes; the optimizer's share is time/optimizer
         }
 
     def update(self, batch: RolloutBatch, advantages, active, old_logps, ref_logps) -> dict:
@@ -394,6 +395,7 @@ class Trainer:
         is_sum = is_count = 0.0
         is_max = -math.inf
         num_updates = skipped = 0
+        t_optimizer = 0.0  # gradient reduction, clipping and the AdamW step
         self.policy.train()
         for _ in range(a.num_iterations):
             for u0 in range(0, len(advantages), share):
@@ -436,8 +438,10 @@ class Trainer:
                 shared["learning_rate"] += self.optimizer.param_groups[0]["lr"]
                 # Gradients reduced over processes, clipped, applied if finite, zeroed (sharding.py);
                 # a non-finite update is not applied at all (train_step counts and reports it).
+                t0 = time.perf_counter()
                 grad_norm, applied = self.parallel.step(self.optimizer, self.params, cfg.train.max_grad_norm or math.inf,
                                                         math.isfinite(whole_loss))
+                t_optimizer += time.perf_counter() - t0
                 shared["grad_norm"] += grad_norm
                 if applied:
                     self.num_updates += 1
@@ -448,7 +452,8 @@ class Trainer:
                     skipped += 1
                 num_updates += 1
         summed = distributed.all_reduce(torch.tensor(list(partial.values()), dtype=torch.float64)).tolist()
-        out = {**{k: v / num_updates for k, v in (*zip(partial, summed), *shared.items())}, "skipped_updates": skipped}
+        out = {**{k: v / num_updates for k, v in (*zip(partial, summed), *shared.items())}, "skipped_updates": skipped,
+               "time/optimizer": t_optimizer}
         if self.is_correction:
             total, count = distributed.all_reduce(torch.tensor([is_sum, is_count], dtype=torch.float64)).tolist()
             out[IS_MEAN] = total / count if count else math.nan  # nan: no token needed a gradient

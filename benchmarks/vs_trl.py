@@ -1,0 +1,213 @@
+"""grpokit against TRL's GRPOTrainer on the same work, side by side, on this machine.
+
+    pip install 'grpokit[bench]'        # TRL, for this benchmark only
+    python benchmarks/vs_trl.py          # 30 steps each, about 12 minutes on 2 CPU cores
+
+Each trainer runs in its own process (so each has its own peak resident memory), and they take
+turns: grpokit step 1, TRL step 1, grpokit step 2, ... (A B A B), each running alone on the
+machine's cores while the other waits. The work is the same: the bundled SmolLM2-135M-Instruct in
+float32 on CPU, the built-in arithmetic task's prompts (the same prompts in the same order), its
+two reward functions with the same weights, 2 prompts x 8 generations = 16 completions of at
+most 16 tokens per step, one optimizer update per step over all 16, loss_type dapo, beta 0, group
+reward scaling, clip epsilon 0.2, gradient clipping at 1.0, AdamW at a constant 1e-6, no weight
+decay, temperature 1, no activation checkpointing (TRL's default turns it on; both off here).
+
+Reported per trainer: step wall time (median, and the 10th to 90th percentile over the steps after
+the first), generated tokens per second (completion tokens sampled), trained tokens per second
+(prompt + completion tokens of the batch the update learns from), and peak resident memory of the
+process. For grpokit, its own per-phase times (metrics.jsonl's time/*) split the step.
+The table is printed and written to benchmarks/results/vs_trl.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROMPTS_PER_STEP, GENERATIONS, LR = 2, 8, 1e-6
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def grpokit_worker(conn, args) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from grpokit.config import load_config
+    from grpokit.trainer import Trainer
+
+    config = load_config(None, [
+        "model.name=smollm2-135m-instruct", f"train.prompts_per_step={PROMPTS_PER_STEP}",
+        f"rollout.num_generations={GENERATIONS}", f"rollout.max_completion_length={args.max_completion_length}",
+        "algorithm.loss_type=dapo", "algorithm.beta=0.0", "algorithm.scale_rewards=group", "algorithm.epsilon=0.2",
+        "train.max_grad_norm=1.0", f"train.learning_rate={LR}", "train.weight_decay=0.0", "train.warmup_steps=0",
+        f"train.max_steps={args.steps}", "data.eval_size=0", "train.eval_every=0", "train.save_every=0",
+        "train.keep_checkpoints=1", f"train.output_dir={Path(args.workdir) / 'grpokit-run'}", "train.resume=never",
+    ])
+    trainer = Trainer(config, progress=False)
+    conn.send("ready")
+    for step in range(1, args.steps + 1):
+        conn.recv()
+        examples = [next(trainer.stream) for _ in range(PROMPTS_PER_STEP)]
+        start = time.perf_counter()
+        metrics = trainer.train_step(step, examples)
+        wall = time.perf_counter() - start
+        generated = metrics["completions/mean_length"] * PROMPTS_PER_STEP * GENERATIONS
+        conn.send({"wall": wall, "generated": generated, "tokens": metrics["num_tokens"],
+                   "parts": {k: v for k, v in metrics.items() if k.startswith("time/")},
+                   "reward": metrics["reward"], "zero_std": metrics["frac_reward_zero_std"]})
+    conn.send({"peak_rss": peak_rss_mib()})
+
+
+def trl_worker(conn, args) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpokit.models import bundled_model_path
+    from grpokit.rewards import get_reward_function
+    from grpokit.tasks.arithmetic import ArithmeticTask
+
+    task = ArithmeticTask(seed=0, eval_size=0)
+    stream = task.train_stream()
+    # The prompts grpokit draws, in its order (TRL must not shuffle them).
+    rows = [next(stream) for _ in range(PROMPTS_PER_STEP * args.steps)]
+    dataset = Dataset.from_list([{"prompt": e.prompt, **e.columns} for e in rows])
+    folder = bundled_model_path()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    names, weights = zip(*task.reward_functions)
+    config = GRPOConfig(
+        output_dir=str(Path(args.workdir) / "trl-run"), use_cpu=True, bf16=False, fp16=False, seed=0,
+        per_device_train_batch_size=PROMPTS_PER_STEP * GENERATIONS, num_generations=GENERATIONS,
+        gradient_accumulation_steps=1, max_completion_length=args.max_completion_length, loss_type="dapo",
+        beta=0.0, scale_rewards="group", epsilon=0.2, max_grad_norm=1.0, learning_rate=LR, weight_decay=0.0,
+        lr_scheduler_type="constant", warmup_steps=0, temperature=1.0, top_p=1.0, max_steps=args.steps,
+        gradient_checkpointing=False, logging_steps=1, report_to="none", save_strategy="no",
+        disable_tqdm=True, reward_weights=list(weights), shuffle_dataset=False, dataloader_num_workers=0,
+    )
+    out = {}
+
+    class TakeTurns(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            conn.recv()
+            out["start"] = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            out["wall"] = time.perf_counter() - out["start"]
+
+        def on_log(self, _args, state, control, logs=None, **k):
+            if logs and "num_tokens" in logs and "wall" in out:
+                conn.send({"wall": out.pop("wall"), "tokens": logs["num_tokens"],
+                           "generated": logs["completions/mean_length"] * PROMPTS_PER_STEP * GENERATIONS,
+                           "reward": logs["reward"]})
+
+    trainer = GRPOTrainer(model=model, processing_class=tokenizer, args=config, train_dataset=dataset,
+                          reward_funcs=[get_reward_function(n) for n in names], callbacks=[TakeTurns()])
+    trainer.remove_callback(PrinterCallback)  # its per-step log lines; the benchmark prints its own
+    conn.send("ready")
+    trainer.train()
+    conn.send({"peak_rss": peak_rss_mib()})
+
+
+def summary(steps: list[dict]) -> dict:
+    """Median and 10-90th percentile of step wall time over the steps after the first; rates."""
+    later = steps[1:]
+    walls = sorted(s["wall"] for s in later)
+    q = statistics.quantiles(walls, n=10, method="inclusive") if len(walls) > 1 else [walls[0]] * 9
+    # num_tokens is cumulative: each step's trained tokens are its increase.
+    trained = [b["tokens"] - a["tokens"] for a, b in zip(steps, steps[1:])]
+    return {"median": statistics.median(walls), "p10": q[0], "p90": q[-1],
+            "generated_per_s": sum(s["generated"] for s in later) / sum(walls),
+            "trained_per_s": sum(trained) / sum(walls)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--max-completion-length", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "vs_trl.md"))
+    args = parser.parse_args()
+    import trl  # noqa: F401 - fail before anything starts: pip install 'grpokit[bench]'
+
+    from grpokit.models import bundled_model_path
+
+    bundled_model_path()  # converted once here, not inside a timed process
+    with tempfile.TemporaryDirectory() as workdir:
+        args.workdir = workdir
+        ctx = mp.get_context("spawn")
+        workers = {}
+        for name, target in (("grpokit", grpokit_worker), ("TRL", trl_worker)):
+            mine, theirs = ctx.Pipe()
+            process = ctx.Process(target=target, args=(theirs, args), daemon=True)
+            process.start()
+            workers[name] = (process, mine)
+        for name, (_, conn) in workers.items():
+            assert conn.recv() == "ready", name
+        steps = {name: [] for name in workers}
+        for step in range(1, args.steps + 1):
+            for name, (_, conn) in workers.items():  # A B A B: one at a time
+                conn.send("go")
+                steps[name].append(conn.recv())
+            g, t = steps["grpokit"][-1], steps["TRL"][-1]
+            print(f"step {step:3d}: grpokit {g['wall']:6.2f} s   TRL {t['wall']:6.2f} s", flush=True)
+        peaks = {name: conn.recv()["peak_rss"] for name, (_, conn) in workers.items()}
+        for process, _ in workers.values():
+            process.join(timeout=60)
+
+    s = {name: summary(rows) for name, rows in steps.items()}
+    later = steps["grpokit"][1:]
+    parts = {k.removeprefix("time/"): statistics.median(r["parts"][k] for r in later) for k in later[0]["parts"]}
+    parts["overhead"] = statistics.median(r["wall"] - sum(r["parts"].values()) for r in later)
+    import torch
+    import transformers
+    import trl as trl_module
+
+    lines = [
+        f"{args.steps} steps each, alternated; 16 completions of at most {args.max_completion_length} tokens per "
+        f"step; SmolLM2-135M-Instruct, float32, {args.threads} CPU threads; torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, TRL {trl_module.__version__}.",
+        "",
+        "| | grpokit | TRL GRPOTrainer | TRL / grpokit |",
+        "|---|---|---|---|",
+        f"| step time, median (s) | {s['grpokit']['median']:.2f} | {s['TRL']['median']:.2f} | "
+        f"**{s['TRL']['median'] / s['grpokit']['median']:.1f}x** |",
+        f"| step time, 10th-90th percentile (s) | {s['grpokit']['p10']:.2f}-{s['grpokit']['p90']:.2f} | "
+        f"{s['TRL']['p10']:.2f}-{s['TRL']['p90']:.2f} | |",
+        f"| generated tokens / s | {s['grpokit']['generated_per_s']:.0f} | {s['TRL']['generated_per_s']:.0f} | |",
+        f"| trained tokens / s | {s['grpokit']['trained_per_s']:.0f} | {s['TRL']['trained_per_s']:.0f} | |",
+        f"| peak resident memory (MiB) | {peaks['grpokit']:.0f} | {peaks['TRL']:.0f} | "
+        f"{peaks['TRL'] / peaks['grpokit']:.2f}x |",
+        f"| mean reward over the steps | {statistics.mean(r['reward'] for r in steps['grpokit']):.3f} | "
+        f"{statistics.mean(r['reward'] for r in steps['TRL']):.3f} | |",
+        "",
+        "With beta 0, a completion whose advantage is exactly 0 (every member of a group scored alike) adds "
+        "exactly 0 to the loss and the gradient: grpokit skips its forward and backward, TRL computes them. "
+        f"Here {statistics.mean(r['zero_std'] for r in steps['grpokit']):.0%} of grpokit's groups were such.",
+        "",
+        "grpokit's step, median seconds by phase (metrics.jsonl's time/*; overhead: the rest of the step, "
+        "rewards and bookkeeping): " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()) + ".",
+    ]
+    table = "\n".join(lines) + "\n"
+    print("\n" + table)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(table)
+    print(f"written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
