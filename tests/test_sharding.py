@@ -21,27 +21,31 @@ pytest.importorskip("deepspeed", reason="the DeepSpeed tests need: pip install '
 TESTS = Path(__file__).parent
 EXAMPLES = TESTS.parent / "examples" / "accelerate"
 REWARD = "def shortness(completions, **columns):\n    return [-float(len(c[0]['content'])) for c in completions]\n"
-# A KL term (so a sharded reference model too), evaluation, and a reward that moves the weights.
+# A KL term (so a sharded reference model too), evaluation, a reward that moves the weights, two
+# micro-batches per process to accumulate, two iterations (old log-probs), warm-up and weight decay.
 RUN = ["--no-progress", "model.name=tiny-random", "reward.functions=[short.py:shortness]", "train.prompts_per_step=2",
        "rollout.num_generations=4", "data.eval_size=5", "train.eval_every=2", "algorithm.beta=0.04",
-       "train.learning_rate=1e-3"]
+       "train.learning_rate=1e-3", "train.micro_batch_size=2", "algorithm.num_iterations=2", "train.warmup_steps=2",
+       "train.weight_decay=0.1"]
 
 
-def accelerate_launch(config: Path, args: list[str], cwd: Path, nproc: int | None = None) -> subprocess.CompletedProcess:
+def accelerate_launch(config: Path, args: list[str], cwd: Path, nproc: int | None = None,
+                      hooks: Path | None = None) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
                f"--main_process_port={free_port()}", *([f"--num_processes={nproc}"] if nproc else []), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(str(p) for p in (hooks, TESTS) if p is not None)}
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
-def train(cwd: Path, out: str, *extra: str, config: Path | None = None) -> subprocess.CompletedProcess:
+def train(cwd: Path, out: str, *extra: str, config: Path | None = None, hooks: Path | None = None) -> subprocess.CompletedProcess:
     (cwd / "short.py").write_text(REWARD)
     args = ["-m", "grpokit", "train", *RUN, f"train.output_dir={out}", *extra]
     if config is None:
         result = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=600,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
     else:
-        result = accelerate_launch(config, args, cwd)
+        result = accelerate_launch(config, args, cwd, hooks=hooks)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return result
 
@@ -124,11 +128,13 @@ def test_a_sharded_run_equals_the_one_process_run(name, one_process, tmp_path):
 
 
 def test_a_run_resumes_across_engines(one_process, tmp_path):
-    """Checkpoints hold full weights and the full AdamW state whatever the engine: step 1 under
-    FSDP2, step 2 under DeepSpeed ZeRO-2, step 3 under ZeRO-3, is the 1-process run."""
-    train(tmp_path, "run", "train.max_steps=1", config=EXAMPLES / "cpu-2-processes-fsdp2.yaml")
+    """Checkpoints hold full weights and the full AdamW state whatever the engine: step 0 (no
+    AdamW state yet) and step 1 under FSDP2, step 2 under DeepSpeed ZeRO-2, step 3 under ZeRO-3, is
+    the 1-process run."""
+    fsdp2 = EXAMPLES / "cpu-2-processes-fsdp2.yaml"
+    train(tmp_path, "run", "train.max_steps=0", config=fsdp2)
     zero2 = variant(tmp_path, "cpu-2-processes-zero3.yaml", zero_stage="2")
-    for steps, config in ((2, zero2), (3, EXAMPLES / "cpu-2-processes-zero3.yaml")):
+    for steps, config in ((1, fsdp2), (2, zero2), (3, EXAMPLES / "cpu-2-processes-zero3.yaml")):
         result = train(tmp_path, "run", f"train.max_steps={steps}", config=config)
         assert f"resuming from {Path('run', 'checkpoints', f'step-{steps - 1}')}" in result.stderr + result.stdout
     assert_same_run(tmp_path / "run", one_process, evals=False)
@@ -175,10 +181,10 @@ def test_deepspeed_settings_grpokit_owns_are_refused(tmp_path):
     config.write_text("distributed_type: DEEPSPEED\nnum_processes: 1\nuse_cpu: true\n"
                       f"deepspeed_config:\n  deepspeed_config_file: {tmp_path / 'ds.json'}\n  zero3_init_flag: false\n")
     result = accelerate_launch(config, ["-m", "grpokit", "train", *RUN, "train.output_dir=run",
-                                        "model.lora_rank=4"], tmp_path)
+                                        "model.lora_rank=4", "model.dtype=bfloat16"], tmp_path)
     assert refused(result), result.stderr[-3000:]
     for message in ("gradient_clipping is set by grpokit's train.max_grad_norm", "optimizer is set by grpokit's",
-                    "zero_stage: 1", "LoRA with DeepSpeed"):
+                    "zero_stage: 1", "LoRA with DeepSpeed", "model.dtype=bfloat16 (DeepSpeed keeps float32 master"):
         assert message in result.stderr, (message, result.stderr[-3000:])
 
 
@@ -195,3 +201,42 @@ def test_every_shipped_config_is_accepted_by_grpokit(path, tmp_path):
     kind = next(line.split(":")[1].strip() for line in path.read_text().splitlines()
                 if line.startswith("distributed_type:"))
     assert f"strategy {expected[kind]}" in result.stdout
+
+
+INFINITE_LOSS = '''
+import os
+if os.environ.get("GRPOKIT_TEST_INFINITE_CALLS"):
+    import grpokit.trainer as trainer
+
+    first, last = map(int, os.environ["GRPOKIT_TEST_INFINITE_CALLS"].split("-"))
+    real, calls = trainer.grpo_loss, []
+
+    def grpo_loss(*args, **kwargs):
+        # An infinite loss whose gradient is finite (the loss's own): the hardest case to skip.
+        calls.append(1)
+        value, metrics = real(*args, **kwargs)
+        return (value + float("inf") if first <= len(calls) <= last else value), metrics
+
+    trainer.grpo_loss = grpo_loss
+'''
+
+
+def test_deepspeed_skips_a_non_finite_update_as_grpokit_does(tmp_path):
+    """A step whose loss is infinite (its gradient finite) changes nothing under ZeRO-3: the
+    weights and AdamW state after it are those before it, and it is counted as skipped."""
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(INFINITE_LOSS)
+    # Per process and step: 2 iterations x 2 micro-batches = 4 loss calls; step 2 is calls 5-8.
+    os.environ["GRPOKIT_TEST_INFINITE_CALLS"] = "5-8"
+    try:
+        train(tmp_path, "run", "train.max_steps=2", "train.save_every=1", "train.keep_checkpoints=3",
+              config=EXAMPLES / "cpu-2-processes-zero3.yaml", hooks=tmp_path / "hook")
+    finally:
+        del os.environ["GRPOKIT_TEST_INFINITE_CALLS"]
+    rows = [r for r in metrics(tmp_path / "run") if "loss" in r]
+    assert [r["skipped_steps"] for r in rows] == [0, 1] and float(rows[1]["loss"]) == float("inf")
+    before, after = (tmp_path / "run" / "checkpoints" / f"step-{n}" for n in (1, 2))
+    w, v = load_file(before / "model.safetensors"), load_file(after / "model.safetensors")
+    assert all(torch.equal(w[k], v[k]) for k in w)
+    o, p = (torch.load(c / "optimizer.pt", weights_only=True)["optimizer"]["state"] for c in (before, after))
+    assert all(torch.equal(o[n]["exp_avg"], p[n]["exp_avg"]) and o[n]["step"] == p[n]["step"] for n in o)

@@ -56,6 +56,9 @@ def test_two_steps_change_every_parameter_and_write_the_run_dir(make_trainer, tm
         "completions/clipped_ratio", "step_time", "num_tokens",
     }
     assert required <= steps[0].keys()
+    parts = ("time/generate", "time/logprobs", "time/update", "time/optimizer")  # the step's phases, apart
+    for row in steps:
+        assert all(row[p] > 0 for p in parts) and sum(row[p] for p in parts) <= row["step_time"]
     assert steps[0]["grad_norm"] > 0 and steps[0]["kl"] == 0  # policy == reference before update 1
     assert steps[1]["kl"] > 0 and steps[1]["num_tokens"] > steps[0]["num_tokens"]
     assert result.eval_history[0]["step"] == 0

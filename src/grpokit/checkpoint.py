@@ -306,7 +306,8 @@ def load_weights(model: torch.nn.Module, folder: Path) -> None:
 def load_state(folder: Path, scheduler) -> tuple[dict, dict, dict]:
     """Restore the scheduler in place; return (the optimizer state, as write_state_files got it,
     rng, trainer state)."""
-    saved = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True)
+    # mmap: every process reads the file; pages of moments a process does not keep are never copied.
+    saved = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True, mmap=True)
     scheduler.load_state_dict(saved["scheduler"])
     rng = torch.load(folder / "rng.pt", map_location="cpu", weights_only=True)
     return saved["optimizer"], rng, json.loads((folder / STATE_FILE).read_text())

@@ -116,6 +116,9 @@ class Replicated:
         return {"state": {names[i]: v for i, v in saved["state"].items()}, "param_groups": groups}
 
     def load_optimizer_state(self, model, optimizer, state: dict) -> None:
+        if any(isinstance(k, int) for k in state["state"]):  # written by a grpokit before the name-keyed format
+            optimizer.load_state_dict(state)
+            return
         index = {name: i for i, name in enumerate(_names_in_optimizer_order(model, optimizer))}
         groups = [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]
         optimizer.load_state_dict({"state": {index[n]: v for n, v in state["state"].items()}, "param_groups": groups})
@@ -205,12 +208,18 @@ class FSDP2(Replicated):
     def optimizer_state(self, model, optimizer) -> dict:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+        if not optimizer.state:  # before the first update: torch's helper would run a fake step to create it
+            return super().optimizer_state(model, optimizer)
         return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
                                                                                    cpu_offload=True))
 
     def load_optimizer_state(self, model, optimizer, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+        if not state["state"]:  # saved before the first update: hyperparameters only (no fake step)
+            for group, saved in zip(optimizer.param_groups, state["param_groups"]):
+                group.update({k: v for k, v in saved.items() if k != "params"})
+            return
         set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
     def full_weights(self, model) -> list[tuple[str, torch.Tensor]]:
@@ -246,7 +255,16 @@ class DeepSpeed(Replicated):
             value = ds.get(key, "auto")
             if value != "auto" and not (key in ("fp16", "bf16") and not value.get("enabled", False)):
                 problems.append(f"{key} is set by grpokit's {owner} (remove it, or set it to \"auto\")")
-        self.stage = int(ds.get("zero_optimization", {}).get("stage", 0))
+        if config.model.dtype != "float32":
+            problems.append(f"model.dtype={config.model.dtype} (DeepSpeed keeps float32 master weights for 16-bit "
+                            "models, which grpokit's checkpoints do not hold yet: use FSDP2, or float32)")
+        zero = ds.get("zero_optimization", {})
+        for key in ("offload_optimizer", "offload_param"):
+            if (zero.get(key) or {}).get("device") == "nvme":
+                problems.append(f"{key} to nvme (offload to cpu is supported)")
+        if os.environ.get("ACCELERATE_DEEPSPEED_ZERO3_INIT", "false").lower() == "true":
+            problems.append("zero3_init_flag: true (grpokit loads the whole model, then shards it: set it to false)")
+        self.stage = int(zero.get("stage", 0))
         if self.stage not in (2, 3):
             problems.append(f"zero_stage: {self.stage} (grpokit runs ZeRO-2 and ZeRO-3; without sharding, launch "
                             "without DeepSpeed)")
@@ -298,9 +316,14 @@ class DeepSpeed(Replicated):
         return optimizer
 
     def backward(self, loss: torch.Tensor, last: bool) -> None:
+        # The engine's own forward would do this: without it ZeRO-3 overwrites, rather than adds
+        # to, the previous micro-batch's gradients (grpokit calls the module itself).
+        self.engine.optimizer.clear_backward_seen_flag()
         self.engine.set_gradient_accumulation_boundary(last)  # reduce (and step) at the update's end only
-        # DeepSpeed averages gradients over processes; the loss is a share of a sum.
-        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+        # DeepSpeed averages gradients over processes; the loss is a share of a sum. A non-finite
+        # loss makes the gradient NaN, so that DeepSpeed skips the update, as grpokit does elsewhere.
+        scale = torch.where(torch.isfinite(loss.detach()), float(self.world_size), math.nan)
+        self.engine.backward(loss * scale, scale_wrt_gas=False)
 
     def step(self, optimizer, params, max_norm: float, loss_finite: bool) -> tuple[float, bool]:
         # DeepSpeed clips (to gradient_clipping = train.max_grad_norm), and skips an update whose
@@ -308,7 +331,7 @@ class DeepSpeed(Replicated):
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         grad_norm = math.nan if norm is None else float(norm)
-        return grad_norm, bool(self.engine.was_step_applied()) and loss_finite
+        return grad_norm, bool(self.engine.was_step_applied())
 
     def full_weights(self, model) -> list[tuple[str, torch.Tensor]]:
         import deepspeed
@@ -330,8 +353,9 @@ class DeepSpeed(Replicated):
         names = [n for n, p in model.named_parameters() if p.requires_grad]
         for name, p in model.named_parameters():
             if p.requires_grad and steps:
-                moments = {k: safe_get_full_optimizer_state(p, k).cpu() for k in ("exp_avg", "exp_avg_sq")}
-                state[name] = {"step": steps[0].detach().cpu().clone(), **moments}
+                moments = {k: safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")}  # a collective
+                if distributed.is_main():  # the one that writes; the others drop theirs at once
+                    state[name] = {"step": steps[0].detach().cpu().clone(), **{k: v.cpu() for k, v in moments.items()}}
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": names} for g in self.inner.param_groups]
         return {"state": state, "param_groups": groups}
 

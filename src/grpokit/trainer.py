@@ -561,6 +561,8 @@ class Trainer:
             return out
         finally:
             model.train(was_training)
+            if hasattr(model, "reshard"):  # FSDP2: no backward follows to free the gathered outer weights
+                model.reshard()
 
     @torch.no_grad()
     def evaluate(self, step: int) -> dict:
