@@ -89,13 +89,19 @@ class Replicated:
     def step(self, optimizer, params, max_norm: float, loss_finite: bool) -> tuple[float, bool]:
         """Reduce and clip the gradients, apply the update if finite, zero the gradients:
         (gradient norm before clipping, applied)."""
+        for p in params:
+            # A weight no backward reached (no row of this process was active) has a zero gradient,
+            # not none: AdamW must step it (moments decay, weight decay applies), and the sum needs it.
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         distributed.sum_gradients(params)
         grad_norm = self._clip(params, max_norm)  # the same on every process
         applied = loss_finite and math.isfinite(grad_norm)
         if applied:
             optimizer.step()
-        # Zeros, not None: AdamW must step every parameter even when no row was active.
-        optimizer.zero_grad(set_to_none=False)
+        # None rather than zeros kept in place: the next backward then writes each gradient
+        # instead of adding it to zeros (a fill and an add over every weight, per update).
+        optimizer.zero_grad(set_to_none=True)
         return grad_norm, applied
 
     def _clip(self, params, max_norm: float) -> float:

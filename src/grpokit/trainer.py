@@ -152,9 +152,6 @@ class Trainer:
         self.optimizer = self.parallel.make_optimizer(
             self.policy, self.params,
             lambda params: torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay))
-        if not self.parallel.lockstep:
-            for p in self.params:  # see update(): gradients are zeroed in place, never dropped
-                p.grad = torch.zeros_like(p)
         warmup = t.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda update: min(1.0, (update + 1) / warmup) if warmup else 1.0
