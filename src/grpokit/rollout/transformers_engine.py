@@ -156,7 +156,7 @@ class TransformersEngine:
             unfinished = (~finished).sum()
             if self.lockstep:  # sharded weights: decode until every process's completions are done
                 unfinished = distributed.all_reduce(unfinished)
-            if unfinished.item() == 0:
+            if unfinished.item() == 0 or t == params.max_tokens - 1:  # the last token needs no logits after it
                 break
             attn = torch.cat([attn, torch.ones((N, 1), dtype=attn.dtype, device=device)], dim=1)
             out = self.model(
