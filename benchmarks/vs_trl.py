@@ -8,8 +8,10 @@ turns: grpokit step 1, TRL step 1, grpokit step 2, ... (A B A B), each running a
 machine's cores while the other waits. The work is the same: the bundled SmolLM2-135M-Instruct in
 float32 on CPU, the built-in arithmetic task's prompts (the same prompts in the same order), its
 two reward functions with the same weights, 2 prompts x 8 generations = 16 completions of at
-most 16 tokens per step, one optimizer update per step over all 16, loss_type dapo, beta 0, group
-reward scaling, clip epsilon 0.2, gradient clipping at 1.0, AdamW at a constant 1e-6, no weight
+most 16 tokens per step, one optimizer update per step over all 16, loss_type dapo, beta 0.04 (so
+both run a reference model, and every completion goes through forward and backward: with beta 0,
+grpokit skips completions whose advantage is exactly 0, and on this task most are), group reward
+scaling, clip epsilon 0.2, gradient clipping at 1.0, AdamW at a constant 1e-6, no weight
 decay, temperature 1, no activation checkpointing (TRL's default turns it on; both off here).
 
 Reported per trainer: step wall time (median, and the 10th to 90th percentile over the steps after
@@ -48,7 +50,7 @@ def grpokit_worker(conn, args) -> None:
     config = load_config(None, [
         "model.name=smollm2-135m-instruct", f"train.prompts_per_step={PROMPTS_PER_STEP}",
         f"rollout.num_generations={GENERATIONS}", f"rollout.max_completion_length={args.max_completion_length}",
-        "algorithm.loss_type=dapo", "algorithm.beta=0.0", "algorithm.scale_rewards=group", "algorithm.epsilon=0.2",
+        "algorithm.loss_type=dapo", f"algorithm.beta={args.beta}", "algorithm.scale_rewards=group", "algorithm.epsilon=0.2",
         "train.max_grad_norm=1.0", f"train.learning_rate={LR}", "train.weight_decay=0.0", "train.warmup_steps=0",
         f"train.max_steps={args.steps}", "data.eval_size=0", "train.eval_every=0", "train.save_every=0",
         "train.keep_checkpoints=1", f"train.output_dir={Path(args.workdir) / 'grpokit-run'}", "train.resume=never",
@@ -93,7 +95,7 @@ def trl_worker(conn, args) -> None:
         output_dir=str(Path(args.workdir) / "trl-run"), use_cpu=True, bf16=False, fp16=False, seed=0,
         per_device_train_batch_size=PROMPTS_PER_STEP * GENERATIONS, num_generations=GENERATIONS,
         gradient_accumulation_steps=1, max_completion_length=args.max_completion_length, loss_type="dapo",
-        beta=0.0, scale_rewards="group", epsilon=0.2, max_grad_norm=1.0, learning_rate=LR, weight_decay=0.0,
+        beta=args.beta, scale_rewards="group", epsilon=0.2, max_grad_norm=1.0, learning_rate=LR, weight_decay=0.0,
         lr_scheduler_type="constant", warmup_steps=0, temperature=1.0, top_p=1.0, max_steps=args.steps,
         gradient_checkpointing=False, logging_steps=1, report_to="none", save_strategy="no",
         disable_tqdm=True, reward_weights=list(weights), shuffle_dataset=False, dataloader_num_workers=0,
@@ -139,6 +141,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--max-completion-length", type=int, default=16)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--beta", type=float, default=0.04, help="KL coefficient of both (0: no reference model)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "vs_trl.md"))
     args = parser.parse_args()
     import trl  # noqa: F401 - fail before anything starts: pip install 'grpokit[bench]'
@@ -178,7 +181,8 @@ def main() -> int:
 
     lines = [
         f"{args.steps} steps each, alternated; 16 completions of at most {args.max_completion_length} tokens per "
-        f"step; SmolLM2-135M-Instruct, float32, {args.threads} CPU threads; torch {torch.__version__}, "
+        f"step; loss_type dapo, beta {args.beta:g}; SmolLM2-135M-Instruct, float32, {args.threads} CPU threads; "
+        f"torch {torch.__version__}, "
         f"transformers {transformers.__version__}, TRL {trl_module.__version__}.",
         "",
         "| | grpokit | TRL GRPOTrainer | TRL / grpokit |",
@@ -194,10 +198,11 @@ def main() -> int:
         f"| mean reward over the steps | {statistics.mean(r['reward'] for r in steps['grpokit']):.3f} | "
         f"{statistics.mean(r['reward'] for r in steps['TRL']):.3f} | |",
         "",
-        "With beta 0, a completion whose advantage is exactly 0 (every member of a group scored alike) adds "
-        "exactly 0 to the loss and the gradient: grpokit skips its forward and backward, TRL computes them. "
-        f"Here {statistics.mean(r['zero_std'] for r in steps['grpokit']):.0%} of grpokit's groups were such.",
-        "",
+        *([] if args.beta else [
+            "With beta 0, a completion whose advantage is exactly 0 (every member of a group scored alike) adds "
+            "exactly 0 to the loss and the gradient: grpokit skips its forward and backward, TRL computes them. "
+            f"Here {statistics.mean(r['zero_std'] for r in steps['grpokit']):.0%} of grpokit's groups were such.",
+            ""]),
         "grpokit's step, median seconds by phase (metrics.jsonl's time/*; overhead: the rest of the step, "
         "rewards and bookkeeping): " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()) + ".",
     ]
