@@ -89,12 +89,7 @@ class Replicated:
     def step(self, optimizer, params, max_norm: float, loss_finite: bool) -> tuple[float, bool]:
         """Reduce and clip the gradients, apply the update if finite, zero the gradients:
         (gradient norm before clipping, applied)."""
-        for p in params:
-            # A weight no backward reached (no row of this process was active) has a zero gradient,
-            # not none: AdamW must step it (moments decay, weight decay applies), and the sum needs it.
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        distributed.sum_gradients(params)
+        self._reduce(params)
         grad_norm = self._clip(params, max_norm)  # the same on every process
         applied = loss_finite and math.isfinite(grad_norm)
         if applied:
@@ -103,6 +98,14 @@ class Replicated:
         # instead of adding it to zeros (a fill and an add over every weight, per update).
         optimizer.zero_grad(set_to_none=True)
         return grad_norm, applied
+
+    def _reduce(self, params) -> None:
+        for p in params:
+            # A weight no backward reached (no row of this process was active) has a zero gradient,
+            # not none: AdamW must step it (moments decay, weight decay applies), and the sum needs it.
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        distributed.sum_gradients(params)
 
     def _clip(self, params, max_norm: float) -> float:
         return torch.nn.utils.clip_grad_norm_(params, max_norm).item()
@@ -128,6 +131,12 @@ class Replicated:
         index = {name: i for i, name in enumerate(_names_in_optimizer_order(model, optimizer))}
         groups = [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]
         optimizer.load_state_dict({"state": {index[n]: v for n, v in state["state"].items()}, "param_groups": groups})
+
+
+def _restore_hyperparameters(optimizer, state: dict) -> None:
+    """The saved param groups' settings (lr, betas, ...) into the optimizer's groups."""
+    for group, saved in zip(optimizer.param_groups, state["param_groups"]):
+        group.update({k: v for k, v in saved.items() if k != "params"})
 
 
 def _names_in_optimizer_order(model, optimizer) -> list[str]:
@@ -199,13 +208,8 @@ class FSDP2(Replicated):
         return (f"FSDP2 over {distributed.world_size()} processes: process 0 holds {local / total:.1%} of the "
                 f"{total:,} weights (reshard_after_forward={self.plugin.reshard_after_forward}, CPU offload {offload})")
 
-    def step(self, optimizer, params, max_norm: float, loss_finite: bool) -> tuple[float, bool]:
-        grad_norm = self._clip(params, max_norm)  # gradients were reduce-scattered in backward
-        applied = loss_finite and math.isfinite(grad_norm)
-        if applied:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)  # every row runs forward, so every weight has a gradient
-        return grad_norm, applied
+    def _reduce(self, params) -> None:
+        pass  # reduce-scattered in backward; every row runs forward, so every weight has a gradient
 
     def _clip(self, params, max_norm: float) -> float:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # a DTensor: the norm of the whole gradient
@@ -223,8 +227,7 @@ class FSDP2(Replicated):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         if not state["state"]:  # saved before the first update: hyperparameters only (no fake step)
-            for group, saved in zip(optimizer.param_groups, state["param_groups"]):
-                group.update({k: v for k, v in saved.items() if k != "params"})
+            _restore_hyperparameters(optimizer, state)
             return
         set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
@@ -368,8 +371,7 @@ class DeepSpeed(Replicated):
     def load_optimizer_state(self, model, optimizer, state: dict) -> None:
         from deepspeed.utils import safe_set_full_optimizer_state
 
-        for group, saved in zip(self.inner.param_groups, state["param_groups"]):
-            group.update({k: v for k, v in saved.items() if k != "params"})
+        _restore_hyperparameters(self.inner, state)
         if not state["state"]:
             return
         step = next(iter(state["state"].values()))["step"]

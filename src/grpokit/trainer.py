@@ -436,16 +436,17 @@ class Trainer:
                 # Gradients reduced over processes, clipped, applied if finite, zeroed (sharding.py);
                 # a non-finite update is not applied at all (train_step counts and reports it).
                 t0 = time.perf_counter()
+                self.num_updates += 1  # first: a step that raises midway has changed weights (save_after_failure)
                 grad_norm, applied = self.parallel.step(self.optimizer, self.params, cfg.train.max_grad_norm or math.inf,
                                                         math.isfinite(whole_loss))
                 t_optimizer += time.perf_counter() - t0
                 shared["grad_norm"] += grad_norm
                 if applied:
-                    self.num_updates += 1
                     self.scheduler.step()
                     if self.engine is not None:
                         self.engine.weights_updated()
                 else:
+                    self.num_updates -= 1  # nothing was applied
                     skipped += 1
                 num_updates += 1
         summed = distributed.all_reduce(torch.tensor(list(partial.values()), dtype=torch.float64)).tolist()
