@@ -44,6 +44,7 @@ def grpokit_worker(conn, args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
+    from grpokit.allocator import keep_freed_memory
     from grpokit.config import load_config
     from grpokit.trainer import Trainer
 
@@ -55,6 +56,7 @@ def grpokit_worker(conn, args) -> None:
         f"train.max_steps={args.steps}", "data.eval_size=0", "train.eval_every=0", "train.save_every=0",
         "train.keep_checkpoints=1", f"train.output_dir={Path(args.workdir) / 'grpokit-run'}", "train.resume=never",
     ])
+    keep_freed_memory()  # as `grpokit train` does (grpokit/allocator.py)
     trainer = Trainer(config, progress=False)
     conn.send("ready")
     for step in range(1, args.steps + 1):

@@ -55,9 +55,13 @@ def metrics(run: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if "time" not in k} for r in rows]
 
 
-def assert_same_run(run: Path, reference: Path, weights_tol: float = 2e-6, evals: bool = True) -> None:
+def assert_same_run(run: Path, reference: Path, weights_tol: float = 2e-5, evals: bool = True) -> None:
     """The same metrics (to float32 reduction order) and final weights; the same optimizer state.
-    evals=False: the training rows only (a run stopped at max_steps also evaluated there)."""
+    evals=False: the training rows only (a run stopped at max_steps also evaluated there).
+    weights_tol is 2% of one update (learning rate 1e-3): a sharded run's log-prob pass splits the
+    sequence elsewhere (logprobs.py), FSDP2 steps torch's per-weight AdamW where one process steps
+    the fused one, and chunked log-probs sum in another order; all float32 rounding, which AdamW's
+    division by tiny second moments amplifies. A wrong update is off by a whole update."""
     mine, theirs = metrics(run), metrics(reference)
     if not evals:
         mine, theirs = ([r for r in rows if "loss" in r] for rows in (mine, theirs))
@@ -120,8 +124,7 @@ def test_a_sharded_run_equals_the_one_process_run(name, one_process, tmp_path):
     config = variant(tmp_path, shipped, **changes) if changes else EXAMPLES / shipped
     result = train(tmp_path, "run", "train.max_steps=3", *extra, config=config)
     assert described in result.stderr + result.stdout  # sharded as asked, and said so
-    # Chunked log-probs sum in another order: float32 noise, not a different update.
-    assert_same_run(tmp_path / "run", one_process, weights_tol=2e-5 if extra else 2e-6)
+    assert_same_run(tmp_path / "run", one_process)
     from grpokit.models import load_model
 
     load_model(str(tmp_path / "run" / "final"))  # a plain Hugging Face folder

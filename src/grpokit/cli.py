@@ -16,8 +16,10 @@ def _train(args) -> int:
         raise ConfigError("--merge merges LoRA adapters into the model, but model.lora_rank=0 trains every weight: "
                           "final/ already holds the whole model")
     from grpokit import distributed  # heavy imports (torch, transformers) only when training
+    from grpokit.allocator import keep_freed_memory
     from grpokit.trainer import Interrupted, train
 
+    keep_freed_memory()  # every step allocates the same tensors again: reuse their pages (allocator.py)
     try:
         result = train(config, progress=not args.no_progress)
     except Interrupted as stop:  # every process stopped after the same step

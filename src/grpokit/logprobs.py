@@ -30,14 +30,35 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
 
 
+class _TokenLogprobs(torch.autograd.Function):
+    """log softmax(logits)[target] with a backward pass that writes one tensor of logits' size:
+    onehot(target) - softmax(logits), scaled by the incoming gradient. Autograd's own backward of
+    logsumexp and gather makes five such tensors: for 16 x 16 tokens x 49k vocabulary on 2 CPU
+    cores, forward and backward took 81 ms that way, 37 ms this way. The same arithmetic, value for
+    value (tests/test_logprobs.py)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logz = torch.logsumexp(logits, dim=-1)  # (...)
+        ctx.save_for_backward(logits, targets, logz)
+        return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # its backward is not differentiable again
+    def backward(ctx, grad: torch.Tensor):
+        logits, targets, logz = ctx.saved_tensors
+        g = grad.unsqueeze(-1)  # (..., 1)
+        out = torch.sub(logits, logz.unsqueeze(-1)).exp_().mul_(-g)  # (..., V): -grad * softmax
+        return out.scatter_add_(-1, targets.unsqueeze(-1), g), None
+
+
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     """log softmax(logits / temperature) at `targets`: logits (..., V), targets (...) -> (...)."""
     if logits.dtype in (torch.bfloat16, torch.float16):
         logits = logits.float()  # log-softmax over a 49k vocabulary needs more than 8 mantissa bits
     if temperature != 1.0:
         logits = logits / temperature
-    logz = torch.logsumexp(logits, dim=-1)
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
+    return _TokenLogprobs.apply(logits, targets)
 
 
 def chunked_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, temperature: float,
@@ -74,6 +95,23 @@ def check_chunkable(model) -> None:
                          "(its logits differ from the output layer's): leave train.logprob_chunk_size null for it")
 
 
+@torch.no_grad()
+def check_inputs_embeds(model) -> bool:
+    """Whether the model's logits from token embeddings (looked up by its input embedding module)
+    equal those from the token ids: the shared pass gives the model embeddings it looked up itself,
+    and some models use the ids for more than the lookup (Gemma 3n's per-layer inputs). Those get
+    completion_logprobs(whole_model=True)."""
+    was_training = model.training
+    model.eval()
+    try:
+        ids = torch.tensor([[1, 2, 3, 4]], device=next(model.parameters()).device)
+        from_ids = model(input_ids=ids).logits
+        from_embeds = model(inputs_embeds=model.get_input_embeddings()(ids)).logits
+    finally:
+        model.train(was_training)
+    return torch.equal(from_ids, from_embeds)
+
+
 def completion_logprobs(
     model,
     prompt_ids: torch.Tensor,
@@ -83,7 +121,7 @@ def completion_logprobs(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     share_prompt: bool = True,
-    sharded: bool = False,
+    whole_model: bool = False,
 ) -> torch.Tensor:
     """log pi(completion token t | prompt, tokens < t), shape (B, T).
 
@@ -91,8 +129,10 @@ def completion_logprobs(
     completion_ids: (B, T) right-padded; padding positions get values that the caller masks.
     prompt_index: (B,) the prompt row each completion continues; None means row i of both (P == B).
     Logits are divided by `temperature` so that log-probs are those of the sampling distribution
-    (as TRL does). `chunk_size`, `share_prompt`: see the module docstring. `sharded`: the model's
-    weights are sharded (sharding.py), and only a call of the whole model gathers all of them.
+    (as TRL does). `chunk_size`, `share_prompt`: see the module docstring. `whole_model`: every
+    pass calls the whole model with token ids: its weights are sharded (sharding.py) and only a
+    call of the whole model gathers all of them, or the model uses token ids for more than the
+    embedding lookup (check_inputs_embeds).
     """
     if chunk_size is None:  # logits from the model's own head
         def run(keep: int, **inputs) -> torch.Tensor:
@@ -101,11 +141,13 @@ def completion_logprobs(
         decoder = model.get_decoder()
 
         def run(keep: int, **inputs) -> torch.Tensor:
-            if sharded:  # the whole model, for one position's logits; its last hidden state is the decoder's
+            if whole_model:  # for one position's logits; its last hidden state is the decoder's
                 return model(**inputs, logits_to_keep=1, output_hidden_states=True).hidden_states[-1][:, -keep:]
             return decoder(**inputs).last_hidden_state[:, -keep:]  # -0: every position
-    passes = _shared_prompt_pass if share_prompt else _whole_sequence_pass
-    out = passes(run, prompt_ids, prompt_mask, completion_ids, prompt_index)  # (B, T, V) or (B, T, H)
+    if share_prompt:
+        out = _shared_prompt_pass(model, run, prompt_ids, prompt_mask, completion_ids, prompt_index, whole_model)
+    else:
+        out = _whole_sequence_pass(run, prompt_ids, prompt_mask, completion_ids, prompt_index)  # (B, T, V) or (B, T, H)
     if chunk_size is None:
         return token_logprobs(out, completion_ids, temperature)  # (B, T)
     return chunked_logprobs(out, model.get_output_embeddings(), completion_ids, temperature, chunk_size)
@@ -124,28 +166,53 @@ def _whole_sequence_pass(run, prompt_ids, prompt_mask, completion_ids, prompt_in
     return run(T, input_ids=ids, attention_mask=attention, position_ids=position_ids(attention), use_cache=False)
 
 
-def _shared_prompt_pass(run, prompt_ids, prompt_mask, completion_ids, prompt_index) -> torch.Tensor:
+def _shared_prompt_pass(model, run, prompt_ids, prompt_mask, completion_ids, prompt_index, whole_model) -> torch.Tensor:
     """As _whole_sequence_pass, with each prompt run once and its key/value cache shared by the
-    completions that continue it (the module docstring)."""
+    completions that continue it (the module docstring).
+
+    By default the prompt but its last token fills the cache and needs no output; the last token
+    and the completion's tokens but the last then run on top, and their T outputs are all the
+    outputs needed: the output layer runs once, over B x T positions, and all the tokens'
+    embeddings are looked up in one call, so the embedding table gets one gradient, not two (each
+    is a dense vocabulary x hidden tensor). With `whole_model`, both passes are calls of the whole
+    model on token ids, and the whole prompt runs first with its last position's output (which
+    predicts completion token 0) used: under FSDP2 a layer gathers its weights for the backward
+    pass when the gradient reaches its output, so a gradient must reach every layer's output in
+    both passes."""
     B, T = completion_ids.shape
+    if prompt_index is None:
+        prompt_index = torch.arange(B, device=completion_ids.device)
+    last = 0 if whole_model else 1  # prompt tokens that run with the completions
+    Lp = prompt_ids.shape[1]
+    prefix_ids, prefix_mask = prompt_ids[:, :Lp - last], prompt_mask[:, :Lp - last]  # (P, Lp - last)
+    # Left padding: every prompt's last token is in the last column.
+    rest_ids = torch.cat([prompt_ids[:, Lp - last:].index_select(0, prompt_index), completion_ids[:, :-1]], dim=1)  # (B, T - 1 + last)
     cache = DynamicCache()
-    # (P, 1, ...): the prompt's last position predicts completion token 0.
-    first = run(1, input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
-                past_key_values=cache, use_cache=True)
-    if prompt_index is not None:
-        # (P, ...) -> (B, ...), differentiable. index_select, not Tensor[index] (what the cache's
-        # own batch_select_indices does): the backward of indexing sums the rows that share a
-        # prompt in an order that varies from run to run on several CPU threads; index_select's
-        # sums in a fixed order, so a run is bit for bit repeatable (and resumable).
-        for layer in cache.layers:
-            layer.keys, layer.values = layer.keys.index_select(0, prompt_index), layer.values.index_select(0, prompt_index)
-        first, prompt_mask = first.index_select(0, prompt_index), prompt_mask.index_select(0, prompt_index)
-    if T == 1:
-        return first  # (B, 1, ...)
-    # Completion token t-1 at position len(prompt) + t - 1 predicts token t. Padding after an EOS
-    # is attended only by later padding (causal), so a mask of ones changes no real token.
+    prefix_inputs = dict(attention_mask=prefix_mask, position_ids=position_ids(prefix_mask), past_key_values=cache,
+                         use_cache=True)
+    if whole_model:
+        first = run(1, input_ids=prefix_ids, **prefix_inputs).index_select(0, prompt_index)  # (B, 1, ...)
+        rest = {"input_ids": rest_ids}
+    else:
+        embeds = model.get_input_embeddings()(torch.cat([prefix_ids.reshape(-1), rest_ids.reshape(-1)]))  # (P*(Lp-1) + B*T, H)
+        prefix_embeds, rest_embeds = embeds.split([prefix_ids.numel(), rest_ids.numel()])
+        if Lp > 1:
+            model.get_decoder()(inputs_embeds=prefix_embeds.view(*prefix_ids.shape, -1), **prefix_inputs)
+        rest = {"inputs_embeds": rest_embeds.view(B, T, -1)}
+    # (P, ...) -> (B, ...), differentiable. index_select, not Tensor[index] (what the cache's own
+    # batch_select_indices does): the backward of indexing sums the rows that share a prompt in an
+    # order that varies from run to run on several CPU threads; index_select's sums in a fixed
+    # order, so a run is bit for bit repeatable (and resumable).
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys.index_select(0, prompt_index), layer.values.index_select(0, prompt_index)
+    if rest_ids.shape[1] == 0:  # whole_model, one token per completion: the prompt's output is all
+        return first
+    prompt_mask = prompt_mask.index_select(0, prompt_index)  # (B, Lp)
+    # The prompt's last token, at position len(prompt) - 1, predicts completion token 0; completion
+    # token t-1 at position len(prompt) + t - 1 predicts token t. Padding after an EOS is attended
+    # only by later padding (causal), so a mask of ones changes no real token.
     attention = torch.cat([prompt_mask, prompt_mask.new_ones(B, T - 1)], dim=1)  # (B, Lp + T - 1)
-    start = prompt_mask.sum(-1, keepdim=True)  # (B, 1)
-    rest = run(0, input_ids=completion_ids[:, :-1], attention_mask=attention,
-               position_ids=start + torch.arange(T - 1, device=start.device), past_key_values=cache, use_cache=True)
-    return torch.cat([first, rest], dim=1)  # (B, T, ...)
+    start = prompt_mask.sum(-1, keepdim=True) - last  # (B, 1): the position of rest's first token
+    out = run(0, **rest, attention_mask=attention, position_ids=start + torch.arange(rest_ids.shape[1], device=start.device),
+              past_key_values=cache, use_cache=True)  # (B, T - 1 + last, ...)
+    return torch.cat([first, out], dim=1) if whole_model else out  # (B, T, ...)

@@ -72,6 +72,7 @@ class Replicated:
 
     lockstep = False
     name = "replicated"
+    fused_adamw = True  # torch's one-kernel AdamW (trainer.py)
 
     def wrap(self, model, reference):
         return model, reference
@@ -125,12 +126,22 @@ class Replicated:
         return {"state": {names[i]: v for i, v in saved["state"].items()}, "param_groups": groups}
 
     def load_optimizer_state(self, model, optimizer, state: dict) -> None:
+        state = _as_built(optimizer, state)
         if any(isinstance(k, int) for k in state["state"]):  # written by a grpokit before the name-keyed format
             optimizer.load_state_dict(state)
             return
         index = {name: i for i, name in enumerate(_names_in_optimizer_order(model, optimizer))}
         groups = [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]
         optimizer.load_state_dict({"state": {index[n]: v for n, v in state["state"].items()}, "param_groups": groups})
+
+
+def _as_built(optimizer, state: dict) -> dict:
+    """`state` with its param groups' implementation settings (fused, foreach) replaced by this
+    optimizer's: how AdamW runs is this run's choice (FSDP2 cannot run the fused one), not the
+    checkpoint's, and torch's load_state_dict would otherwise take the saved ones."""
+    groups = [{**saved, **{k: group[k] for k in ("fused", "foreach") if k in group}}
+              for saved, group in zip(state["param_groups"], optimizer.param_groups)]
+    return {**state, "param_groups": groups}
 
 
 def _restore_hyperparameters(optimizer, state: dict) -> None:
@@ -151,6 +162,7 @@ class FSDP2(Replicated):
     (parameters, gradients and AdamW state on CPU)."""
 
     lockstep = True
+    fused_adamw = False  # torch's fused AdamW fails on sharded (DTensor) weights on CPU (torch 2.13)
     name = "FSDP2"
 
     def __init__(self, config):
@@ -226,6 +238,7 @@ class FSDP2(Replicated):
     def load_optimizer_state(self, model, optimizer, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+        state = _as_built(optimizer, state)
         if not state["state"]:  # saved before the first update: hyperparameters only (no fake step)
             _restore_hyperparameters(optimizer, state)
             return
@@ -371,6 +384,7 @@ class DeepSpeed(Replicated):
     def load_optimizer_state(self, model, optimizer, state: dict) -> None:
         from deepspeed.utils import safe_set_full_optimizer_state
 
+        state = _as_built(self.inner, state)
         _restore_hyperparameters(self.inner, state)
         if not state["state"]:
             return
@@ -379,7 +393,9 @@ class DeepSpeed(Replicated):
         zero = self.engine.optimizer
         flats = getattr(zero, "fp32_partitioned_groups_flat", None) or zero.single_partition_of_fp32_groups
         for flat in flats:
-            self.inner.state[flat] = {"step": step.clone(), "exp_avg": torch.zeros_like(flat),
+            # Where AdamW keeps its step count: beside the weights when fused, on the CPU otherwise.
+            device = flat.device if self.inner.defaults.get("fused") else "cpu"
+            self.inner.state[flat] = {"step": step.to(device, torch.float32, copy=True), "exp_avg": torch.zeros_like(flat),
                                       "exp_avg_sq": torch.zeros_like(flat)}
         if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2 link it after the first step
             zero._lazy_init_hp_params_optimizer_state()

@@ -50,7 +50,7 @@ from grpokit.checkpoint import (
     rng_state, set_rng_state, start_run_dir, write_checkpoint, write_state_files,
 )
 from grpokit.config import Config, StartupError, reward_specs
-from grpokit.logprobs import check_chunkable, completion_logprobs
+from grpokit.logprobs import check_chunkable, check_inputs_embeds, completion_logprobs
 from grpokit.loss import CLIP_METRICS, IS_MAX, IS_MEAN, grpo_loss
 from grpokit.models import (apply_lora, enable_activation_checkpointing, eos_token_ids, load_model, load_tokenizer,
                             save_model)
@@ -126,6 +126,9 @@ class Trainer:
                 check_chunkable(self.policy)
             except ValueError as e:
                 raise StartupError(str(e)) from None
+        # Log-prob passes call the whole model on token ids when only such a call gathers sharded
+        # weights, or when the model uses the ids for more than the embedding lookup (logprobs.py).
+        self.whole_model = self.parallel.lockstep or not check_inputs_embeds(self.policy)
         # A server engine exists on process 0 alone: it generates the whole step, then shares it.
         self.remote = config.rollout.engine == "server"
         self.engine = None
@@ -151,7 +154,10 @@ class Trainer:
         self.params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = self.parallel.make_optimizer(
             self.policy, self.params,
-            lambda params: torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay))
+            # fused: one kernel over all weights; the default loop over them takes ~0.3 s a step
+            # on 2 CPU cores for 135M weights, the fused one ~0.06 s (the same update to rounding).
+            lambda params: torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay,
+                                             fused=self.parallel.fused_adamw))
         warmup = t.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda update: min(1.0, (update + 1) / warmup) if warmup else 1.0
@@ -525,7 +531,7 @@ class Trainer:
             chunk_size=self.config.train.logprob_chunk_size,
             # Checkpointed layers drop the key/value cache in training mode: run completions whole.
             share_prompt=not (self.config.model.gradient_checkpointing and model.training),
-            sharded=self.parallel.lockstep,
+            whole_model=self.whole_model,
         )
 
     def gather_weights_for_server(self) -> None:
