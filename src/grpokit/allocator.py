@@ -7,8 +7,8 @@ step. On the 2-core VM this project is measured on, that was a third of the upda
 weight gradient took 7 ms to compute into fresh pages and 3 ms into reused ones, and the first
 touch of a 113 MB vocabulary x hidden gradient 24 ms against 3 ms. keep_freed_memory() serves every
 allocation from malloc's heap and never shrinks it, so freed tensors' pages are reused. The peak
-resident memory does not change (the same tensors are alive at the peak; measured: 3.75 GB either
-way on benchmarks/vs_trl.py); memory freed after the peak stays with the process.
+resident memory barely changes, as the same tensors are alive at the peak (benchmarks/vs_trl.py:
+3794 MiB, 3754 MiB before); memory freed after the peak stays with the process.
 
 It changes malloc for the whole process, so the library leaves the choice to the program:
 `grpokit train` calls it, and so may any program that builds a Trainer itself.
