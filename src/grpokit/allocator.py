@@ -10,7 +10,8 @@ allocation from malloc's heap and never shrinks it, so freed tensors' pages are 
 is memory that stays with the process once freed, in the middle of the heap included: peak
 resident memory on benchmarks/vs_trl.py was 3794 MiB with it, 3754 MiB before; on the default
 run (`grpokit train`, two runs side by side to step 52, resident memory sampled every 15 s)
-3754 MiB with it against 3576 MiB without, having crept from 3082 MiB at step 10.
+3754 MiB with it against 3576 MiB without; with it, the resident memory crept up in steps over
+the run, without it, it went up and down.
 
 It changes malloc for the whole process, so the library leaves the choice to the program:
 `grpokit train` calls it, and so may any program that builds a Trainer itself.
