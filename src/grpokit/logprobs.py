@@ -78,37 +78,35 @@ def chunked_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch
 
 
 @torch.no_grad()
-def check_chunkable(model) -> None:
-    """The chunked path applies the output layer to the decoder's last hidden state itself; some
-    models' heads do more (Gemma's soft-capping, Cohere's logit scaling, ...). Checked on the
-    model's own output: the output layer alone must reproduce its logits."""
+def _logits_two_ways(model, other) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's own logits for a few tokens, and `other(ids)` for the same ids, in eval mode."""
     was_training = model.training
     model.eval()
     try:
         ids = torch.tensor([[1, 2, 3, 4]], device=next(model.parameters()).device)
-        logits = model(input_ids=ids).logits
-        alone = model.get_output_embeddings()(model.get_decoder()(input_ids=ids).last_hidden_state)
+        return model(input_ids=ids).logits, other(ids)
     finally:
         model.train(was_training)
+
+
+def check_chunkable(model) -> None:
+    """The chunked path applies the output layer to the decoder's last hidden state itself; some
+    models' heads do more (Gemma's soft-capping, Cohere's logit scaling, ...). Checked on the
+    model's own output: the output layer alone must reproduce its logits."""
+    logits, alone = _logits_two_ways(
+        model, lambda ids: model.get_output_embeddings()(model.get_decoder()(input_ids=ids).last_hidden_state))
     if not torch.allclose(alone.float(), logits.float(), rtol=1e-4, atol=1e-4):
         raise ValueError("train.logprob_chunk_size applies the output layer alone, but this model's head does more "
                          "(its logits differ from the output layer's): leave train.logprob_chunk_size null for it")
 
 
-@torch.no_grad()
 def check_inputs_embeds(model) -> bool:
     """Whether the model's logits from token embeddings (looked up by its input embedding module)
     equal those from the token ids: the shared pass gives the model embeddings it looked up itself,
     and some models use the ids for more than the lookup (Gemma 3n's per-layer inputs). Those get
     completion_logprobs(whole_model=True)."""
-    was_training = model.training
-    model.eval()
-    try:
-        ids = torch.tensor([[1, 2, 3, 4]], device=next(model.parameters()).device)
-        from_ids = model(input_ids=ids).logits
-        from_embeds = model(inputs_embeds=model.get_input_embeddings()(ids)).logits
-    finally:
-        model.train(was_training)
+    from_ids, from_embeds = _logits_two_ways(
+        model, lambda ids: model(inputs_embeds=model.get_input_embeddings()(ids)).logits)
     return torch.equal(from_ids, from_embeds)
 
 

@@ -126,7 +126,10 @@ class Replicated:
         return {"state": {names[i]: v for i, v in saved["state"].items()}, "param_groups": groups}
 
     def load_optimizer_state(self, model, optimizer, state: dict) -> None:
-        state = _as_built(optimizer, state)
+        """optimizer_state's `state` into `optimizer`, which keeps running as it was built."""
+        self._load_optimizer_state(model, optimizer, _as_built(optimizer, state))
+
+    def _load_optimizer_state(self, model, optimizer, state: dict) -> None:
         if any(isinstance(k, int) for k in state["state"]):  # written by a grpokit before the name-keyed format
             optimizer.load_state_dict(state)
             return
@@ -235,10 +238,9 @@ class FSDP2(Replicated):
         return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
                                                                                    cpu_offload=True))
 
-    def load_optimizer_state(self, model, optimizer, state: dict) -> None:
+    def _load_optimizer_state(self, model, optimizer, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        state = _as_built(optimizer, state)
         if not state["state"]:  # saved before the first update: hyperparameters only (no fake step)
             _restore_hyperparameters(optimizer, state)
             return
@@ -381,10 +383,9 @@ class DeepSpeed(Replicated):
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": names} for g in self.inner.param_groups]
         return {"state": state, "param_groups": groups}
 
-    def load_optimizer_state(self, model, optimizer, state: dict) -> None:
+    def _load_optimizer_state(self, model, optimizer, state: dict) -> None:
         from deepspeed.utils import safe_set_full_optimizer_state
 
-        state = _as_built(self.inner, state)
         _restore_hyperparameters(self.inner, state)
         if not state["state"]:
             return
