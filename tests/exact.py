@@ -25,3 +25,10 @@ def update_difference(start: dict, a: dict, b: dict) -> float:
     norm = torch.sqrt(sum(((a[k] - start[k]).double() ** 2).sum() for k in start))
     worst = max((a[k].double() - b[k].double()).abs().max() for k in start)
     return (worst / norm).item()
+
+
+def step_on(trainer, examples, batch) -> dict:
+    """One training step of `trainer` on a fixed rollout `batch` (this process's completions of
+    `examples`): its sampling phase handed `batch`, every other phase as in training. Its metrics row."""
+    trainer.sample = lambda _: batch
+    return trainer.train_step(trainer.progress.step + 1, examples)

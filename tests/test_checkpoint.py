@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import load_file
 
 from grpokit.checkpoint import (
-    checkpoint_step, checkpoints, latest_checkpoint, load_weights, read_metrics, release_run_dir, rng_state,
-    set_rng_state, write_checkpoint,
+    checkpoint_step, checkpoints, latest_checkpoint, load_weights, rng_state, set_rng_state, write_checkpoint,
 )
+from grpokit.rundir import read_metrics, release_run_dir
 from grpokit.cli import main
 
 # 24 short steps on tiny-random (a few tenths of a second each) with a reward it learns that also
@@ -290,17 +290,19 @@ def test_start_up_failures_say_what_and_exit_2(tmp_path, capsys, monkeypatch, ca
 
 def nan_at(steps: set[int], monkeypatch) -> None:
     """Make the loss of the given steps NaN (with beta > 0 every step makes exactly one loss call)."""
-    import grpokit.trainer
+    from grpokit.loss import LOSSES
 
     calls = []
-    real = grpokit.trainer.grpo_loss
+    real = LOSSES["grpo"]
 
-    def loss(*args, **kwargs):
+    def loss(inputs, settings):
         calls.append(1)
-        value, metrics = real(*args, **kwargs)
-        return (value * float("nan"), metrics) if len(calls) in steps else (value, metrics)
+        out = real(inputs, settings)
+        if len(calls) in steps:
+            out.loss = out.loss * float("nan")
+        return out
 
-    monkeypatch.setattr(grpokit.trainer, "grpo_loss", loss)
+    monkeypatch.setitem(LOSSES, "grpo", loss)
 
 
 def test_a_non_finite_step_is_skipped_and_counted(tmp_path, monkeypatch, capsys):

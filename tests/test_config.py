@@ -105,3 +105,17 @@ def test_readme_config_reference_is_current():
 
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     assert describe() in readme, "README's config reference is stale: paste the output of `grpokit config`"
+
+
+def test_allowed_values_come_from_the_registries(monkeypatch):
+    """A loss, task or engine registered where it lives is accepted by the config, with nothing else to edit."""
+    from grpokit import loss, rollout, tasks
+
+    for key, value in (("algorithm.loss_type", "mine"), ("data.task", "mine"), ("rollout.engine", "mine")):
+        with pytest.raises(ConfigError, match=f"{key}='mine' is not one of"):
+            load_config(None, [f"{key}=mine"])
+    monkeypatch.setitem(loss.LOSSES, "mine", loss.LOSSES["dapo"])
+    monkeypatch.setitem(tasks.TASKS, "mine", tasks.TASKS["arithmetic"])
+    monkeypatch.setitem(rollout.ENGINES, "mine", rollout.ENGINES["transformers"])
+    config = load_config(None, ["algorithm.loss_type=mine", "data.task=mine", "rollout.engine=mine"])
+    assert (config.algorithm.loss_type, config.data.task, config.rollout.engine) == ("mine", "mine", "mine")

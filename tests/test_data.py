@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from grpokit.config import ConfigError, DataConfig, load_config
-from grpokit.data import DataError, DatasetTask, read_rows, to_example
+from grpokit.tasks.dataset import DataError, DatasetTask, read_rows, to_example
 
 ROWS = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1), "level": i % 3} for i in range(10)]
 REPO = Path(__file__).parents[1]

@@ -39,7 +39,7 @@ def broken(kind: str, step: int, row: dict, rng: random.Random) -> dict:
     if kind == "zero_std" and late:
         row["frac_reward_zero_std"] = 0.7 + rng.gauss(0, 0.05)
     if kind == "reward_flat" and late:
-        row["reward"] = 0.5 + rng.gauss(0, 0.02)  # stalled after halfway (report 4)
+        row["reward"] = 0.5 + rng.gauss(0, 0.02)  # stalled after halfway
     if kind == "truncation" and late:
         row["completions/clipped_ratio"] = 0.8 + rng.gauss(0, 0.03)
     if kind == "kl" and late:

@@ -185,8 +185,8 @@ def test_one_token_prompts(tiny, float64, prompts, variant):
 
 def test_embedding_and_output_layer_run_once(tiny):
     """The shared pass looks every token up in one call and applies the output layer once: the
-    tied vocabulary x hidden table gets one gradient from each, not two (the gradients of a 49k
-    vocabulary cost ~0.2 s of each update on 2 cores)."""
+    tied vocabulary x hidden table gets one gradient from each, not two (with a 49k vocabulary, a
+    dense gradient of that table is one of the update's largest tensors)."""
     model = copy.deepcopy(tiny[0])
     calls = {"embedding": 0, "output": 0}
     model.get_input_embeddings().register_forward_hook(lambda *_: calls.__setitem__("embedding", calls["embedding"] + 1))

@@ -38,7 +38,7 @@ def test_only_adapters_train_and_the_reference_is_the_base_model(tmp_path):
         assert (not torch.equal(p, before[name])) == (name in trainable), name
     # The adapters' off-switch gives the base model's log-probs exactly.
     base = load_model("tiny-random").requires_grad_(False)  # frozen, as under the adapters (same CPU kernels)
-    batch = trainer.generate([next(trainer.stream) for _ in range(2)])
+    batch = trainer.sample([next(trainer.stream) for _ in range(2)])
     active = torch.ones(len(batch.finish_reasons), dtype=torch.bool)
     ref = trainer.reference_logprobs(batch, active)
     trainer.policy = base

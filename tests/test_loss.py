@@ -1,14 +1,32 @@
-"""grpo_loss against naive float64 loops: every loss type, every KL estimator, clipping, metrics."""
+"""The registered losses against naive float64 loops: every loss type, every KL estimator,
+clipping, metrics."""
 
 import math
 
 import pytest
 import torch
 
-from grpokit.loss import grpo_loss
+from grpokit.loss import IS_MAX, IS_MEAN, LossInputs, LossSettings, compute_loss
 
 LOSS_TYPES = ["grpo", "dapo", "dr_grpo"]
 ESTIMATORS = ["k1", "k2", "k3"]
+
+
+def loss_of(logps, old, ref, adv, mask, *, loss_type="grpo", beta=0.0, epsilon=0.2, epsilon_high=None,
+            kl_estimator="k3", max_completion_length=None, num_sequences=None, num_tokens=None,
+            sampling_logps=None, is_cap=2.0):
+    """The loss `loss_type` on one micro-batch, and its metrics as the trainer reports them for an
+    update made of it: token sums over the update's token count (the importance weight's over the
+    micro-batch's own tokens)."""
+    out = compute_loss(loss_type, LossInputs(logps, mask, adv, old, ref, sampling_logps, num_sequences, num_tokens,
+                                             max_completion_length),
+                       LossSettings(beta, epsilon, epsilon_high, kl_estimator, is_cap))
+    denom = max(mask.sum().item() if num_tokens is None else num_tokens, 1.0)
+    metrics = {k: v / denom for k, v in out.token_sums.items() if k != IS_MEAN}
+    if IS_MEAN in out.token_sums:
+        metrics[IS_MEAN] = out.token_sums[IS_MEAN] / mask.sum()
+        metrics[IS_MAX] = out.token_max[IS_MAX]
+    return out.loss, metrics
 
 
 def naive_loss(logps, old, ref, adv, mask, loss_type, beta, eps, eps_high, est, Lmax, n_seq, n_tok,
@@ -60,7 +78,7 @@ def random_batch(B=6, T=7, seed=0):
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_matches_naive_reference(loss_type, est, beta):
     logps, old, ref, adv, mask = random_batch()
-    loss, _ = grpo_loss(
+    loss, _ = loss_of(
         logps, old, ref, adv, mask, loss_type=loss_type, beta=beta, epsilon=0.2,
         epsilon_high=0.28, kl_estimator=est, max_completion_length=9,
     )
@@ -75,12 +93,12 @@ def test_micro_batches_add_up_to_the_full_batch(loss_type, beta):
     logps, old, ref, adv, mask = random_batch(B=8, seed=1)
     kw = dict(loss_type=loss_type, beta=beta, epsilon_high=0.28, max_completion_length=7)
     full_in = logps.clone().requires_grad_(True)
-    full, full_m = grpo_loss(full_in, old, ref, adv, mask, **kw)
+    full, full_m = loss_of(full_in, old, ref, adv, mask, **kw)
     full.backward()
     part_in = logps.clone().requires_grad_(True)
     total, metrics = 0.0, {}
     for s in (slice(0, 3), slice(3, 4), slice(4, 8)):
-        loss, m = grpo_loss(
+        loss, m = loss_of(
             part_in[s], old[s], ref[s], adv[s], mask[s], num_sequences=8, num_tokens=mask.sum().item(), **kw
         )
         loss.backward()
@@ -95,7 +113,7 @@ def test_micro_batches_add_up_to_the_full_batch(loss_type, beta):
 
 @pytest.mark.parametrize("seed", range(5))
 def test_grpo_loss_is_zero_on_policy_with_beta_zero(seed):
-    """CONTEXT.md report 2: with beta 0 and ratio 1, the per-sequence loss is exactly the mean advantage, 0."""
+    """With beta 0 and ratio 1, the per-sequence loss is exactly the mean advantage, 0 (group advantages sum to 0)."""
     from grpokit.advantages import group_advantages
 
     g = torch.Generator().manual_seed(seed)
@@ -104,10 +122,10 @@ def test_grpo_loss_is_zero_on_policy_with_beta_zero(seed):
     logps = -torch.rand(16, 11, generator=g)
     lengths = torch.randint(1, 12, (16,), generator=g)
     mask = (torch.arange(11)[None, :] < lengths[:, None]).long()
-    loss, _ = grpo_loss(logps, None, None, adv, mask, loss_type="grpo")
+    loss, _ = loss_of(logps, None, None, adv, mask, loss_type="grpo")
     assert abs(loss.item()) < 1e-6
     # ... which the global token mean (TRL's old normalization) is not, with unequal lengths.
-    dapo, _ = grpo_loss(logps, None, None, adv, mask, loss_type="dapo")
+    dapo, _ = loss_of(logps, None, None, adv, mask, loss_type="dapo")
     assert abs(dapo.item()) > 1e-3
 
 
@@ -116,7 +134,7 @@ def test_gradient_on_policy_is_the_policy_gradient():
     logps = torch.zeros(2, 3, dtype=torch.float64, requires_grad=True)
     adv = torch.tensor([1.0, -2.0], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
-    loss, _ = grpo_loss(logps, None, None, adv, mask)
+    loss, _ = loss_of(logps, None, None, adv, mask)
     loss.backward()
     expected = torch.tensor([[-1 / 2 / 2, -1 / 2 / 2, 0], [2 / 3 / 2] * 3], dtype=torch.float64)
     torch.testing.assert_close(logps.grad, expected)
@@ -128,23 +146,23 @@ def test_clip_metrics_on_hand_made_ratios():
     logps = ratios.log()
     mask = torch.tensor([[1, 1, 1, 1, 1, 0]])
     # A > 0: only ratio 1.5 (> 1 + 0.2) is clipped high; the masked 1.5 does not count.
-    _, m = grpo_loss(logps, old, None, torch.tensor([1.0]), mask, epsilon=0.2)
+    _, m = loss_of(logps, old, None, torch.tensor([1.0]), mask, epsilon=0.2)
     assert m["clip_ratio/high_mean"].item() == pytest.approx(1 / 5)
     assert m["clip_ratio/low_mean"].item() == 0
     assert m["clip_ratio/region_mean"].item() == pytest.approx(1 / 5)
     # A < 0: only ratio 0.5 (< 1 - 0.2) is clipped low.
-    _, m = grpo_loss(logps, old, None, torch.tensor([-1.0]), mask, epsilon=0.2)
+    _, m = loss_of(logps, old, None, torch.tensor([-1.0]), mask, epsilon=0.2)
     assert m["clip_ratio/low_mean"].item() == pytest.approx(1 / 5)
     assert m["clip_ratio/high_mean"].item() == 0
     # A wider upper range (DAPO's clip-higher) stops clipping 1.5.
-    _, m = grpo_loss(logps, old, None, torch.tensor([1.0]), mask, epsilon=0.2, epsilon_high=0.6)
+    _, m = loss_of(logps, old, None, torch.tensor([1.0]), mask, epsilon=0.2, epsilon_high=0.6)
     assert m["clip_ratio/high_mean"].item() == 0
 
 
 def test_clipped_tokens_carry_no_gradient():
     old = torch.zeros(1, 2, dtype=torch.float64)
     logps = torch.tensor([[math.log(1.5), math.log(1.1)]], dtype=torch.float64, requires_grad=True)
-    loss, _ = grpo_loss(logps, old, None, torch.tensor([1.0], dtype=torch.float64), torch.ones(1, 2), loss_type="dapo")
+    loss, _ = loss_of(logps, old, None, torch.tensor([1.0], dtype=torch.float64), torch.ones(1, 2), loss_type="dapo")
     loss.backward()
     assert logps.grad[0, 0] == 0
     assert logps.grad[0, 1] == pytest.approx(-1.1 / 2)
@@ -159,20 +177,20 @@ def test_kl_metric_and_estimators():
         "k2": [0.125, 0.5],
         "k3": [math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1.0 - 1],
     }.items():
-        _, m = grpo_loss(logps, None, ref, torch.zeros(1), mask, beta=0.1, kl_estimator=est)
+        _, m = loss_of(logps, None, ref, torch.zeros(1), mask, beta=0.1, kl_estimator=est)
         assert m["kl"].item() == pytest.approx(sum(per_token) / 2)
-    _, m = grpo_loss(logps, None, None, torch.zeros(1), mask, beta=0.0)
+    _, m = loss_of(logps, None, None, torch.zeros(1), mask, beta=0.0)
     assert "kl" not in m
 
 
 def test_bad_arguments():
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError, match="loss_type"):
-        grpo_loss(x, None, None, torch.zeros(1), x, loss_type="bnpo2")
+        loss_of(x, None, None, torch.zeros(1), x, loss_type="bnpo2")
     with pytest.raises(ValueError, match="kl_estimator"):
-        grpo_loss(x, None, None, torch.zeros(1), x, kl_estimator="k4")
+        loss_of(x, None, None, torch.zeros(1), x, kl_estimator="k4")
     with pytest.raises(ValueError, match="ref_logps"):
-        grpo_loss(x, None, None, torch.zeros(1), x, beta=0.1)
+        loss_of(x, None, None, torch.zeros(1), x, beta=0.1)
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
@@ -183,7 +201,7 @@ def test_importance_sampling_correction_matches_naive_reference(loss_type, beta,
     g = torch.Generator().manual_seed(4)
     sampling = (logps if on_policy else old) + 0.4 * torch.randn(logps.shape, generator=g, dtype=torch.float64)
     old = None if on_policy else old
-    loss, metrics = grpo_loss(logps, old, ref, adv, mask, loss_type=loss_type, beta=beta, epsilon_high=0.28,
+    loss, metrics = loss_of(logps, old, ref, adv, mask, loss_type=loss_type, beta=beta, epsilon_high=0.28,
                               max_completion_length=9, sampling_logps=sampling, is_cap=1.5)
     expected = naive_loss(logps, old, ref, adv, mask, loss_type, beta, 0.2, 0.28, "k3", 9, 6, mask.sum().item(),
                           sampling=sampling, cap=1.5)
@@ -200,11 +218,31 @@ def test_importance_weights_scale_the_policy_gradient_and_carry_none():
     logps, old, _, adv, mask = random_batch(seed=5)
     sampling = old - 0.3
     a = logps.clone().requires_grad_(True)
-    grpo_loss(a, old, None, adv, mask, loss_type="dapo", sampling_logps=sampling, is_cap=10.0)[0].backward()
+    loss_of(a, old, None, adv, mask, loss_type="dapo", sampling_logps=sampling, is_cap=10.0)[0].backward()
     b = logps.clone().requires_grad_(True)
-    grpo_loss(b, old, None, adv, mask, loss_type="dapo")[0].backward()
+    loss_of(b, old, None, adv, mask, loss_type="dapo")[0].backward()
     torch.testing.assert_close(a.grad, b.grad * torch.exp(old - sampling), rtol=1e-12, atol=0)
     # Sampler identical to the old policy: weight 1, nothing changes.
     c = logps.clone().requires_grad_(True)
-    grpo_loss(c, old, None, adv, mask, loss_type="dapo", sampling_logps=old)[0].backward()
+    loss_of(c, old, None, adv, mask, loss_type="dapo", sampling_logps=old)[0].backward()
     torch.testing.assert_close(c.grad, b.grad, rtol=0, atol=0)
+
+
+def test_zero_advantage_rows_add_nothing():
+    """The trainer skips zero-advantage completions when beta is 0: loss and gradient are unchanged."""
+    for loss_type in ("grpo", "dapo", "dr_grpo"):
+        logps = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+        old = logps.detach() + 0.1
+        adv = torch.tensor([0.5, 0.0, -0.5, 0.0], dtype=torch.float64)
+        mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1]])
+        full, full_m = loss_of(logps, old, None, adv, mask, loss_type=loss_type)
+        full.backward()
+        kept = torch.tensor([0, 2])
+        sub = logps.detach().clone().requires_grad_(True)
+        part, part_m = loss_of(
+            sub[kept], old[kept], None, adv[kept], mask[kept], loss_type=loss_type, num_sequences=4, num_tokens=9
+        )
+        part.backward()
+        assert abs(part.item() - full.item()) < 1e-15
+        assert torch.equal(sub.grad, logps.grad)
+        assert all(abs(part_m[k] - full_m[k]) < 1e-15 for k in full_m)

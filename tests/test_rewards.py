@@ -202,7 +202,17 @@ def test_async_functions_run_concurrently(tmp_path):
 
 
 def test_builtins_are_registered():
-    assert {"math_accuracy", "format", "length", "reward_model", "exact_answer", "leading_number"} <= set(REWARD_FUNCTIONS)
+    for name in ("math_accuracy", "format", "length", "reward_model", "exact_answer", "leading_number"):
+        assert callable(get_reward_function(name)), name
+    assert get_reward_function("format").__name__ == "format_reward"
+
+
+def test_a_registered_function_is_named_like_a_builtin(monkeypatch):
+    mine = lambda completions, **columns: [1.0] * len(completions)  # noqa: E731
+    monkeypatch.setitem(REWARD_FUNCTIONS, "mine", mine)
+    assert get_reward_function("mine") is mine
+    with pytest.raises(ConfigError_, match="built-in ones are .*leading_number.*mine"):
+        get_reward_function("yours")
 
 
 def test_reward_model_scores_prompt_and_completion(tmp_path, tiny):
@@ -220,7 +230,7 @@ def test_reward_model_scores_prompt_and_completion(tmp_path, tiny):
     tokenizer.save_pretrained(tmp_path / "rm")
     prompts = [[{"role": "user", "content": "Say hi"}]] * 2
     completions = [msg("hi"), msg("a much longer answer than that")]
-    got = REWARD_FUNCTIONS["reward_model"](prompts, completions, path=str(tmp_path / "rm"))
+    got = get_reward_function("reward_model")(prompts, completions, path=str(tmp_path / "rm"))
     for p, c, score in zip(prompts, completions, got):  # one at a time, no padding: the same scores
         text = tokenizer.apply_chat_template(p + c, tokenize=False)
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)

@@ -167,3 +167,17 @@ def test_completions_take_the_shape_of_their_prompt(tiny):
     chat, plain = decode_completions(tokenizer, batch, [[{"role": "user", "content": "q"}], "q"])
     assert chat[0]["role"] == "assistant" and isinstance(chat[0]["content"], str)
     assert isinstance(plain, str) and plain == tokenizer.decode(batch.completion_ids[1], skip_special_tokens=True)
+
+
+def test_every_engine_implements_the_whole_protocol():
+    """The trainer uses an engine only through RolloutEngine: every registered engine has all of it."""
+    from grpokit.rollout import ENGINES, RolloutEngine, engine_class
+
+    members = set(RolloutEngine.__annotations__) | {n for n in vars(RolloutEngine) if not n.startswith("_")}
+    assert {"exact_logprobs", "remote", "from_config", "generate", "needs_weights", "use_weights", "sleep",
+            "close"} <= members
+    for name in ENGINES:
+        cls = engine_class(name)
+        missing = [m for m in members if not (hasattr(cls, m) or m in cls.__annotations__)]  # set per instance
+        assert not missing, (name, missing)
+        assert isinstance(cls.remote, bool) and (name == "server") == cls.remote

@@ -91,28 +91,6 @@ def test_a_step_without_signal_still_steps(make_trainer, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.policy.parameters()))
 
 
-def test_zero_advantage_rows_add_nothing():
-    """The trainer skips zero-advantage completions when beta is 0: loss and gradient are unchanged."""
-    from grpokit.loss import grpo_loss
-
-    for loss_type in ("grpo", "dapo", "dr_grpo"):
-        logps = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
-        old = logps.detach() + 0.1
-        adv = torch.tensor([0.5, 0.0, -0.5, 0.0], dtype=torch.float64)
-        mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1]])
-        full, full_m = grpo_loss(logps, old, None, adv, mask, loss_type=loss_type)
-        full.backward()
-        kept = torch.tensor([0, 2])
-        sub = logps.detach().clone().requires_grad_(True)
-        part, part_m = grpo_loss(
-            sub[kept], old[kept], None, adv[kept], mask[kept], loss_type=loss_type, num_sequences=4, num_tokens=9
-        )
-        part.backward()
-        assert abs(part.item() - full.item()) < 1e-15
-        assert torch.equal(sub.grad, logps.grad)
-        assert all(abs(part_m[k] - full_m[k]) < 1e-15 for k in full_m)
-
-
 def test_a_failing_reward_stops_the_run_and_keeps_what_was_written(tmp_path, capsys):
     """The second call raises: the run stops with the function named, step 1 stays in metrics.jsonl."""
     from grpokit.cli import main
@@ -228,6 +206,63 @@ def test_a_resumed_run_runs_adamw_as_built_not_as_saved(make_trainer, tmp_path, 
     state["optimizer"]["param_groups"][0]["fused"] = saved
     torch.save(state, path)
     resumed = make_trainer("train.max_steps=2", "data.eval_size=0")
-    assert resumed.step == 1  # it did resume
+    assert resumed.progress.step == 1  # it did resume
     assert resumed.optimizer.param_groups[0]["fused"] is True
     assert resumed.optimizer.param_groups[0]["lr"] == 1e-3  # the saved hyperparameters still load
+
+
+@pytest.mark.parametrize("failing_call,saved", [(3, True), (4, False)], ids=["before-an-update", "after-an-update"])
+def test_a_failure_inside_a_step_saves_the_step_before_unless_an_update_had_begun(make_trainer, monkeypatch,
+                                                                                 failing_call, saved):
+    """Two optimizer updates a step, one loss call each. Step 2's first call failing leaves the weights
+    of step 1: that state is saved, weights included. Its second call fails after step 2's first
+    update: the weights are those of no step, and nothing is saved."""
+    from safetensors.torch import load_file
+
+    from grpokit.loss import LOSSES
+
+    real, calls = LOSSES["grpo"], []
+
+    def failing(inputs, settings):
+        calls.append(1)
+        if len(calls) == failing_call:
+            raise RuntimeError("the loss went away")
+        return real(inputs, settings)
+
+    monkeypatch.setitem(LOSSES, "grpo", failing)
+    trainer = make_trainer("train.max_steps=3", "data.eval_size=0", "train.updates_per_step=2", "algorithm.beta=0.01")
+    after_step_1 = {}
+    train_step = trainer.train_step
+
+    def recording_step(step, examples):
+        row = train_step(step, examples)
+        after_step_1.update({n: p.detach().clone() for n, p in trainer.policy.named_parameters()})
+        return row
+
+    trainer.train_step = recording_step
+    with pytest.raises(RuntimeError, match="the loss went away"):
+        trainer.train()
+    checkpoint = trainer.run_dir / "checkpoints" / "step-1"
+    assert checkpoint.exists() == saved
+    if saved:
+        assert json.loads((checkpoint / "trainer_state.json").read_text())["step"] == 1
+        weights = load_file(checkpoint / "model.safetensors")
+        assert all(torch.equal(weights[n], after_step_1[n]) for n in weights)
+
+
+def test_a_loss_metric_the_loss_does_not_declare_is_an_error(make_trainer, monkeypatch):
+    """Every process must log the same keys, so a loss's metrics are declared (loss.token_metric_names):
+    one returned without a declaration stops the run rather than vanish from the metrics."""
+    from grpokit.loss import LOSSES
+
+    real = LOSSES["grpo"]
+
+    def with_extra_metric(inputs, settings):
+        out = real(inputs, settings)
+        out.token_sums["entropy_of_mine"] = out.token_sums["clip_ratio/low_mean"]
+        return out
+
+    monkeypatch.setitem(LOSSES, "grpo", with_extra_metric)
+    trainer = make_trainer("train.max_steps=1", "data.eval_size=0", "algorithm.beta=0.01")
+    with pytest.raises(ValueError, match=r"\['entropy_of_mine'\] that loss.token_metric_names does not name"):
+        trainer.train()

@@ -107,7 +107,7 @@ def test_requests_one_per_seeded_completion_or_n_per_greedy_prompt(fake_vllm):
 
 
 def test_outputs_become_a_rollout_batch():
-    from grpokit.rollout.client import from_completions
+    from grpokit.rollout import from_completions
     from grpokit.rollout.vllm_engine import to_completions
 
     outputs = [RequestOutput([CompletionOutput([11, 12, 2], [{11: Logprob(-0.1)}, {12: Logprob(-0.2)}, {2: Logprob(-0.3)}], "stop")]),

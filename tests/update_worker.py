@@ -3,8 +3,8 @@
     update_worker.py OUT MODE OVERRIDES_JSON
 
 MODE "learn": every process builds the same global rollout batch (same prompts, same per-completion
-seeds), keeps the completions it owns (`trainer.rows`) and runs `Trainer.learn` on them: one step's
-updates on a fixed rollout batch. MODE "train": `Trainer.train()`, a whole (short) run.
+seeds), keeps the completions it owns (`trainer.rows`) and runs a training step on them (exact.step_on):
+one step's updates on a fixed rollout batch. MODE "train": `Trainer.train()`, a whole (short) run.
 Each process saves its starting and final parameters and the metrics to OUT/rank<r>.pt.
 
 The reward is "shortness" (shorter completions score higher), except on the prompts listed in the
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from exact import float64_everywhere
+from exact import float64_everywhere, step_on
 
 from grpokit import distributed
 from grpokit.config import load_config
@@ -54,7 +54,7 @@ def main(out: str, mode: str, overrides: list[str]) -> None:
             [trainer.encode(e) for e in examples], config.rollout.num_generations, trainer.sampling,
             seeds=range(config.completions_per_step),
         )
-        metrics = trainer.learn(examples, whole.select(trainer.rows))
+        metrics = step_on(trainer, examples, whole.select(trainer.rows))
     else:
         trainer.train()
         metrics = None

@@ -3,15 +3,11 @@
 glibc's malloc gives every allocation above a threshold (128 KiB, rising to at most 32 MiB) pages
 of its own from the kernel and returns them on free, so a training step, which allocates and frees
 the same activations and gradients every time, pays a page fault for every page of them, every
-step. On the 2-core VM this project is measured on, that was a third of the update: a 3.5 MB
-weight gradient took 7 ms to compute into fresh pages and 3 ms into reused ones, and the first
-touch of a 113 MB vocabulary x hidden gradient 24 ms against 3 ms. keep_freed_memory() serves every
+step: on a small CPU machine, a large share of the update. keep_freed_memory() serves every
 allocation from malloc's heap and never shrinks it, so freed tensors' pages are reused. The cost
-is memory that stays with the process once freed, in the middle of the heap included: peak
-resident memory on benchmarks/vs_trl.py was 3794 MiB with it, 3754 MiB before; on the default
-run (`grpokit train`, two runs side by side to step 52, resident memory sampled every 15 s)
-3754 MiB with it against 3576 MiB without; with it, the resident memory crept up in steps over
-the run, without it, it went up and down.
+is memory that stays with the process once freed, in the middle of the heap included: a somewhat
+higher peak resident memory, which creeps up in steps over a run instead of going up and down
+(the README's "Speed" section has the measured figures, and the commands that give them).
 
 It changes malloc for the whole process, so the library leaves the choice to the program:
 `grpokit train` calls it, and so may any program that builds a Trainer itself.

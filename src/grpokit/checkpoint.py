@@ -1,4 +1,4 @@
-"""The run directory, atomic checkpoints, and resuming exactly where a run stopped.
+"""Atomic checkpoints, and the state they restore exactly.
 
 A checkpoint is the folder `<run_dir>/checkpoints/step-N/`:
 
@@ -13,219 +13,38 @@ A checkpoint is the folder `<run_dir>/checkpoints/step-N/`:
 Atomicity: a checkpoint is written into `checkpoints/.step-N.tmp/`, flushed to disk, then renamed
 to `step-N` in one `os.replace`. A crash at any moment leaves either the whole new checkpoint or
 none, and the older ones untouched; a leftover `.tmp` folder is never read, and is removed when
-the run resumes. Older checkpoints are deleted only after the new one is complete.
+the run resumes (rundir.py). Older checkpoints are deleted only after the new one is complete.
 
-Resuming restores all of the above, and truncates `metrics.jsonl` to the checkpoint's step: the
-resumed run then logs exactly the rows the uninterrupted run would have logged (DESIGN.md).
+The run folder around the checkpoints (its lock, its logs, resuming into it) is rundir.py's.
 """
 
 from __future__ import annotations
 
-import datetime
-import fcntl
 import json
 import os
 import random
 import re
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
-from grpokit.config import Config, ConfigError, StartupError, flatten, save_config
+from grpokit.config import Config, save_config
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"  # written last into a checkpoint
 _STEP = re.compile(r"step-(\d+)")
-# Settings a resumed run may change: they change neither the trajectory nor the update
-# (micro_batch_size is a memory knob only, DESIGN.md), only its length and its bookkeeping.
-RESUMABLE_CHANGES = frozenset({
-    "train.max_steps", "train.eval_every", "train.save_every", "train.keep_checkpoints", "train.resume",
-    "train.micro_batch_size", "train.max_skipped_steps", "train.output_dir", "monitor.tensorboard",
-    "monitor.log_completions", "monitor.wandb", "monitor.wandb_project", "rollout.server_url", "rollout.server_timeout",
-    "train.logprob_chunk_size", "model.gradient_checkpointing",  # memory knobs: the same math
-})
-# The run's logs, one JSON object per line, each with its step: truncated together on resume.
-LOGS = ("metrics.jsonl", "alerts.jsonl", "completions.jsonl")
 
 
-# ---------------------------------------------------------------- the run directory
-
-
-def open_run_dir(config: Config) -> tuple[Path, Path | None]:
-    """The run directory, checked writable, and the checkpoint to resume from (None: a fresh run).
-
-    Writes nothing but an empty folder: every refusal leaves an existing run as it was.
-    """
-    t = config.train
-    if t.output_dir is None:
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        name = Path(config.data.path).stem if config.data.path else config.data.task
-        t.output_dir = f"runs/{name}-{stamp}"
-    run_dir = Path(t.output_dir)
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=run_dir):
-            pass
-    except OSError as e:
-        raise StartupError(f"train.output_dir={run_dir} is not a writable folder: {e.strerror or e}") from None
-    _lock(run_dir)
-    latest = latest_checkpoint(run_dir)
-    if t.resume == "never" and (latest is not None or (run_dir / "metrics.jsonl").exists() or (run_dir / "final").exists()):
-        raise StartupError(
-            f"train.output_dir={run_dir} holds a run and train.resume=never: resume it with train.resume=auto, "
-            "or choose another train.output_dir"
-        )
-    if latest is not None:
-        check_resumable(latest / "config.yaml", config)
-        step = checkpoint_step(latest)
-        if step > t.max_steps:
-            raise ConfigError(
-                f"train.max_steps={t.max_steps}, but the run in {run_dir} is already at step {step}: "
-                f"raise train.max_steps to continue it, or choose another train.output_dir"
-            )
-    elif (run_dir / "final").exists():
-        raise StartupError(
-            f"train.output_dir={run_dir} holds a trained model (final/) but no checkpoint to resume from: "
-            "move that run away or choose another train.output_dir"
-        )
-    elif (run_dir / "config.yaml").exists() and any("loss" in row for row in read_metrics(run_dir / "metrics.jsonl")):
-        # A run that died before its first checkpoint: its weights died with it, and the same
-        # config trains them again exactly, so it starts afresh; another config is another run.
-        check_resumable(run_dir / "config.yaml", config)
-    return run_dir, latest
-
-
-# Process 0's lock on each run directory it trains in, held until the process ends (or the
-# run releases it), so that two runs started with one output_dir cannot write over each other.
-_LOCKS: dict[str, int] = {}
-
-
-def _flock(run_dir: Path) -> int | None:
-    """A descriptor holding an exclusive lock on the folder itself (no file to leave behind);
-    None when another process holds it."""
-    fd = os.open(run_dir, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    except OSError:  # a filesystem without flock: as if unlocked
-        pass
-    return fd
-
-
-def _lock(run_dir: Path) -> None:
-    key = str(run_dir.resolve())
-    if key in _LOCKS:  # this process already holds it (an earlier run in the same process)
-        return
-    fd = _flock(run_dir)
-    if fd is None:
-        raise StartupError(
-            f"train.output_dir={run_dir} is in use by another grpokit run that is still running: wait for it, "
-            "stop it, or choose another train.output_dir"
-        )
-    _LOCKS[key] = fd
-
-
-def run_dir_in_use(run_dir: Path) -> bool:
-    """Whether another process (a live run) holds the folder's lock."""
-    fd = _flock(run_dir)
-    if fd is None:
-        return True
-    os.close(fd)
-    return False
-
-
-def release_run_dir(run_dir: Path) -> None:
-    fd = _LOCKS.pop(str(Path(run_dir).resolve()), None)
-    if fd is not None:
-        os.close(fd)  # closing the last descriptor releases the lock
-
-
-def start_run_dir(run_dir: Path, config: Config, resume_from: Path | None) -> tuple[list[dict], str | None]:
-    """Write the run's config.yaml and set its logs up; the metrics rows kept and a note for the user.
-
-    On resume, the logs (LOGS) are truncated to the checkpoint's step, and interrupted saves are
-    removed; on a fresh start they begin empty.
-    """
-    _write_atomic(run_dir / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False))
-    if resume_from is None:
-        lost = sum("loss" in row for row in read_metrics(run_dir / "metrics.jsonl"))
-        for name in LOGS:
-            (run_dir / name).unlink(missing_ok=True)
-        return [], (f"no checkpoint in {run_dir}: training from step 0 (the {lost} steps logged there were never "
-                    "saved)" if lost else None)
-    for stale in (run_dir / CHECKPOINTS).glob(".*.tmp"):  # a save that a crash interrupted
-        shutil.rmtree(stale, ignore_errors=True)
-    step = checkpoint_step(resume_from)
-    kept = {}
-    for name in LOGS:
-        kept[name] = [row for row in read_metrics(run_dir / name) if row.get("step", step + 1) <= step]
-        if (run_dir / name).exists():
-            _write_atomic(run_dir / name, "".join(json.dumps(row) + "\n" for row in kept[name]))
-    return kept["metrics.jsonl"], f"resuming from {resume_from} (logs truncated to step {step})"
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """The rows of a metrics.jsonl; a line cut off by a crash is left out. Non-finite values,
-    written as the strings "nan" / "inf" / "-inf" (monitor.py), come back as floats."""
-    rows = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            rows.append({k: float(v) if v in ("nan", "inf", "-inf") else v for k, v in row.items()})
-    return rows
-
-
-def read_run(run_dir: Path) -> tuple[dict, list[dict]]:
-    """A run folder's config (as saved) and metrics rows, for tools that read a run without its
-    model (`grpokit doctor`, `grpokit report`)."""
-    if not (run_dir / "config.yaml").is_file() or not (run_dir / "metrics.jsonl").is_file():
-        raise StartupError(f"{run_dir} is not a grpokit run directory (it needs config.yaml and metrics.jsonl)")
-    return yaml.safe_load((run_dir / "config.yaml").read_text()), read_metrics(run_dir / "metrics.jsonl")
-
-
-def check_resumable(saved_config: Path, config: Config) -> None:
-    """Raise ConfigError listing every setting that differs from the run's (`saved_config`, a
-    config.yaml) and would change the run (see RESUMABLE_CHANGES for those that may)."""
-    saved = flatten(yaml.safe_load(saved_config.read_text()))
-    now = flatten(config.to_dict())
-    differ = [k for k in sorted(saved.keys() | now.keys()) if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k)]
-    if differ:
-        lines = "\n".join(f"  - {k}: {saved.get(k)!r} in the run, {now.get(k)!r} now" for k in differ)
-        raise ConfigError(
-            f"train.output_dir={config.train.output_dir} holds a run with a different config; resuming it "
-            f"would not continue that run:\n{lines}\n"
-            f"Resume it with its own config (grpokit train --config {Path(config.train.output_dir) / 'config.yaml'}), "
-            "or choose another train.output_dir"
-        )
-
-
-def check_disk_space(run_dir: Path, needed: int) -> None:
-    free = shutil.disk_usage(run_dir).free
-    if free < needed:
-        raise StartupError(
-            f"train.output_dir={run_dir} has {free / 2**30:.2f} GiB free, but one checkpoint of this model "
-            f"(weights and optimizer state) needs about {needed / 2**30:.2f} GiB: free some space or choose "
-            "another train.output_dir"
-        )
+# ---------------------------------------------------------------- checkpoints
 
 
 def checkpoint_bytes(model: torch.nn.Module) -> int:
     """About what a checkpoint takes: the weights, and AdamW's two moments per trained weight."""
     params = {id(p): p for p in model.parameters()}.values()  # tied weights once
     return sum(p.numel() * p.element_size() * (3 if p.requires_grad else 1) for p in params) + (1 << 20)
-
-
-# ---------------------------------------------------------------- checkpoints
 
 
 def checkpoint_step(folder: Path) -> int:
@@ -338,12 +157,6 @@ def set_rng_state(state: dict) -> None:
 
 
 # ---------------------------------------------------------------- files
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _fsync(path: Path) -> None:

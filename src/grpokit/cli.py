@@ -15,7 +15,7 @@ def _train(args) -> int:
     if args.merge and not config.model.lora_rank:
         raise ConfigError("--merge merges LoRA adapters into the model, but model.lora_rank=0 trains every weight: "
                           "final/ already holds the whole model")
-    from grpokit import distributed  # heavy imports (torch, transformers) only when training
+    from grpokit import distributed  # the trainer's imports (transformers, accelerate) only when training
     from grpokit.allocator import keep_freed_memory
     from grpokit.trainer import Interrupted, train
 
@@ -92,8 +92,15 @@ def _serve(args) -> int:
         import uvicorn  # noqa: F401
     except ImportError:
         raise StartupError("grpokit serve needs FastAPI and uvicorn: pip install 'grpokit[server]'") from None
+    from grpokit.models import DTYPES
+    from grpokit.rollout import ENGINES, engine_class
     from grpokit.rollout.server import serve
 
+    servable = [name for name in ENGINES if not engine_class(name).remote]  # a server cannot serve a server
+    if args.engine not in servable:
+        raise ConfigError(f"--engine {args.engine}: must be one of {', '.join(servable)}")
+    if args.dtype not in DTYPES:
+        raise ConfigError(f"--dtype {args.dtype}: must be one of {', '.join(DTYPES)}")
     serve(args.model, args.engine, args.host, args.port, args.dtype)
     return 0
 
@@ -145,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                     "(grpokit/rollout/server.py documents the endpoints).",
     )
     p.add_argument("--model", required=True, help="the trainer's model.name (built-in name, folder or Hub id)")
-    p.add_argument("--engine", choices=("transformers", "vllm"), default="transformers")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"), default="float32",
+    p.add_argument("--engine", default="transformers", help="transformers | vllm")
+    p.add_argument("--dtype", default="float32",
                    help="the trainer's model.dtype")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)

@@ -1,8 +1,9 @@
 """The one configuration tree: dataclasses, YAML, dotted `key=value` overrides, validation.
 
 Every field has one meaning and one home. Values derived from several fields (how many
-completions one optimizer update consumes, the micro-batch size in effect) are properties of
-`Config`, computed from the fields, never stored twice.
+completions one optimizer update consumes, the micro-batch size in effect) are computed by
+`Config` from the fields, never stored twice. The allowed values of a field that names one of
+several things (a loss, an engine, a task) come from the registry that owns them (`choices`).
 """
 
 from __future__ import annotations
@@ -19,14 +20,7 @@ from typing import Any
 
 import yaml
 
-
-class StartupError(Exception):
-    """The run cannot start (a bad config, an unreadable model or dataset, an unwritable or full
-    output folder): one message naming the culprit, raised before any training."""
-
-
-class ConfigError(StartupError, ValueError):
-    """A config problem, stated as the field that is wrong and how to fix it."""
+from grpokit.errors import ConfigError, StartupError  # noqa: F401 - raised by the callers of load_config
 
 
 def _f(default, help: str):
@@ -207,6 +201,11 @@ class Config:
     def completions_per_update(self) -> int:
         return self.completions_per_step // self.train.updates_per_step
 
+    def micro_batch_size(self, world_size: int) -> int:
+        """Completions per forward/backward pass on each of `world_size` processes: train.micro_batch_size,
+        or by default a process's whole share of an update."""
+        return self.train.micro_batch_size or self.completions_per_update // world_size
+
     @property
     def needs_old_logps(self) -> bool:
         """Samples are off-policy from the second update on: keep the sampling policy's log-probs."""
@@ -232,21 +231,31 @@ class Config:
             raise ConfigError("invalid config:\n" + "\n".join(f"  - {e}" for e in errors))
 
 
-CHOICES = {
-    "model.dtype": ("float32", "bfloat16", "float16", "float64"),
-    "data.task": ("arithmetic",),
-    "data.long_prompts": ("drop", "truncate"),
-    "rollout.engine": ("transformers", "server", "vllm"),
-    "algorithm.loss_type": ("grpo", "dapo", "dr_grpo"),
-    "algorithm.kl_estimator": ("k1", "k2", "k3", None),
-    "algorithm.scale_rewards": ("group", "batch", "none"),
-    "train.resume": ("auto", "never"),
-}
+def choices() -> dict[str, tuple]:
+    """The allowed values of each field that names one of several things, each taken from the
+    registry that owns those things (imported here, when a config is checked, not when it is read)."""
+    from grpokit.advantages import SCALES
+    from grpokit.loss import KL_ESTIMATORS, LOSSES
+    from grpokit.models import DTYPES
+    from grpokit.rollout import ENGINES
+    from grpokit.tasks import TASKS
+    from grpokit.tasks.dataset import LONG_PROMPTS
+
+    return {
+        "model.dtype": tuple(DTYPES),
+        "data.task": tuple(TASKS),
+        "data.long_prompts": LONG_PROMPTS,
+        "rollout.engine": tuple(ENGINES),
+        "algorithm.loss_type": tuple(LOSSES),
+        "algorithm.kl_estimator": (*KL_ESTIMATORS, None),
+        "algorithm.scale_rewards": SCALES,
+        "train.resume": ("auto", "never"),
+    }
 
 
 def _check_ranges(c: Config) -> list[str]:
     errors = []
-    for key, allowed in CHOICES.items():
+    for key, allowed in choices().items():
         section, name = key.split(".")
         value = getattr(getattr(c, section), name)
         if value not in allowed:
@@ -269,7 +278,8 @@ def _check_ranges(c: Config) -> list[str]:
     need(a.epsilon_high is None or a.epsilon_high > 0,
          f"algorithm.epsilon_high={a.epsilon_high}: must be > 0, or null to use algorithm.epsilon")
     need(a.num_iterations >= 1, f"algorithm.num_iterations={a.num_iterations}: must be >= 1")
-    # Contradictions (CONTEXT.md, report 4): a setting that the rest of the config switches off.
+    # Contradictions: a setting that the rest of the config switches off (a KL estimator without a KL term,
+    # a server URL without the server engine) is refused, never silently ignored.
     need(a.kl_estimator is None or a.beta > 0,
          f"algorithm.kl_estimator={a.kl_estimator} is set but algorithm.beta=0 turns the KL term off (and "
          "no reference model is loaded): set algorithm.beta > 0 (e.g. 0.001) or remove algorithm.kl_estimator")
@@ -390,8 +400,9 @@ def _coerce(key: str, value: Any, tp) -> Any:
 
 
 # Other trainers spread the KL term over several keys (EasyR1: algorithm.kl_coef, actor.use_kl_loss,
-# actor.kl_loss_coef; TRL: beta, ref_model ...) that can contradict each other (CONTEXT.md, report
-# 4). grpokit has one: a key of that family gets this answer rather than a spelling suggestion.
+# actor.kl_loss_coef; TRL: beta, ref_model ...) that can contradict each other: a KL coefficient 0
+# in one place and 1e-3 in another. grpokit has one: a key of that family gets this answer rather
+# than a spelling suggestion.
 _KL_KEY = re.compile(r"(^|_)kl(_|$)|^ref(erence)?(_|$)|_ref(erence)?(_|$)")
 _KL_HINT = (
     "grpokit has one KL setting, algorithm.beta (with algorithm.kl_estimator); the reference model is "

@@ -7,8 +7,8 @@ compares windows of WINDOW steps (medians or means, robust to a single odd step)
 
 - `grad_norm`: the median grad_norm of the last WINDOW steps is at least GROWTH x that of the
   first WINDOW steps (trending up), or its coefficient of variation (std / mean) over the last
-  WINDOW steps is at least 1 while it was below 0.5 over the first WINDOW (swinging). CONTEXT.md,
-  report 1: with beta = 0 this happens while the reward still rises.
+  WINDOW steps is at least 1 while it was below 0.5 over the first WINDOW (swinging). Seen in the
+  field in long runs with beta = 0, while the reward still rose (a small beta > 0 cured it).
 - `clip_ratio`: the mean clip_ratio/region_mean of the last WINDOW steps exceeds both GROWTH x its
   mean over the first WINDOW steps and that mean + 0.1.
 - `zero_std`: over the last WINDOW steps, on average at least half the groups had zero reward std:
@@ -16,7 +16,8 @@ compares windows of WINDOW steps (medians or means, robust to a single odd step)
 - `reward_flat`: the mean reward of the last WINDOW steps differs from that of the WINDOW before by
   less than a quarter of the mean within-group reward std (the scale of the signal), and the best
   eval/reward of the last WINDOW steps is no more than 0.02 above the best before them (when there
-  are evaluations on both sides). CONTEXT.md, report 4: learning that stalled.
+  are evaluations on both sides): learning that stalled (in the field: batches too small, a
+  learning rate too low, KL settings that contradicted each other).
 - `truncation`: over the last WINDOW steps at least half the completions stopped at
   max_completion_length, and that share is not falling (the later half-window is no more than 0.1
   below the earlier).
@@ -228,7 +229,8 @@ def diagnose(rows: list[dict], facts: RunFacts) -> list[tuple[Finding, Finding |
 
 def run_status(run_dir: Path, rows: list[dict], max_steps: int) -> str:
     """finished / running / stopped, from the folder alone."""
-    from grpokit.checkpoint import latest_checkpoint, run_dir_in_use
+    from grpokit.checkpoint import latest_checkpoint
+    from grpokit.rundir import run_dir_in_use
 
     steps = [r["step"] for r in rows if "loss" in r]
     last = steps[-1] if steps else 0
@@ -243,7 +245,7 @@ def run_status(run_dir: Path, rows: list[dict], max_steps: int) -> str:
 
 def doctor(run_dir: Path) -> str:
     """`grpokit doctor`: the run's status and every finding, with its evidence and a fix."""
-    from grpokit.checkpoint import read_run
+    from grpokit.rundir import read_run
 
     run_dir = Path(run_dir)
     config, rows = read_run(run_dir)

@@ -7,7 +7,7 @@ torchrun-based launcher; it works on CPU too). accelerate's `PartialState` reads
 environment and starts the process group: gloo on CPU, NCCL on GPU. Without a launcher every
 function here is that of a single process, and no process group exists.
 
-The promise (DESIGN.md, "Batch knobs"): the number of processes never changes the update. So the
+The promise: the number of processes never changes the update. So the
 step's completions are numbered globally (prompt after prompt, G each) exactly as one process
 numbers them; optimizer update u consumes global rows [u*U, (u+1)*U) whatever the process count;
 process r owns the r-th of W equal slices of each update's rows (`shard_rows`). Rewards are

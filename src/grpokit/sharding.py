@@ -33,7 +33,7 @@ import os
 import torch
 
 from grpokit import distributed
-from grpokit.config import StartupError
+from grpokit.errors import StartupError
 from grpokit.rollout.weights import named_weights
 
 
@@ -67,14 +67,17 @@ def from_launcher(config, world_size: int):
     return strategy
 
 
-class Replicated:
-    """Every process holds the whole model and optimizer; gradients are summed (distributed.py)."""
+class Strategy:
+    """What every way of holding the model does, unless it says otherwise: the model as it is, the
+    optimizer built as asked, a plain backward, and an update that clips, applies if finite and
+    drops the gradients. Replicated, FSDP2 and DeepSpeed each override what they do differently."""
 
-    lockstep = False
-    name = "replicated"
+    name: str
+    lockstep = False  # whether every process must make every forward call (weights are sharded)
     fused_adamw = True  # torch's one-kernel AdamW (trainer.py)
 
     def wrap(self, model, reference):
+        """The policy and reference model (or None) as this strategy holds them."""
         return model, reference
 
     def describe(self, model) -> str | None:
@@ -82,16 +85,18 @@ class Replicated:
         return None
 
     def make_optimizer(self, model, params, make):
+        """The optimizer over `params`, built by `make(params)`."""
         return make(params)
 
     def backward(self, loss: torch.Tensor, last: bool) -> None:
+        """Back-propagate one micro-batch's loss; `last`: the update's last micro-batch."""
         loss.backward()
 
     def step(self, optimizer, params, max_norm: float, loss_finite: bool) -> tuple[float, bool]:
-        """Reduce and clip the gradients, apply the update if finite, zero the gradients:
-        (gradient norm before clipping, applied)."""
-        self._reduce(params)
-        grad_norm = self._clip(params, max_norm)  # the same on every process
+        """Clip the (reduced) gradients, apply the update if finite, drop the gradients:
+        (gradient norm before clipping, the same on every process; applied)."""
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        grad_norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()  # a DTensor when sharded
         applied = loss_finite and math.isfinite(grad_norm)
         if applied:
             optimizer.step()
@@ -99,17 +104,6 @@ class Replicated:
         # instead of adding it to zeros (a fill and an add over every weight, per update).
         optimizer.zero_grad(set_to_none=True)
         return grad_norm, applied
-
-    def _reduce(self, params) -> None:
-        for p in params:
-            # A weight no backward reached (no row of this process was active) has a zero gradient,
-            # not none: AdamW must step it (moments decay, weight decay applies), and the sum needs it.
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        distributed.sum_gradients(params)
-
-    def _clip(self, params, max_norm: float) -> float:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm).item()
 
     def full_weights(self, model) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) of the whole model under the checkpoint's names; a collective when sharded
@@ -138,6 +132,21 @@ class Replicated:
         optimizer.load_state_dict({"state": {index[n]: v for n, v in state["state"].items()}, "param_groups": groups})
 
 
+class Replicated(Strategy):
+    """Every process holds the whole model and optimizer; gradients are summed (distributed.py)."""
+
+    name = "replicated"
+
+    def step(self, optimizer, params, max_norm: float, loss_finite: bool) -> tuple[float, bool]:
+        for p in params:
+            # A weight no backward reached (no row of this process was active) has a zero gradient,
+            # not none: AdamW must step it (moments decay, weight decay applies), and the sum needs it.
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        distributed.sum_gradients(params)
+        return super().step(optimizer, params, max_norm, loss_finite)
+
+
 def _as_built(optimizer, state: dict) -> dict:
     """`state` with its param groups' implementation settings (fused, foreach) replaced by this
     optimizer's: how AdamW runs is this run's choice (FSDP2 cannot run the fused one), not the
@@ -159,10 +168,11 @@ def _names_in_optimizer_order(model, optimizer) -> list[str]:
     return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
-class FSDP2(Replicated):
+class FSDP2(Strategy):
     """torch's `fully_shard` on each decoder layer and on the whole model, as accelerate's plugin says:
     `fsdp_reshard_after_forward` (true: ZeRO-3-like, false: ZeRO-2-like) and `fsdp_offload_params`
-    (parameters, gradients and AdamW state on CPU)."""
+    (parameters, gradients and AdamW state on CPU). Gradients are reduce-scattered in the backward
+    pass (every row runs forward, so every weight has one), and clipped by their DTensor norm."""
 
     lockstep = True
     fused_adamw = False  # torch's fused AdamW fails on sharded (DTensor) weights on CPU (torch 2.13)
@@ -223,13 +233,6 @@ class FSDP2(Replicated):
         return (f"FSDP2 over {distributed.world_size()} processes: process 0 holds {local / total:.1%} of the "
                 f"{total:,} weights (reshard_after_forward={self.plugin.reshard_after_forward}, CPU offload {offload})")
 
-    def _reduce(self, params) -> None:
-        pass  # reduce-scattered in backward; every row runs forward, so every weight has a gradient
-
-    def _clip(self, params, max_norm: float) -> float:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # a DTensor: the norm of the whole gradient
-        return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
-
     def optimizer_state(self, model, optimizer) -> dict:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
@@ -254,7 +257,7 @@ class FSDP2(Replicated):
         return [(name, state[name]) for name, _ in named_weights(model)] if distributed.is_main() else []
 
 
-class DeepSpeed(Replicated):
+class DeepSpeed(Strategy):
     """`deepspeed.initialize` with the accelerate config's ZeRO stage and offload devices, around
     grpokit's own AdamW (the same update as every other strategy; DeepSpeed's CPU Adam is not used)."""
 
@@ -296,7 +299,7 @@ class DeepSpeed(Replicated):
             raise StartupError("the accelerate config's DeepSpeed settings: " + "; ".join(problems))
         # One micro-batch per DeepSpeed step of bookkeeping; grpokit marks the update's last
         # micro-batch as the accumulation boundary itself (backward()).
-        micro = config.train.micro_batch_size or config.completions_per_update // world_size
+        micro = config.micro_batch_size(world_size)
         self.config = {
             **ds, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
             "train_batch_size": micro * world_size, "gradient_clipping": config.train.max_grad_norm or 0.0,

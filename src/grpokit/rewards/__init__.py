@@ -30,20 +30,29 @@ from pathlib import Path
 
 import torch
 
-from grpokit.config import ConfigError
-from grpokit.rewards.exact_answer import completion_text, exact_answer, leading_number
-from grpokit.rewards.length import length
-from grpokit.rewards.math_answer import format_reward, math_accuracy
-from grpokit.rewards.reward_model import reward_model
+from grpokit.errors import ConfigError
 
-REWARD_FUNCTIONS: dict[str, Callable[..., list[float | None]]] = {
-    "math_accuracy": math_accuracy,
-    "format": format_reward,
-    "length": length,
-    "reward_model": reward_model,
-    "exact_answer": exact_answer,
-    "leading_number": leading_number,
+
+def completion_text(completion) -> str:
+    """TRL's two completion shapes: a plain string, or a list of messages (conversational).
+    Shared by the built-in reward functions."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(message["content"] for message in completion)
+
+
+# The built-in reward functions: name -> module:function, imported when a run names them.
+BUILTIN_REWARDS = {
+    "math_accuracy": "grpokit.rewards.math_answer:math_accuracy",
+    "format": "grpokit.rewards.math_answer:format_reward",
+    "length": "grpokit.rewards.length:length",
+    "reward_model": "grpokit.rewards.reward_model:reward_model",
+    "exact_answer": "grpokit.rewards.exact_answer:exact_answer",
+    "leading_number": "grpokit.rewards.exact_answer:leading_number",
 }
+# Functions a program registers by name (REWARD_FUNCTIONS["mine"] = fn), named in configs like
+# the built-ins; they win over a built-in of the same name.
+REWARD_FUNCTIONS: dict[str, Callable[..., list[float | None]]] = {}
 
 
 class RewardError(ValueError):
@@ -183,10 +192,13 @@ def get_reward_function(name: str) -> Callable[..., list[float | None]]:
     """Resolve a built-in name, `module:function` or `file.py:function` (ConfigError if it can't)."""
     if name in REWARD_FUNCTIONS:
         return REWARD_FUNCTIONS[name]
+    if name in BUILTIN_REWARDS:
+        module, function = BUILTIN_REWARDS[name].split(":")
+        return getattr(importlib.import_module(module), function)
     where, sep, attr = name.rpartition(":")
     if not sep or not where or not attr:
         raise ConfigError(
-            f"unknown reward function {name!r}: built-in ones are {', '.join(sorted(REWARD_FUNCTIONS))}; "
+            f"unknown reward function {name!r}: built-in ones are {', '.join(sorted(BUILTIN_REWARDS.keys() | REWARD_FUNCTIONS.keys()))}; "
             "your own are named 'package.module:function' or 'path/to/file.py:function'"
         )
     module = _load_file(name, Path(where)) if where.endswith(".py") else _import(name, where)

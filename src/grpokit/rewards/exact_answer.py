@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import re
 
+from grpokit.rewards import completion_text
+
 _NUMBER = re.compile(r"-?\d+")
 _LEADING = re.compile(r"\s*(-?\d+)")
-
-
-def completion_text(completion) -> str:
-    """TRL's two completion shapes: a plain string, or a list of messages (conversational)."""
-    if isinstance(completion, str):
-        return completion
-    return "".join(message["content"] for message in completion)
 
 
 def parse_integer_reply(text: str) -> int | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from grpokit.rewards.exact_answer import completion_text
+from grpokit.rewards import completion_text
 
 
 def length(completions, target: int = 20, **columns) -> list[float]:

@@ -1,8 +1,15 @@
-"""Rollout engines: one protocol, several engines.
+"""Rollout engines: one protocol (RolloutEngine), several engines (ENGINES), and what they share.
 
 An engine turns tokenized prompts into G sampled completions each and reports, for every
 completion, its tokens, its mask, why it ended and the log-probs it was sampled with. Nothing
 downstream infers a mask from a pad id (the pad id of SmolLM2 *is* its EOS id).
+
+    transformers_engine.py  sampling with the policy module itself, in the training process
+    client.py               a `grpokit serve` process over HTTP (server.py), weights pushed to it
+    vllm_engine.py          vLLM in the training process (GPU)
+    weights.py              naming, fingerprinting, checksumming and sending weights
+
+To add an engine: a class with the protocol's attributes and methods, registered in ENGINES.
 """
 
 from __future__ import annotations
@@ -55,13 +62,20 @@ class RolloutBatch:
 
 
 class RolloutEngine(Protocol):
+    """Everything the trainer asks of an engine. Engines are registered in ENGINES; each is built
+    from the config by its `from_config`."""
+
     # The engine's log-probs come from the trainer's own code (no importance-sampling correction needed).
     exact_logprobs: bool
-    # Generation happens in another process that only the trainer's process 0 talks to.
+    # Generation happens in another process that only the trainer's process 0 talks to: that
+    # process generates the whole step and shares it; the other processes make no engine.
     remote: bool
 
-    def weights_updated(self) -> None:
-        """The policy changed (an optimizer step): generate with the new weights from now on."""
+    @classmethod
+    def from_config(cls, rollout, model, tokenizer, eos_ids: list[int], model_name: str,
+                    lockstep: bool) -> RolloutEngine:
+        """The engine of `rollout` (config.rollout) for the trainer's `model`. `lockstep`: the model's
+        weights are sharded, so every process makes every forward call (sharding.py)."""
         ...
 
     def generate(
@@ -76,6 +90,52 @@ class RolloutEngine(Protocol):
         seeds[i] (one seed per completion; not needed when greedy): what a completion samples does
         not depend on the batch or the process it is generated in."""
         ...
+
+    def weights_updated(self) -> None:
+        """The policy changed (an optimizer step): generate with the new weights from now on."""
+        ...
+
+    def needs_weights(self) -> bool:
+        """Whether the next generation must be handed the policy's whole weights (`use_weights`)
+        because the engine cannot read them from the policy module: a sharded policy's weights
+        are whole only when gathered, a collective every process takes part in."""
+        ...
+
+    def use_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """The policy's whole weights, (name, tensor) as sharding.full_weights gives them, to
+        generate with from the next generation on."""
+        ...
+
+    def sleep(self) -> None:
+        """The trainer is about to update: free what the engine holds that the update could use."""
+        ...
+
+    def close(self) -> None:
+        """The run is over: release connections and groups."""
+        ...
+
+
+# rollout.engine -> the module and class of each engine, imported when chosen (vLLM's module is
+# not imported by a run that does not use it).
+ENGINES = {
+    "transformers": "grpokit.rollout.transformers_engine:TransformersEngine",
+    "server": "grpokit.rollout.client:ServerEngine",
+    "vllm": "grpokit.rollout.vllm_engine:VLLMEngine",
+}
+
+
+def engine_class(name: str) -> type[RolloutEngine]:
+    import importlib
+
+    if name not in ENGINES:
+        raise ValueError(f"rollout.engine={name!r} is not one of: {', '.join(ENGINES)}")
+    module, cls = ENGINES[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def make_engine(rollout, model, tokenizer, eos_ids: list[int], model_name: str, lockstep: bool = False) -> RolloutEngine:
+    """The engine rollout.engine names, for the trainer's `model` (see RolloutEngine.from_config)."""
+    return engine_class(rollout.engine).from_config(rollout, model, tokenizer, eos_ids, model_name, lockstep)
 
 
 def encode_prompt(tokenizer, prompt: list[dict] | str, max_length: int | None = None) -> list[int]:
@@ -101,25 +161,31 @@ def decode_completions(tokenizer, batch: RolloutBatch, prompts: list) -> list:
             for text, prompt in zip(texts, prompts)]
 
 
-def make_engine(rollout, model, tokenizer, eos_ids: list[int], model_name: str, main: bool = True,
-                lockstep: bool = False) -> RolloutEngine | None:
-    """The engine of `rollout` (config.rollout) for the trainer's `model`. A server engine exists
-    on process 0 alone (None elsewhere): only it talks to the server. `lockstep`: the model's
-    weights are sharded, so every process makes every forward call (sharding.py)."""
-    if rollout.engine == "transformers":
-        from grpokit.rollout.transformers_engine import TransformersEngine
-
-        return TransformersEngine(model, pad_id=tokenizer.pad_token_id, eos_ids=eos_ids, lockstep=lockstep)
-    if rollout.engine == "server":
-        if not main:
-            return None
-        from grpokit.rollout.client import ServerEngine
-
-        return ServerEngine(rollout.server_url, model, tokenizer.pad_token_id, rollout.server_timeout)
-    if rollout.engine == "vllm":
-        from grpokit.rollout.vllm_engine import VLLMEngine, model_path
-
-        return VLLMEngine(model_path(model_name), str(next(model.parameters()).dtype).removeprefix("torch."),
-                          tokenizer.pad_token_id, eos_ids, policy=model, sleep=rollout.vllm_sleep,
-                          gpu_memory_utilization=rollout.vllm_gpu_memory_utilization)
-    raise ValueError(f"rollout.engine={rollout.engine!r} is not one of: transformers, server, vllm")
+def from_completions(prompts: list[list[int]], counts: list[int], completions: list[dict], pad_id: int) -> RolloutBatch:
+    """A RolloutBatch from per-completion lists (token_ids, logprobs, entropies or None,
+    finish_reason), those of prompt i being the counts[i] after those of the prompts before it:
+    what a server answers and what vLLM's outputs become."""
+    N = sum(counts)
+    if len(completions) != N:
+        raise ValueError(f"asked for {N} completions, got {len(completions)}")
+    prompt_index = torch.repeat_interleave(torch.arange(len(prompts)), torch.tensor(counts))  # (N,)
+    width = max(len(p) for p in prompts)
+    T = max(1, max(len(c["token_ids"]) for c in completions))
+    prompt_ids = torch.full((N, width), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((N, width), dtype=torch.long)
+    completion_ids = torch.full((N, T), pad_id, dtype=torch.long)
+    completion_mask = torch.zeros((N, T), dtype=torch.long)
+    logps = torch.zeros((N, T))
+    measured = all(c.get("entropies") is not None for c in completions)
+    entropies = torch.zeros((N, T)) if measured else None
+    for i, (p, c) in enumerate(zip(prompt_index.tolist(), completions)):
+        prompt, k = prompts[p], len(c["token_ids"])
+        prompt_ids[i, width - len(prompt):] = torch.tensor(prompt)
+        prompt_mask[i, width - len(prompt):] = 1
+        completion_ids[i, :k] = torch.tensor(c["token_ids"], dtype=torch.long)
+        completion_mask[i, :k] = 1
+        logps[i, :k] = torch.tensor(c["logprobs"], dtype=torch.float32)
+        if measured:
+            entropies[i, :k] = torch.tensor(c["entropies"], dtype=torch.float32)
+    return RolloutBatch(prompt_index, prompt_ids, prompt_mask, completion_ids, completion_mask, logps, entropies,
+                        [c["finish_reason"] for c in completions])

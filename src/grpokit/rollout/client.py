@@ -29,8 +29,8 @@ from urllib.parse import urlparse
 import torch
 from tqdm.auto import tqdm
 
-from grpokit.config import StartupError
-from grpokit.rollout import STALE_WEIGHTS, TAKEN_OVER, RolloutBatch, SamplingParams
+from grpokit.errors import StartupError
+from grpokit.rollout import STALE_WEIGHTS, TAKEN_OVER, RolloutBatch, SamplingParams, from_completions
 from grpokit.rollout.weights import (WeightGroup, backend_between, checksum, device_id, fingerprint,
                                     fingerprint_differences, layout, named_weights)
 
@@ -41,6 +41,11 @@ class RolloutServerError(RuntimeError):
 
 class ServerEngine:
     remote = True  # the trainer gathers a step's prompts on process 0 and shares the completions
+    exact_logprobs: bool  # from the server's /health: the trainer's own sampling code on the same kind of device
+
+    @classmethod
+    def from_config(cls, rollout, model, tokenizer, eos_ids, model_name, lockstep) -> ServerEngine:
+        return cls(rollout.server_url, model, tokenizer.pad_token_id, rollout.server_timeout)
 
     def __init__(self, url: str, model: torch.nn.Module, pad_id: int, timeout_s: float):
         self.url = url.rstrip("/")
@@ -117,6 +122,17 @@ class ServerEngine:
     def weights_updated(self) -> None:
         """The trainer changed the policy: push before the next generation."""
         self.dirty = True
+
+    def needs_weights(self) -> bool:
+        """A push is due: a sharded trainer gathers the whole weights for it (`use_weights`)."""
+        return self.dirty
+
+    def use_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Push these (a sharded policy's gathered weights) rather than the model's own tensors."""
+        self.gathered = weights
+
+    def sleep(self) -> None:
+        pass  # the server's memory is its own: the trainer's update does not compete for it
 
     def _push(self) -> None:
         """Join a weight group if the server holds none of ours, send every tensor, and check the
@@ -208,6 +224,9 @@ class ServerEngine:
                 failures.append(str(e))
                 self.dirty = True
                 continue
+            if len(answer["completions"]) != sum(counts):
+                raise RolloutServerError(f"the rollout server at {self.url} was asked for {sum(counts)} completions "
+                                         f"and answered {len(answer['completions'])}")
             return from_completions(prompts, counts, answer["completions"], self.pad_id)
         raise RolloutServerError(f"the rollout server at {self.url} could not be given the trainer's weights, 3 tries: "
                                  + "; ".join(failures))
@@ -224,35 +243,6 @@ class _Stale(Exception):
 
 class _PushFailed(Exception):
     pass
-
-
-def from_completions(prompts: list[list[int]], counts: list[int], completions: list[dict], pad_id: int) -> RolloutBatch:
-    """A RolloutBatch from per-completion lists (token_ids, logprobs, entropies or None,
-    finish_reason), those of prompt i being the counts[i] after those of the prompts before it."""
-    N = sum(counts)
-    if len(completions) != N:
-        raise RolloutServerError(f"asked for {N} completions, got {len(completions)}")
-    prompt_index = torch.repeat_interleave(torch.arange(len(prompts)), torch.tensor(counts))  # (N,)
-    width = max(len(p) for p in prompts)
-    T = max(1, max(len(c["token_ids"]) for c in completions))
-    prompt_ids = torch.full((N, width), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros((N, width), dtype=torch.long)
-    completion_ids = torch.full((N, T), pad_id, dtype=torch.long)
-    completion_mask = torch.zeros((N, T), dtype=torch.long)
-    logps = torch.zeros((N, T))
-    measured = all(c.get("entropies") is not None for c in completions)
-    entropies = torch.zeros((N, T)) if measured else None
-    for i, (p, c) in enumerate(zip(prompt_index.tolist(), completions)):
-        prompt, k = prompts[p], len(c["token_ids"])
-        prompt_ids[i, width - len(prompt):] = torch.tensor(prompt)
-        prompt_mask[i, width - len(prompt):] = 1
-        completion_ids[i, :k] = torch.tensor(c["token_ids"], dtype=torch.long)
-        completion_mask[i, :k] = 1
-        logps[i, :k] = torch.tensor(c["logprobs"], dtype=torch.float32)
-        if measured:
-            entropies[i, :k] = torch.tensor(c["entropies"], dtype=torch.float32)
-    return RolloutBatch(prompt_index, prompt_ids, prompt_mask, completion_ids, completion_mask, logps, entropies,
-                        [c["finish_reason"] for c in completions])
 
 
 def _address_towards(host: str) -> str:

@@ -28,6 +28,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, Field
 
+from grpokit.errors import StartupError
 from grpokit.rollout import STALE_WEIGHTS, TAKEN_OVER, SamplingParams
 from grpokit.rollout.weights import WeightGroup, device_id, fingerprint_differences, layout_hash
 
@@ -202,13 +203,15 @@ def serve(model_name: str, engine_name: str, host: str, port: int, dtype: str) -
             shapes = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
         fp = fingerprint(shapes)
         engine = VLLMEngine(path, dtype, tokenizer.pad_token_id, eos_token_ids(shapes, tokenizer))
-    else:
+    elif engine_name == "transformers":
         # requires_grad stays on, as on the trainer's policy: PyTorch runs other CPU kernels for
         # parameters without it (measured: log-probs differ in the last bits), and the server must
         # sample exactly as the trainer's own engine would. Generation runs under no_grad anyway.
         model = load_model(model_name, dtype).eval().to("cuda" if torch.cuda.is_available() else "cpu")
         engine = TransformersEngine(model, tokenizer.pad_token_id, eos_token_ids(model, tokenizer))
         fp = fingerprint(model)
+    else:
+        raise StartupError(f"grpokit serve has no way to build the {engine_name!r} engine: use transformers or vllm")
     service = RolloutService(engine, engine_name, model_name, fp, fp["vocab_size"])
     print(f"grpokit serve: {model_name} ({engine_name}, {dtype}) on http://{host}:{port}", flush=True)
     uvicorn.run(make_app(service), host=host, port=port, log_level="warning")

@@ -61,6 +61,10 @@ class TransformersEngine:
     exact_logprobs = True
     remote = False
 
+    @classmethod
+    def from_config(cls, rollout, model, tokenizer, eos_ids, model_name, lockstep) -> TransformersEngine:
+        return cls(model, pad_id=tokenizer.pad_token_id, eos_ids=eos_ids, lockstep=lockstep)
+
     def __init__(self, model, pad_id: int, eos_ids: list[int], lockstep: bool = False):
         self.model = model
         self.lockstep = lockstep
@@ -71,8 +75,22 @@ class TransformersEngine:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    # It samples with the policy module itself: every update is seen at once, a sharded module
+    # gathers its weights in each forward, and there is nothing to free or release.
     def weights_updated(self) -> None:
-        pass  # it samples with the policy module itself
+        pass
+
+    def needs_weights(self) -> bool:
+        return False
+
+    def use_weights(self, weights) -> None:
+        raise RuntimeError("the transformers engine samples with the policy module itself: it takes no weights")
+
+    def sleep(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
     def weights_checksum(self) -> str:
         return checksum(named_weights(self.model))

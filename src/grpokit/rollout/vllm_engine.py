@@ -31,8 +31,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from grpokit.config import StartupError
-from grpokit.rollout import RolloutBatch, SamplingParams
+from grpokit.errors import StartupError
+from grpokit.rollout import RolloutBatch, SamplingParams, from_completions
 from grpokit.rollout.weights import Checksum
 
 # Wrappers that put a prefix or infix on parameter names: DDP / accelerate, torch.compile, PEFT.
@@ -93,7 +93,7 @@ def build_requests(vllm, prompts: list[list[int]], counts: list[int], params: Sa
 
 
 def to_completions(outputs) -> list[dict]:
-    """vLLM `RequestOutput`s, in request order, as per-completion dicts (client.from_completions)."""
+    """vLLM `RequestOutput`s, in request order, as per-completion dicts (rollout.from_completions)."""
     completions = []
     for output in outputs:
         for sample in output.outputs:
@@ -127,6 +127,12 @@ class VLLMEngine:
     exact_logprobs = False  # vLLM's kernels: the trainer needs the importance-sampling correction
     remote = False
 
+    @classmethod
+    def from_config(cls, rollout, model, tokenizer, eos_ids, model_name, lockstep) -> VLLMEngine:
+        return cls(model_path(model_name), str(next(model.parameters()).dtype).removeprefix("torch."),
+                   tokenizer.pad_token_id, eos_ids, policy=model, sleep=rollout.vllm_sleep,
+                   gpu_memory_utilization=rollout.vllm_gpu_memory_utilization)
+
     def __init__(self, model_path: str, dtype: str, pad_id: int, eos_ids: list[int], *, policy=None,
                  sleep: bool = False, gpu_memory_utilization: float = 0.5, max_model_len: int | None = None,
                  seed: int = 0):
@@ -151,6 +157,16 @@ class VLLMEngine:
 
     def weights_updated(self) -> None:
         self.dirty = self.policy is not None
+
+    def needs_weights(self) -> bool:
+        return False  # it reads the policy module it was given (vLLM never runs in a sharded trainer)
+
+    def use_weights(self, weights) -> None:
+        self.load_weights(weights)
+        self.dirty = False
+
+    def close(self) -> None:
+        pass  # vLLM's engine lives as long as the process; its memory is freed with it
 
     def weights_checksum(self) -> str | None:
         """vLLM holds fused tensors under its own names: the checksum is that of the last weights
@@ -186,8 +202,6 @@ class VLLMEngine:
 
     def generate(self, prompts: list[list[int]], n: int | Sequence[int], params: SamplingParams,
                  seeds: Sequence[int] | None = None) -> RolloutBatch:
-        from grpokit.rollout.client import from_completions
-
         if self.dirty:
             from grpokit.rollout.weights import named_weights
 

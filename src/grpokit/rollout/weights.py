@@ -4,8 +4,8 @@ checksum, and the torch.distributed group that carries them.
 - `fingerprint(model)`: what must match for a server to generate for a trainer: architecture,
   vocabulary size, dtype, and every parameter's name and shape. A server refuses a request whose
   fingerprint differs from its own, listing the differences.
-- `checksum(named_tensors)`: the identity of the values. A CRC-32 of every tensor's bytes (zlib:
-  ~5 GB/s on one core), combined in name order with names, dtypes and shapes by SHA-256. The
+- `checksum(named_tensors)`: the identity of the values. A CRC-32 of every tensor's bytes (zlib's,
+  fast enough to run after every push), combined in name order with names, dtypes and shapes by SHA-256. The
   trainer computes it over its parameters after pushing them and compares it with the one the
   server computed over what it now generates with: equal means the same bits, tensor by tensor.
 - `WeightGroup`: a two-process group (trainer rank 0 = rank 0, server = rank 1) built from its

@@ -1,4 +1,9 @@
-"""Built-in tasks: a seeded train stream, a disjoint held-out split, and the rewards that score them."""
+"""Tasks: where prompts come from. A task has a train stream that is a pure function of (seed,
+position), so a run resumes anywhere; a held-out split (`eval_examples`); and the reward functions
+that score it when reward.functions does not name others.
+
+Built-in tasks are in TASKS (data.task); a dataset file (data.path) becomes a task in dataset.py.
+"""
 
 from __future__ import annotations
 
@@ -11,17 +16,22 @@ class Example:
     columns: dict = field(default_factory=dict)  # passed to reward functions (e.g. answer=...)
 
 
+# data.task -> the module and class of a built-in task, imported when chosen.
+TASKS = {"arithmetic": "grpokit.tasks.arithmetic:ArithmeticTask"}
+
+
 def make_task(data, seed: int, prompt_length):
     """The task for `data` (a DataConfig): a dataset when data.path is set, else a built-in task.
 
     prompt_length(example) counts a prompt's tokens (for data.max_prompt_length).
     """
+    import importlib
+
     if data.path is not None:
-        from grpokit.data import DatasetTask
+        from grpokit.tasks.dataset import DatasetTask
 
         return DatasetTask(data, seed=seed, prompt_length=prompt_length)
-    if data.task == "arithmetic":
-        from grpokit.tasks.arithmetic import ArithmeticTask
-
-        return ArithmeticTask(seed=seed, eval_size=data.eval_size)
-    raise ValueError(f"data.task={data.task!r} is not a built-in task; built-in tasks: arithmetic")
+    if data.task not in TASKS:
+        raise ValueError(f"data.task={data.task!r} is not a built-in task; built-in tasks: {', '.join(TASKS)}")
+    module, name = TASKS[data.task].split(":")
+    return getattr(importlib.import_module(module), name)(seed=seed, eval_size=data.eval_size)

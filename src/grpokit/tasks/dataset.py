@@ -17,15 +17,21 @@ import json
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from grpokit.config import ConfigError, DataConfig
+from grpokit.errors import ConfigError
 from grpokit.tasks import Example
+
+if TYPE_CHECKING:  # the config imports this module's LONG_PROMPTS
+    from grpokit.config import DataConfig
 
 
 class DataError(ConfigError):
     """A problem with a dataset file, stated as file, row and problem."""
 
 
+# What data.long_prompts may say.
+LONG_PROMPTS = ("drop", "truncate")
 # Names every reward function receives besides the dataset's columns (TRL's, and finish_reasons).
 RESERVED = ("prompts", "completions", "completion_ids", "finish_reasons")
 
