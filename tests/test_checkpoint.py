@@ -266,10 +266,12 @@ def test_start_up_failures_say_what_and_exit_2(tmp_path, capsys, monkeypatch, ca
         import shutil
 
         monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 5000, 5000))
-        message = "GiB free, but one checkpoint of this model (weights and optimizer state) needs about 0.04 GiB"
+        message = "GiB free, but this run holds 3 checkpoint(s) at once (train.keep_checkpoints=2, and the one being " \
+                  "written), 3 more than there are now; one checkpoint of this model (weights and optimizer state) " \
+                  "needs about 0.04 GiB, so 0.11 GiB in all"
     elif case == "model":
         overrides.append(f"model.name={tmp_path / 'missing-model'}")
-        message = f"model.name='{tmp_path / 'missing-model'}' could not be loaded"
+        message = f"model.name='{tmp_path / 'missing-model'}': no such folder"
     elif case == "data":
         overrides.append(f"data.path={tmp_path / 'missing.jsonl'}")
         message = "missing.jsonl"

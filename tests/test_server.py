@@ -5,6 +5,7 @@ within bounded time."""
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -120,7 +121,7 @@ def test_a_server_run_equals_the_in_process_run(server, tmp_path):
     assert health["checksum"] == checksum(named_weights(model))
 
 
-def test_the_trainer_checks_every_push(tmp_path, monkeypatch):
+def test_the_trainer_checks_every_push(tmp_path, monkeypatch, capsys):
     """A server that generates with other weights than those pushed is caught at the first push."""
     import uvicorn
 
@@ -146,11 +147,12 @@ def test_the_trainer_checks_every_push(tmp_path, monkeypatch):
     try:
         while not http.started:
             time.sleep(0.05)
-        from grpokit.rollout.client import RolloutServerError
-
-        with pytest.raises(RolloutServerError, match="reports checksum .* the trainer's weights have"):
-            main(["train", *RUN, "train.max_steps=1", "rollout.engine=server",
-                  f"rollout.server_url=http://127.0.0.1:{port}", f"train.output_dir={tmp_path / 'run'}"])
+        code = main(["train", *RUN, "train.max_steps=1", "rollout.engine=server",
+                     f"rollout.server_url=http://127.0.0.1:{port}", f"train.output_dir={tmp_path / 'run'}"])
+        err = capsys.readouterr().err
+        assert code == 1 and "Traceback" not in err
+        assert re.search(r"grpokit: the run stopped: after weight push 1 the rollout server at \S+ reports checksum "
+                         r".* the trainer's weights have", err), err
     finally:
         http.should_exit = True
         thread.join(timeout=10)
@@ -273,3 +275,43 @@ def test_two_trainer_processes_share_one_server(server, tmp_path):
         assert a.keys() == b.keys()
         for key in a:
             assert b[key] == pytest.approx(a[key], rel=1e-9, abs=1e-12), key
+
+
+def test_a_server_that_dies_for_good_stops_the_run_with_the_command_that_resumes(server, tmp_path):
+    """Killed and not restarted: one `grpokit:` line naming the server, and the command that resumes;
+    resumed with a new server, the run is the uninterrupted one."""
+    s = server()
+    steps = ["train.max_steps=6", "data.eval_size=0", "train.save_every=2"]
+    served = tmp_path / "served"
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "grpokit", "train", *RUN, *steps, "rollout.engine=server",
+         f"rollout.server_url={s.url}", "rollout.server_timeout=3", f"train.output_dir={served}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    log, deadline = served / "metrics.jsonl", time.monotonic() + 120
+    while not (log.exists() and len(log.read_text().splitlines()) >= 3):
+        assert time.monotonic() < deadline and trainer.poll() is None, trainer.communicate()
+        time.sleep(0.05)
+    s.kill()
+    _, err = trainer.communicate(timeout=120)
+    assert trainer.returncode == 1 and "Traceback" not in err, err[-3000:]
+    assert f"grpokit: the run stopped: the rollout server at {s.url} cannot be reached" in err
+    assert f"with: grpokit train --config {served / 'config.yaml'}" in err
+    s.start()
+    assert main(["train", *RUN, *steps, "rollout.engine=server", f"rollout.server_url={s.url}",
+                 f"train.output_dir={served}"]) == 0
+    assert main(["train", *RUN, *steps, f"train.output_dir={tmp_path / 'local'}"]) == 0
+    assert metrics(served) == metrics(tmp_path / "local")
+    local, resumed = final_weights(tmp_path / "local"), final_weights(served)
+    assert all(torch.equal(local[k], resumed[k]) for k in local)
+
+
+def test_serve_on_a_busy_port_says_so_before_loading_the_model(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "grpokit", "serve", "--model", "tiny-random", "--port", str(port)],
+                                capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"grpokit: grpokit serve cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "on http://" not in result.stdout  # it never claimed to serve

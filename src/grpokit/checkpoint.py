@@ -9,6 +9,8 @@ A checkpoint is the folder `<run_dir>/checkpoints/step-N/`:
                         the per-completion sampling seeds are drawn from
     config.yaml         the run's config, checked against the config of a resumed run
     trainer_state.json  step, data stream position, token count, skipped-step counters
+    manifest.json       every other file's size and CRC-32: a resume checks them and goes back to
+                        the newest whole checkpoint past a damaged one (moved to step-N.damaged)
 
 Atomicity: a checkpoint is written into `checkpoints/.step-N.tmp/`, flushed to disk, then renamed
 to `step-N` in one `os.replace`. A crash at any moment leaves either the whole new checkpoint or
@@ -20,12 +22,14 @@ The run folder around the checkpoints (its lock, its logs, resuming into it) is 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
 import re
 import shutil
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +39,7 @@ from grpokit.config import Config, save_config
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"  # written last into a checkpoint
+MANIFEST = "manifest.json"  # every other file's size and CRC-32, checked before a resume
 _STEP = re.compile(r"step-(\d+)")
 
 
@@ -63,15 +68,74 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def write_checkpoint(run_dir: Path, step: int, write_files, keep: int | None) -> Path:
+def _digest(path: Path) -> dict:
+    """Size and CRC-32 of a file (zlib's CRC: fast enough to run over every checkpoint)."""
+    crc = 0
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return {"size": path.stat().st_size, "crc32": crc}
+
+
+def damage(folder: Path) -> list[str]:
+    """What is wrong with a checkpoint's files against its manifest: missing, another size, another
+    checksum. [] for a whole checkpoint (and for one written before checkpoints had manifests)."""
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        return []
+    try:
+        listed = json.loads(manifest.read_text())
+    except ValueError:
+        return [f"{MANIFEST} unreadable"]
+    problems = []
+    for name, expected in listed.items():
+        path = folder / name
+        if not path.is_file():
+            problems.append(f"{name} missing")
+        elif path.stat().st_size != expected["size"]:
+            problems.append(f"{name} has {path.stat().st_size} bytes, {expected['size']} were written")
+        elif _digest(path)["crc32"] != expected["crc32"]:
+            problems.append(f"{name} does not have the checksum it was written with")
+    return problems
+
+
+def newest_whole_checkpoint(run_dir: Path) -> tuple[Path | None, dict[Path, list[str]]]:
+    """The newest checkpoint whose files match its manifest, and the damage of each newer one."""
+    damaged = {}
+    for folder in reversed(checkpoints(run_dir)):
+        problems = damage(folder)
+        if not problems:
+            return folder, damaged
+        damaged[folder] = problems
+    return None, damaged
+
+
+def set_aside(folder: Path) -> Path:
+    """Rename a damaged checkpoint to step-N.damaged: kept for a look, never read, and out of the
+    way of the step-N the resumed run writes again."""
+    aside = folder.with_name(folder.name + ".damaged")
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(folder, aside)
+    return aside
+
+
+class CheckpointError(OSError):
+    """A checkpoint could not be written (a full disk): which, where, and that the previous one is whole."""
+
+
+def write_checkpoint(run_dir: Path, step: int, write_files, keep: int | None, size: int | None = None) -> Path:
     """Create checkpoints/step-`step` atomically: `write_files(folder)` fills a temporary folder,
-    which is flushed and renamed; then all but the newest `keep` checkpoints are deleted."""
+    which is flushed and renamed; then all but the newest `keep` checkpoints are deleted. `size`:
+    about what it takes, to say so when the disk is too full for it."""
     target = Path(run_dir) / CHECKPOINTS / f"step-{step}"
+    free = shutil.disk_usage(run_dir).free
     tmp = target.with_name(f".{target.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         write_files(tmp)
+        manifest = {f.name: _digest(f) for f in sorted(tmp.iterdir())}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         # Test hook: hold the checkpoint half-written, so a test can kill the process right here.
         time.sleep(float(os.environ.get("GRPOKIT_TEST_CHECKPOINT_DELAY", 0)))
         for f in tmp.iterdir():
@@ -79,13 +143,30 @@ def write_checkpoint(run_dir: Path, step: int, write_files, keep: int | None) ->
         _fsync(tmp)
         os.replace(tmp, target)
         _fsync(target.parent)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(error, Exception) and (_no_space(error) or (size is not None and free < size)):
+            previous = latest_checkpoint(run_dir)
+            raise CheckpointError(
+                f"saving checkpoint step-{step} in {target.parent} failed: the disk is full ({free / 2**30:.2f} GiB "
+                f"were free{f', the checkpoint needs about {size / 2**30:.2f} GiB' if size else ''}; {type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''}). "
+                + (f"The previous checkpoint, {previous}, is whole." if previous else "There is no earlier checkpoint.")
+            ) from error
         raise
     if keep is not None:
         for old in checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old)
     return target
+
+
+def _no_space(error: BaseException) -> bool:
+    """Whether `error`, or what caused it, is the operating system's "No space left on device"."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def write_state_files(folder: Path, config: Config, optimizer_state: dict, scheduler, rng: dict, state: dict) -> None:
@@ -174,7 +255,7 @@ def link_model_files(checkpoint: Path, folder: Path) -> None:
     tmp = folder.with_name(f".{folder.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    state_files = {"optimizer.pt", "rng.pt", "config.yaml", STATE_FILE}
+    state_files = {"optimizer.pt", "rng.pt", "config.yaml", STATE_FILE, MANIFEST}
     for f in checkpoint.iterdir():
         if f.name not in state_files:
             try:

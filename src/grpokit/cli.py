@@ -17,7 +17,11 @@ def _train(args) -> int:
                           "final/ already holds the whole model")
     from grpokit import distributed  # the trainer's imports (transformers, accelerate) only when training
     from grpokit.allocator import keep_freed_memory
-    from grpokit.trainer import Interrupted, train
+    from grpokit.checkpoint import CheckpointError
+    from grpokit.rewards import RewardError
+    from grpokit.rollout.client import RolloutServerError
+    from grpokit.signals import StoppedWhileWaiting
+    from grpokit.trainer import Interrupted, NonFiniteError, train
 
     keep_freed_memory()  # every step allocates the same tensors again: reuse their pages (allocator.py)
     try:
@@ -29,6 +33,18 @@ def _train(args) -> int:
             print(f"grpokit: {stop}\nresume with: grpokit train --config {stop.checkpoint.parent.parent / 'config.yaml'}",
                   file=sys.stderr)
         return 128 + stop.signum  # the shell's convention for "ended by signal N": 143 SIGTERM, 130 Ctrl-C
+    except StoppedWhileWaiting as stop:  # SIGTERM / Ctrl-C while a step was stuck in the user's code
+        if distributed.is_main():
+            print(f"grpokit: stopped: {stop}\n{_resume_hint(config)}", file=sys.stderr)
+        return 128 + stop.signum
+    except (RewardError, RolloutServerError, CheckpointError, NonFiniteError) as e:
+        # A run that stopped for a reason its message states in full: no traceback. A reward function
+        # fails on the process that called it; the rest on every process alike.
+        if isinstance(e, RewardError) or os.environ.get("RANK", "0") == "0":
+            print(f"grpokit: the run stopped: {e}", file=sys.stderr)
+            if not isinstance(e, NonFiniteError):  # its message says what to do instead
+                print(_resume_hint(config), file=sys.stderr)
+        return 1
     main = distributed.is_main()
     distributed.finish()
     if not main:
@@ -46,6 +62,18 @@ def _train(args) -> int:
     print(f"run directory: {result.run_dir}  (metrics.jsonl, config.yaml, checkpoints/, final/)\n"
           f"plots and samples: grpokit report {result.run_dir}; diagnosis: grpokit doctor {result.run_dir}")
     return 0
+
+
+def _resume_hint(config) -> str:
+    """How to go on with the run in config.train.output_dir once the cause is fixed."""
+    from grpokit.checkpoint import latest_checkpoint
+
+    run_dir = Path(config.train.output_dir)
+    checkpoint = latest_checkpoint(run_dir)
+    command = f"grpokit train --config {run_dir / 'config.yaml'}"
+    if checkpoint is None:
+        return f"no checkpoint was saved: once the cause is fixed, {command} starts the run again"
+    return f"once the cause is fixed, resume from {checkpoint.name} with: {command}"
 
 
 def _eval(args) -> int:
@@ -175,17 +203,6 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":  # every process of a launch fails alike; say it once
             print(f"grpokit: {e}", file=sys.stderr)
         return 2
-    except Exception as e:
-        # A run that stopped for a reason its message states in full: no traceback.
-        from grpokit.rewards import RewardError
-        from grpokit.trainer import NonFiniteError
-
-        if not isinstance(e, (RewardError, NonFiniteError)):
-            raise
-        # A reward function fails on the process that called it; a non-finite streak on all alike.
-        if isinstance(e, RewardError) or os.environ.get("RANK", "0") == "0":
-            print(f"grpokit: the run stopped: {e}", file=sys.stderr)
-        return 1
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import yaml
 
@@ -81,6 +82,10 @@ class RewardConfig:
         "arguments} (or bare names, weight 1); a name is a built-in (math_accuracy, format, length, "
         "reward_model, exact_answer, leading_number), 'package.module:function' or 'path/to/file.py:function'; "
         "null means the task's own",
+    )
+    timeout: float | None = _f(
+        None, "seconds one call of a reward function may take (sync and async alike); a call that takes longer stops "
+        "the run as a raising function does (the last completed step saved, the function named); null: no limit"
     )
 
 
@@ -216,6 +221,12 @@ class Config:
 
     def validate(self, world_size: int = 1) -> None:
         """Raise ConfigError listing every problem, each naming its field and a fix."""
+        errors = self.problems(world_size)
+        if errors:
+            raise ConfigError("invalid config:\n" + "\n".join(f"  - {e}" for e in errors))
+
+    def problems(self, world_size: int = 1) -> list[str]:
+        """Every problem of this config on `world_size` processes, each naming its field and a fix."""
         errors = _check_ranges(self)
         if not errors and self.completions_per_update % world_size:
             errors.append(
@@ -227,8 +238,7 @@ class Config:
         if self.rollout.engine == "vllm" and world_size > 1:
             errors.append(f"rollout.engine=vllm runs vLLM inside one training process, not {world_size}: with "
                           "several, serve vLLM apart (grpokit serve --engine vllm) and use rollout.engine=server")
-        if errors:
-            raise ConfigError("invalid config:\n" + "\n".join(f"  - {e}" for e in errors))
+        return errors
 
 
 def choices() -> dict[str, tuple]:
@@ -288,6 +298,9 @@ def _check_ranges(c: Config) -> list[str]:
     need(r.server_url is None or r.engine == "server",
          f"rollout.server_url is set but rollout.engine={r.engine} does not use it: set rollout.engine=server or "
          "remove rollout.server_url")
+    url = urlparse(r.server_url or "")
+    need(r.server_url is None or (url.scheme in ("http", "https") and bool(url.hostname)),
+         f"rollout.server_url={r.server_url}: must be a URL with its scheme and host, e.g. http://127.0.0.1:8000")
     need(r.server_timeout > 0, f"rollout.server_timeout={r.server_timeout}: must be > 0")
     need(r.is_cap >= 1, f"rollout.is_cap={r.is_cap}: must be >= 1 (a cap below 1 shrinks every weight)")
     need(0 < r.vllm_gpu_memory_utilization <= 1,
@@ -304,6 +317,7 @@ def _check_ranges(c: Config) -> list[str]:
     need(d.path is None or c.reward.functions is not None,
          "data.path is set but reward.functions is not: a dataset brings no rewards, name them (e.g. "
          "reward.functions=[math_accuracy])")
+    need(c.reward.timeout is None or c.reward.timeout > 0, f"reward.timeout={c.reward.timeout}: must be > 0, or null")
     need(t.prompts_per_step >= 1, f"train.prompts_per_step={t.prompts_per_step}: must be >= 1")
     need(t.learning_rate > 0, f"train.learning_rate={t.learning_rate}: must be > 0")
     need(t.max_steps >= 0, f"train.max_steps={t.max_steps}: must be >= 0")
@@ -413,6 +427,9 @@ _KL_HINT = (
 def _apply(config: Config, key: str, value: Any) -> None:
     parts = key.split(".")
     sections = {f.name: f for f in dataclasses.fields(Config)}
+    if len(parts) == 1 and parts[0] in sections:  # `train: 5` in a YAML file, or `train=5`
+        raise ConfigError(f"{key} is a section: give its fields (e.g. {key}.{dataclasses.fields(sections[key].default_factory())[0].name}"
+                          f"=...), not {value!r}")
     known = len(parts) == 2 and parts[0] in sections and hasattr(getattr(config, parts[0]), parts[1])
     if not known and _KL_KEY.search(parts[-1]):
         raise ConfigError(f"unknown config key {key!r}: {_KL_HINT}")
@@ -462,21 +479,38 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Defaults, then the YAML file, then `key=value` overrides; validated."""
+    """Defaults, then the YAML file, then `key=value` overrides; validated. Every problem is
+    reported at once: a key or value that cannot be set does not hide the others."""
     config = Config()
+    settings = []
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"config file {path} is a folder, not a YAML file"
+                              + (f" (this run's is {path / 'config.yaml'})" if (path / "config.yaml").is_file() else ""))
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
             tree = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
-        for key, value in flatten(tree).items():
-            _apply(config, key, value)
+        settings += flatten(tree).items()
+    problems = []
     for text in overrides:
-        _apply(config, *parse_override(text))
-    config.validate()
+        try:
+            settings.append(parse_override(text))
+        except ConfigError as e:
+            problems.append(str(e))
+    for key, value in settings:
+        try:
+            _apply(config, key, value)
+        except ConfigError as e:  # the field keeps its default, and the others are checked
+            problems.append(str(e))
+    checked = config.problems()
+    if len(problems) == 1 and not checked:
+        raise ConfigError(problems[0])
+    if problems or checked:
+        raise ConfigError("invalid config:\n" + "\n".join(f"  - {e}" for e in problems + checked))
     return config
 
 

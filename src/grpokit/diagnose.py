@@ -51,20 +51,45 @@ class Finding:
         return json.dumps(asdict(self))
 
 
+# RunFacts' fields, and where a run's config.yaml holds each.
+FACTS = {"beta": "algorithm.beta", "learning_rate": "train.learning_rate", "num_generations": "rollout.num_generations",
+         "prompts_per_step": "train.prompts_per_step", "max_completion_length": "rollout.max_completion_length",
+         "max_steps": "train.max_steps"}
+
+
 @dataclass(frozen=True)
 class RunFacts:
-    """The config values the suggestions quote."""
-    beta: float
-    learning_rate: float
-    num_generations: int
-    prompts_per_step: int
-    max_completion_length: int
+    """The config values the suggestions quote; None: not in the config that was read."""
+    beta: float | None
+    learning_rate: float | None
+    num_generations: int | None
+    prompts_per_step: int | None
+    max_completion_length: int | None
+    max_steps: int | None = None
 
     @classmethod
     def from_config(cls, config: dict) -> RunFacts:
-        return cls(config["algorithm"]["beta"], config["train"]["learning_rate"],
-                   config["rollout"]["num_generations"], config["train"]["prompts_per_step"],
-                   config["rollout"]["max_completion_length"])
+        """From a config as saved (nested sections); a missing section or field is None."""
+        def read(key):
+            section, name = key.split(".")
+            value = (config or {}).get(section)
+            return value.get(name) if isinstance(value, dict) else None
+
+        return cls(**{name: read(key) for name, key in FACTS.items()})
+
+    def missing(self) -> list[str]:
+        """The config keys that could not be read."""
+        return [key for name, key in FACTS.items() if getattr(self, name) is None]
+
+
+def _is(key: str, value) -> str:
+    """`key=value`, for a suggestion; `key` alone when the config did not hold the value."""
+    return key if value is None else f"{key}={value}"
+
+
+def _now(value) -> str:
+    """`now <value>`, for a suggestion; what it says when the config did not hold the value."""
+    return "its value not in the config" if value is None else f"now {value:g}"
 
 
 def _values(rows: list[dict], key: str) -> list[float]:
@@ -93,7 +118,7 @@ def grad_norm(rows, evals, facts) -> Finding | None:
         return None
     fix = ("with algorithm.beta=0 nothing holds the policy near where it started: set algorithm.beta=0.001 "
            "(the reference model costs one forward pass), or lower train.learning_rate"
-           if facts.beta == 0 else f"lower train.learning_rate (now {facts.learning_rate:g}) or raise algorithm.beta (now {facts.beta:g})")
+           if facts.beta == 0 else f"lower train.learning_rate ({_now(facts.learning_rate)}) or raise algorithm.beta ({_now(facts.beta)})")
     return Finding("grad_norm", recent[-1]["step"], evidence, fix)
 
 
@@ -109,7 +134,7 @@ def clip_ratio(rows, evals, facts) -> Finding | None:
         return Finding("clip_ratio", recent[-1]["step"],
                        f"clip_ratio/region_mean {mb:.3f} over {_span(recent)}, {ma:.3f} over {_span(early)}",
                        f"each update moves the policy far from the one that sampled: lower train.learning_rate "
-                       f"(now {facts.learning_rate:g}), or fewer algorithm.num_iterations / train.updates_per_step")
+                       f"({_now(facts.learning_rate)}), or fewer algorithm.num_iterations / train.updates_per_step")
     return None
 
 
@@ -125,8 +150,8 @@ def zero_std(rows, evals, facts) -> Finding | None:
     level = f", mean reward {statistics.fmean(rewards):.3g}" if rewards else ""
     return Finding("zero_std", recent[-1]["step"],
                    f"{share:.0%} of groups had zero reward std over {_span(recent)}{level}: they give no learning signal",
-                   f"raise rollout.num_generations (now {facts.num_generations}) or train.prompts_per_step (now "
-                   f"{facts.prompts_per_step}); if every completion scores the same, the task is too hard or too easy "
+                   f"raise rollout.num_generations ({_now(facts.num_generations)}) or train.prompts_per_step "
+                   f"({_now(facts.prompts_per_step)}); if every completion scores the same, the task is too hard or too easy "
                    "for the model, or the reward too coarse")
 
 
@@ -153,8 +178,8 @@ def reward_flat(rows, evals, facts) -> Finding | None:
                    f"mean reward {statistics.fmean(a):.3g} over {_span(before)}, {statistics.fmean(b):.3g} over "
                    f"{_span(recent)} (a change of {abs(change):.3g}, within-group std {scale:.3g}){moved}",
                    f"learning has stalled (or converged): if eval is not where it should be, raise "
-                   f"train.learning_rate (now {facts.learning_rate:g}) or the batch (train.prompts_per_step="
-                   f"{facts.prompts_per_step}, rollout.num_generations={facts.num_generations})")
+                   f"train.learning_rate ({_now(facts.learning_rate)}) or the batch ({_is('train.prompts_per_step', facts.prompts_per_step)}, "
+                   f"{_is('rollout.num_generations', facts.num_generations)})")
 
 
 def truncation(rows, evals, facts) -> Finding | None:
@@ -167,9 +192,9 @@ def truncation(rows, evals, facts) -> Finding | None:
     if share < 0.5 or later < earlier - 0.1:
         return None
     return Finding("truncation", recent[-1]["step"],
-                   f"{share:.0%} of completions stopped at rollout.max_completion_length={facts.max_completion_length} "
+                   f"{share:.0%} of completions stopped at {_is('rollout.max_completion_length', facts.max_completion_length)} "
                    f"over {_span(recent)}",
-                   f"raise rollout.max_completion_length (now {facts.max_completion_length}), or reward shorter "
+                   f"raise rollout.max_completion_length ({_now(facts.max_completion_length)}), or reward shorter "
                    "answers: a cut-off completion is scored on what it never finished")
 
 
@@ -184,8 +209,8 @@ def kl(rows, evals, facts) -> Finding | None:
     if mb >= 0.1 and mb >= GROWTH * ma:
         return Finding("kl", recent[-1]["step"],
                        f"kl median {ma:.3g} over {_span(before)}, {mb:.3g} over {_span(recent)}",
-                       f"the policy is running away from the reference: raise algorithm.beta (now {facts.beta:g}) "
-                       f"or lower train.learning_rate (now {facts.learning_rate:g})")
+                       f"the policy is running away from the reference: raise algorithm.beta ({_now(facts.beta)}) "
+                       f"or lower train.learning_rate ({_now(facts.learning_rate)})")
     return None
 
 
@@ -227,30 +252,57 @@ def diagnose(rows: list[dict], facts: RunFacts) -> list[tuple[Finding, Finding |
     return [(f, last.get(f.kind)) for f in first]
 
 
-def run_status(run_dir: Path, rows: list[dict], max_steps: int) -> str:
+def run_status(run_dir: Path, rows: list[dict], max_steps: int | None) -> str:
     """finished / running / stopped, from the folder alone."""
     from grpokit.checkpoint import latest_checkpoint
     from grpokit.rundir import run_dir_in_use
 
     steps = [r["step"] for r in rows if "loss" in r]
     last = steps[-1] if steps else 0
+    of = "" if max_steps is None else f" of {max_steps}"
     if run_dir_in_use(run_dir):
-        return f"running: at step {last} of {max_steps}"
-    if (run_dir / "final").exists() and last >= max_steps:
+        return f"running: at step {last}{of}"
+    if (run_dir / "final").exists() and (max_steps is None or last >= max_steps):
         return f"finished: {last} steps"
     checkpoint = latest_checkpoint(run_dir)
     saved = f"newest checkpoint {checkpoint.name}" if checkpoint else "no checkpoint"
-    return f"stopped at step {last} of {max_steps} ({saved}; `grpokit train --config {run_dir / 'config.yaml'}` resumes)"
+    return f"stopped at step {last}{of} ({saved}; `grpokit train --config {run_dir / 'config.yaml'}` resumes)"
+
+
+def _how_it_stopped(run_dir: Path, rows: list[dict]) -> str:
+    """What a stopped run's folder says of how it stopped, and what resuming will redo."""
+    from grpokit.checkpoint import checkpoint_step, latest_checkpoint
+
+    steps = [r["step"] for r in rows if "loss" in r]
+    last = steps[-1] if steps else 0
+    checkpoint = latest_checkpoint(run_dir)
+    saved = checkpoint_step(checkpoint) if checkpoint else 0
+    if checkpoint is not None and saved == last:
+        return (f"it stopped after step {last} with a checkpoint of it (SIGTERM or Ctrl-C, a failure it saved "
+                "first, or the end of a shorter train.max_steps): resuming loses nothing")
+    redo = f"steps {saved + 1}-{last}" if last > saved + 1 else f"step {last}"
+    return (f"it crashed or was killed after step {last} (its output's last lines say why), {last - saved} step(s) "
+            f"after its {'newest checkpoint' if checkpoint else 'start'}: resuming trains {redo} again")
 
 
 def doctor(run_dir: Path) -> str:
-    """`grpokit doctor`: the run's status and every finding, with its evidence and a fix."""
+    """`grpokit doctor`: the run's status and every finding, with its evidence and a fix. A TRL
+    output_dir is diagnosed by the same rules (`trl_doctor`)."""
     from grpokit.rundir import read_run
 
     run_dir = Path(run_dir)
+    if not (run_dir / "metrics.jsonl").is_file() and trl_state_file(run_dir) is not None:
+        return trl_doctor(run_dir)
     config, rows = read_run(run_dir)
-    found = diagnose(rows, RunFacts.from_config(config))
-    lines = [f"{run_dir}: {run_status(run_dir, rows, config['train']['max_steps'])}"]
+    facts = RunFacts.from_config(config)
+    found = diagnose(rows, facts)
+    status = run_status(run_dir, rows, facts.max_steps)
+    lines = [f"{run_dir}: {status}"]
+    if status.startswith("stopped"):
+        lines.append(_how_it_stopped(run_dir, rows))
+    if facts.missing():
+        lines.append(f"config.yaml does not say {', '.join(facts.missing())}: the findings below are judged from "
+                     "the metrics alone, and their fixes cannot quote those settings")
     train = [r for r in rows if "loss" in r]
     if not found:
         lines.append(f"no problems found in {len(train)} steps (the checks need {2 * WINDOW} steps to compare "
@@ -259,4 +311,117 @@ def doctor(run_dir: Path) -> str:
         still = f"still so at step {now.step}" if now else "gone by the last step"
         lines.append(f"{i}. {first.kind}, from step {first.step} ({still}): {(now or first).evidence}")
         lines.append(f"   -> {first.suggestion}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- TRL runs
+
+# Where TRL's GRPOConfig holds what RunFacts quotes (prompts_per_step has no one field there).
+TRL_FACTS = {"beta": "beta", "learning_rate": "learning_rate", "num_generations": "num_generations",
+             "max_completion_length": "max_completion_length"}
+# grpokit's setting names in the fixes, as TRL's GRPOConfig calls them.
+TRL_NAMES = {"algorithm.beta": "beta", "train.learning_rate": "learning_rate",
+             "rollout.num_generations": "num_generations", "rollout.max_completion_length": "max_completion_length",
+             "train.prompts_per_step": "per_device_train_batch_size", "algorithm.num_iterations": "num_iterations",
+             "train.updates_per_step": "steps_per_generation"}
+
+
+def trl_state_file(folder: Path) -> Path | None:
+    """The trainer_state.json of a TRL (transformers Trainer) output_dir with the most steps: the
+    folder's own (`trainer.save_state()`) or its newest checkpoint-N's."""
+    found = [p for p in (folder / "trainer_state.json", *folder.glob("checkpoint-*/trainer_state.json")) if p.is_file()]
+    if not found:
+        return None
+
+    def steps(path: Path) -> int:
+        try:
+            return int(json.loads(path.read_text()).get("global_step", 0))
+        except (ValueError, AttributeError):
+            return -1
+    return max(found, key=steps)
+
+
+class _StandIn:
+    """A class the unpickler cannot import (TRL's GRPOConfig where TRL is not installed): its fields."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+
+
+def read_trl_args(path: Path) -> dict:
+    """The fields of a training_args.bin (a pickled GRPOConfig), readable without TRL installed;
+    {} when it cannot be read. Unpickling runs the file's code paths: only for a run of your own."""
+    import pickle
+    import types
+
+    import torch
+
+    class Lenient(pickle.Unpickler):
+        def find_class(self, module, name):
+            try:
+                return super().find_class(module, name)
+            except (ImportError, AttributeError):
+                return _StandIn
+
+    try:
+        args = torch.load(path, map_location="cpu", weights_only=False,
+                          pickle_module=types.SimpleNamespace(Unpickler=Lenient, load=pickle.load, __name__="pickle"))
+    except Exception:  # noqa: BLE001 - a damaged or foreign file: the settings stay unread
+        return {}
+    return dict(getattr(args, "__dict__", {}))
+
+
+def trl_rows(log_history: list[dict]) -> list[dict]:
+    """TRL's log_history as grpokit's metrics rows: its training logs keep their names (they are
+    grpokit's), its evaluation logs' `eval_x` become `eval/x`; the end-of-training summary is left out."""
+    rows = []
+    for entry in log_history:
+        if "step" not in entry:
+            continue
+        evals = {f"eval/{k[5:]}": v for k, v in entry.items() if k.startswith("eval_")}
+        if evals:
+            rows.append({"step": entry["step"], **evals})
+        elif "loss" in entry:
+            rows.append(dict(entry))
+    return rows
+
+
+def _in_trl_names(text: str) -> str:
+    for ours, theirs in TRL_NAMES.items():
+        text = text.replace(ours, theirs)
+    return text
+
+
+def trl_doctor(folder: Path) -> str:
+    """`grpokit doctor` of a TRL output_dir: its logged metrics (trainer_state.json) judged by
+    grpokit's rules, the fixes in TRL's setting names, and which settings could be read."""
+    state_file = trl_state_file(folder)
+    state = json.loads(state_file.read_text())
+    rows = trl_rows(state.get("log_history") or [])
+    args_file = next((p for p in (state_file.parent / "training_args.bin", folder / "training_args.bin") if p.is_file()),
+                     None)
+    args = read_trl_args(args_file) if args_file else {}
+    facts = RunFacts(**{name: args.get(key) for name, key in TRL_FACTS.items()}, prompts_per_step=None,
+                     max_steps=state.get("max_steps") or args.get("max_steps"))
+    step, total = state.get("global_step", 0), facts.max_steps
+    train = [r for r in rows if "loss" in r]
+    lines = [f"{folder}: a TRL run, {len(train)} logged steps to step {step}"
+             + (f" of {total}" if total else "") + f" ({state_file.relative_to(folder.parent)}"
+             + (f", logged every {state['logging_steps']} steps" if state.get("logging_steps") else "") + ")"]
+    read = [f"{key}={args[key]}" for key in TRL_FACTS.values() if args.get(key) is not None]
+    unread = [key for key in TRL_FACTS.values() if args.get(key) is None]
+    source = args_file.relative_to(folder.parent) if args_file else "training_args.bin (not found)"
+    lines.append(f"settings read from {source}: {', '.join(read) or 'none'}"
+                 + (f"; not read: {', '.join(unread)} (the fixes below cannot quote them)" if unread else ""))
+    found = diagnose(rows, facts)
+    if not found:
+        lines.append(f"no problems found in {len(train)} logged steps (the checks need {2 * WINDOW} to compare windows)")
+    for i, (first, now) in enumerate(found, 1):
+        still = f"still so at step {now.step}" if now else "gone by the last step"
+        lines.append(_in_trl_names(f"{i}. {first.kind}, from step {first.step} ({still}): {(now or first).evidence}"))
+        lines.append(_in_trl_names(f"   -> {first.suggestion}"))
     return "\n".join(lines)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from grpokit.errors import ConfigError
 from grpokit.rewards import RewardSet
 from grpokit.rollout import SamplingParams, decode_completions, encode_prompt
 from grpokit.tasks import Example
@@ -91,8 +92,9 @@ def evaluate_model(config, model_path: str, num_samples: int = 1, output: str | 
     task = make_task(config.data, seed=config.train.seed,
                      prompt_length=lambda e: len(encode_prompt(tokenizer, e.prompt)))
     if not task.eval_examples:
-        raise ValueError("no held-out prompts: set data.eval_size > 0 (or data.eval_path)")
-    rewards = RewardSet(reward_specs(config, task.reward_functions))
+        raise ConfigError(f"no held-out prompts to score: data.eval_size={config.data.eval_size} (a run trained "
+                          "with data.eval_size=0 keeps that in its config): add data.eval_size=100, or data.eval_path")
+    rewards = RewardSet(reward_specs(config, task.reward_functions), config.reward.timeout)
     for note in getattr(task, "notes", ()):
         print(note)
     model = load_model(model_path, config.model.dtype).to("cuda" if torch.cuda.is_available() else "cpu")

@@ -186,13 +186,17 @@ def report(run_dir: Path) -> Path:
             path.unlink(missing_ok=True)  # a stale plot from an earlier report of a different run
             absent.append(panel.name)
 
-    a, r, t = config["algorithm"], config["rollout"], config["train"]
+    # A partial or hand-written config.yaml: what it does not say shows as "?".
+    a, r, t, m, d = ({**dict.fromkeys(keys, "?"), **(config.get(section) if isinstance(config.get(section), dict) else {})}
+                     for section, keys in (("algorithm", ("loss_type", "beta")), ("rollout", ("num_generations",)),
+                                           ("train", ("max_steps", "prompts_per_step", "learning_rate")),
+                                           ("model", ("name",)), ("data", ("task",))))
     facts = [
-        ("status", run_status(run_dir, rows, t["max_steps"])),
-        ("model", config["model"]["name"]),
-        ("data", config["data"].get("path") or config["data"].get("task")),
+        ("status", run_status(run_dir, rows, None if t["max_steps"] == "?" else t["max_steps"])),
+        ("model", m["name"]),
+        ("data", d.get("path") or d["task"]),
         ("batch", f"{t['prompts_per_step']} prompts x {r['num_generations']} completions per step"),
-        ("algorithm", f"loss_type={a.get('loss_type')}, beta={a['beta']}, learning_rate={t['learning_rate']}"),
+        ("algorithm", f"loss_type={a['loss_type']}, beta={a['beta']}, learning_rate={t['learning_rate']}"),
     ]
     if evals:
         first, last = evals[0], evals[-1]

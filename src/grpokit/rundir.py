@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from grpokit.checkpoint import CHECKPOINTS, checkpoint_step, latest_checkpoint
+from grpokit.checkpoint import CHECKPOINTS, checkpoint_step, checkpoints, newest_whole_checkpoint, set_aside
 from grpokit.config import Config, flatten
 from grpokit.errors import ConfigError, StartupError
 
@@ -35,15 +35,18 @@ RESUMABLE_CHANGES = frozenset({
     "train.micro_batch_size", "train.max_skipped_steps", "train.output_dir", "monitor.tensorboard",
     "monitor.log_completions", "monitor.wandb", "monitor.wandb_project", "rollout.server_url", "rollout.server_timeout",
     "train.logprob_chunk_size", "model.gradient_checkpointing",  # memory knobs: the same math
+    "reward.timeout",  # set to end a hang: a call that returns in time returns the same
 })
 # The run's logs, one JSON object per line, each with its step: truncated together on resume.
 LOGS = ("metrics.jsonl", "alerts.jsonl", "completions.jsonl")
 
 
-def open_run_dir(config: Config) -> tuple[Path, Path | None]:
-    """The run directory, checked writable, and the checkpoint to resume from (None: a fresh run).
+def open_run_dir(config: Config) -> tuple[Path, Path | None, list[str]]:
+    """The run directory, checked writable; the checkpoint to resume from (None: a fresh run), the
+    newest whole one; and a line for each newer one found damaged (set aside).
 
-    Writes nothing but an empty folder: every refusal leaves an existing run as it was.
+    Writes nothing but an empty folder before its checks pass: every refusal leaves an existing
+    run as it was.
     """
     t = config.train
     if t.output_dir is None:
@@ -58,8 +61,8 @@ def open_run_dir(config: Config) -> tuple[Path, Path | None]:
     except OSError as e:
         raise StartupError(f"train.output_dir={run_dir} is not a writable folder: {e.strerror or e}") from None
     _lock(run_dir)
-    latest = latest_checkpoint(run_dir)
-    if t.resume == "never" and (latest is not None or (run_dir / "metrics.jsonl").exists() or (run_dir / "final").exists()):
+    latest, damaged = newest_whole_checkpoint(run_dir)
+    if t.resume == "never" and (latest is not None or damaged or (run_dir / "metrics.jsonl").exists() or (run_dir / "final").exists()):
         raise StartupError(
             f"train.output_dir={run_dir} holds a run and train.resume=never: resume it with train.resume=auto, "
             "or choose another train.output_dir"
@@ -81,7 +84,9 @@ def open_run_dir(config: Config) -> tuple[Path, Path | None]:
         # A run that died before its first checkpoint: its weights died with it, and the same
         # config trains them again exactly, so it starts afresh; another config is another run.
         check_resumable(run_dir / "config.yaml", config)
-    return run_dir, latest
+    notes = [f"checkpoint {folder} is damaged ({'; '.join(problems)}): set aside as {set_aside(folder).name}; "
+             f"resuming from {latest.name if latest else 'the start'}" for folder, problems in damaged.items()]
+    return run_dir, latest, notes
 
 
 # Process 0's lock on each run directory it trains in, held until the process ends (or the
@@ -137,13 +142,21 @@ def start_run_dir(run_dir: Path, config: Config, resume_from: Path | None) -> tu
     On resume, the logs (LOGS) are truncated to the checkpoint's step, and interrupted saves are
     removed; on a fresh start they begin empty.
     """
+    saved = run_dir / "config.yaml"
+    before = config_changes(saved, config) if resume_from is None and saved.is_file() else []
     _write_atomic(run_dir / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False))
     if resume_from is None:
         lost = sum("loss" in row for row in read_metrics(run_dir / "metrics.jsonl"))
         for name in LOGS:
             (run_dir / name).unlink(missing_ok=True)
-        return [], (f"no checkpoint in {run_dir}: training from step 0 (the {lost} steps logged there were never "
-                    "saved)" if lost else None)
+        if lost:
+            return [], (f"no checkpoint in {run_dir}: training from step 0 (the {lost} steps logged there were never "
+                        "saved)")
+        if before:  # a run that stopped before its first step, started again with another config
+            return [], (f"{run_dir} held a run that stopped before its first step, with another config "
+                        f"({'; '.join(f'{k}: {was!r} then, {now!r} now' for k, was, now in before[:5])}"
+                        f"{f' and {len(before) - 5} more' if len(before) > 5 else ''}): starting afresh with this one")
+        return [], None
     for stale in (run_dir / CHECKPOINTS).glob(".*.tmp"):  # a save that a crash interrupted
         shutil.rmtree(stale, ignore_errors=True)
     step = checkpoint_step(resume_from)
@@ -174,17 +187,28 @@ def read_run(run_dir: Path) -> tuple[dict, list[dict]]:
     model (`grpokit doctor`, `grpokit report`)."""
     if not (run_dir / "config.yaml").is_file() or not (run_dir / "metrics.jsonl").is_file():
         raise StartupError(f"{run_dir} is not a grpokit run directory (it needs config.yaml and metrics.jsonl)")
-    return yaml.safe_load((run_dir / "config.yaml").read_text()), read_metrics(run_dir / "metrics.jsonl")
+    try:  # a partial or hand-written config is read for what it holds
+        config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except yaml.YAMLError:
+        config = None
+    return config if isinstance(config, dict) else {}, read_metrics(run_dir / "metrics.jsonl")
+
+
+def config_changes(saved_config: Path, config: Config) -> list[tuple[str, object, object]]:
+    """(key, in the run, now) of every setting that differs from a run's saved config.yaml and
+    would change the run (see RESUMABLE_CHANGES for those that may)."""
+    saved = flatten(yaml.safe_load(saved_config.read_text()) or {})
+    now = flatten(config.to_dict())
+    return [(k, saved.get(k), now.get(k)) for k in sorted(saved.keys() | now.keys())
+            if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k)]
 
 
 def check_resumable(saved_config: Path, config: Config) -> None:
     """Raise ConfigError listing every setting that differs from the run's (`saved_config`, a
-    config.yaml) and would change the run (see RESUMABLE_CHANGES for those that may)."""
-    saved = flatten(yaml.safe_load(saved_config.read_text()))
-    now = flatten(config.to_dict())
-    differ = [k for k in sorted(saved.keys() | now.keys()) if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k)]
+    config.yaml) and would change the run."""
+    differ = config_changes(saved_config, config)
     if differ:
-        lines = "\n".join(f"  - {k}: {saved.get(k)!r} in the run, {now.get(k)!r} now" for k in differ)
+        lines = "\n".join(f"  - {k}: {was!r} in the run, {now!r} now" for k, was, now in differ)
         raise ConfigError(
             f"train.output_dir={config.train.output_dir} holds a run with a different config; resuming it "
             f"would not continue that run:\n{lines}\n"
@@ -193,13 +217,21 @@ def check_resumable(saved_config: Path, config: Config) -> None:
         )
 
 
-def check_disk_space(run_dir: Path, needed: int) -> None:
-    free = shutil.disk_usage(run_dir).free
+def check_disk_space(run_dir: Path, config: Config, checkpoint_size: int) -> None:
+    """Room for what the run will hold at once: train.keep_checkpoints checkpoints and the one being
+    written (all of them with keep_checkpoints null), less those already there."""
+    t = config.train
+    saves = t.max_steps // t.save_every + 1 if t.save_every else 1  # and one at the end
+    held = min(saves, t.keep_checkpoints + 1) if t.keep_checkpoints is not None else saves
+    count = max(1, held - len(checkpoints(run_dir)))
+    free, needed = shutil.disk_usage(run_dir).free, count * checkpoint_size
     if free < needed:
         raise StartupError(
-            f"train.output_dir={run_dir} has {free / 2**30:.2f} GiB free, but one checkpoint of this model "
-            f"(weights and optimizer state) needs about {needed / 2**30:.2f} GiB: free some space or choose "
-            "another train.output_dir"
+            f"train.output_dir={run_dir} has {free / 2**30:.2f} GiB free, but this run holds {held} checkpoint(s) "
+            f"at once (train.keep_checkpoints={t.keep_checkpoints}, and the one being written), {count} more than "
+            f"there are now; one checkpoint of this model (weights and optimizer state) needs about "
+            f"{checkpoint_size / 2**30:.2f} GiB, so {needed / 2**30:.2f} GiB in all: free some space, lower "
+            "train.keep_checkpoints, or choose another train.output_dir"
         )
 
 

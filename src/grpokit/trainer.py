@@ -42,12 +42,11 @@ Deliberate choices, stated once:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
-import os
 import random
 import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,20 +54,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from grpokit import distributed, sharding
+from grpokit import distributed, sharding, signals
 from grpokit.advantages import group_advantages
 from grpokit.checkpoint import (checkpoint_bytes, link_model_files, load_state, load_weights, rng_state, set_rng_state,
                                 write_checkpoint, write_state_files)
 from grpokit.config import Config, reward_specs
 from grpokit.diagnose import RunFacts
-from grpokit.errors import StartupError
+from grpokit.errors import ConfigError, StartupError
 from grpokit.evaluate import score, summarize
 from grpokit.logprobs import check_chunkable, check_inputs_embeds, completion_logprobs
 from grpokit.loss import IS_MAX, IS_MEAN, LossInputs, LossOutput, LossSettings, compute_loss, token_metric_names
 from grpokit.models import (apply_lora, enable_activation_checkpointing, eos_token_ids, load_model, load_tokenizer,
                             save_model)
 from grpokit.monitor import Monitor
-from grpokit.rewards import RewardSet
+from grpokit.rewards import RewardError, RewardSet
 from grpokit.rollout import (RolloutBatch, SamplingParams, decode_completions, encode_prompt, engine_class,
                              make_engine)
 from grpokit.rundir import check_disk_space, open_run_dir, release_run_dir, start_run_dir
@@ -79,6 +78,10 @@ from grpokit.tasks import Example, make_task
 class TrainResult:
     run_dir: Path
     eval_history: list[dict]  # one row per evaluation: {"step": ..., "eval/reward": ...}
+
+
+# Steps in a row in which no reward function scored any completion that stop a run.
+UNSCORED_STEPS = 3
 
 
 class NonFiniteError(RuntimeError):
@@ -101,6 +104,7 @@ class Progress:
     num_tokens: int = 0  # prompt + completion tokens seen so far, all processes (TRL's `num_tokens`)
     skipped_steps: int = 0  # steps with a skipped (non-finite) update
     skipped_in_a_row: int = 0
+    unscored_in_a_row: int = 0  # steps in which no reward function scored any completion
 
 
 @dataclass
@@ -112,6 +116,11 @@ class Scored:
     advantages: torch.Tensor  # (n,) this process's completions', on the training device
     active: torch.Tensor  # (n,) bool: the completions that need a forward/backward pass
     samples: list[dict] = field(repr=False)  # this process's completions, as monitor.log_completions records them
+
+    @property
+    def any_scored(self) -> bool:
+        """Whether some reward function scored some completion of the step."""
+        return not torch.isnan(self.rewards).all()
 
 
 @dataclass
@@ -135,39 +144,43 @@ class Trainer:
         # space a checkpoint of that model needs.
         self.tokenizer = load_tokenizer(config.model.name)
         self.task = make_task(config.data, config.train.seed, lambda e: len(self.encode(e, truncate=False)))
-        self.rewards = RewardSet(reward_specs(config, self.task.reward_functions))
+        self.rewards = RewardSet(reward_specs(config, self.task.reward_functions), config.reward.timeout)
         self.stream = self.task.train_stream()
+        self.rewards.check_arguments(next(self.task.train_stream()).columns)
         # Process 0 alone owns the run directory; the others learn its path (a default one is
         # stamped with process 0's clock) or its refusal, and stop with the same message.
-        self.run_dir, resume_from = distributed.on_main(lambda: open_run_dir(config))
-        config.train.output_dir = str(self.run_dir)
-        self.seed_stream = _seed_everything(config.train.seed)
-        self.policy, self.reference = self._load_models()
-        # Log-prob passes call the whole model on token ids when only such a call gathers sharded
-        # weights, or when the model uses the ids for more than the embedding lookup (logprobs.py).
-        self.whole_model = self.parallel.lockstep or not check_inputs_embeds(self.policy)
-        self.engine, self.is_correction = self._connect_engine()
-        # The global completions of a step this process owns, in update order (distributed.py).
-        self.rows = distributed.shard_rows(config.completions_per_step, config.completions_per_update,
-                                           distributed.world_size(), distributed.rank())
-        needed = checkpoint_bytes(self.policy)  # counted while every process holds the whole model
-        if resume_from is not None:  # into whole weights, before sharding spreads them
-            load_weights(self.policy, resume_from)
-        self.policy, self.reference = self.parallel.wrap(self.policy, self.reference)
-        self.params = [p for p in self.policy.parameters() if p.requires_grad]
-        self.optimizer, self.scheduler = self._make_optimizer()
-        a, r = config.algorithm, config.rollout
-        self.loss_settings = LossSettings(a.beta, a.epsilon, a.epsilon_high, a.kl_estimator or "k3", r.is_cap)
-        self.sampling = SamplingParams(r.max_completion_length, r.temperature, r.top_p, r.top_k)
-        self.greedy = SamplingParams(r.max_completion_length, temperature=0.0)
-        # The metrics.jsonl rows kept from before the checkpoint, and what to tell the user about them.
-        self.resumed_rows, note = distributed.on_main(lambda: self._start_run_dir(needed, resume_from))
+        existed = config.train.output_dir is not None and Path(config.train.output_dir).exists()
+        self.run_dir, resume_from, damaged = distributed.on_main(lambda: open_run_dir(config))
+        with _removed_if_refused(self.run_dir, existed):  # a refused start leaves no empty folder behind
+            config.train.output_dir = str(self.run_dir)
+            self.seed_stream = _seed_everything(config.train.seed)
+            self.policy, self.reference = self._load_models()
+            self._check_context()
+            # Log-prob passes call the whole model on token ids when only such a call gathers sharded
+            # weights, or when the model uses the ids for more than the embedding lookup (logprobs.py).
+            self.whole_model = self.parallel.lockstep or not check_inputs_embeds(self.policy)
+            self.engine, self.is_correction = self._connect_engine()
+            # The global completions of a step this process owns, in update order (distributed.py).
+            self.rows = distributed.shard_rows(config.completions_per_step, config.completions_per_update,
+                                               distributed.world_size(), distributed.rank())
+            needed = self.checkpoint_size = checkpoint_bytes(self.policy)  # counted while every process holds the whole model
+            if resume_from is not None:  # into whole weights, before sharding spreads them
+                load_weights(self.policy, resume_from)
+            self.policy, self.reference = self.parallel.wrap(self.policy, self.reference)
+            self.params = [p for p in self.policy.parameters() if p.requires_grad]
+            self.optimizer, self.scheduler = self._make_optimizer()
+            a, r = config.algorithm, config.rollout
+            self.loss_settings = LossSettings(a.beta, a.epsilon, a.epsilon_high, a.kl_estimator or "k3", r.is_cap)
+            self.sampling = SamplingParams(r.max_completion_length, r.temperature, r.top_p, r.top_k)
+            self.greedy = SamplingParams(r.max_completion_length, temperature=0.0)
+            # The metrics.jsonl rows kept from before the checkpoint, and what to tell the user about them.
+            self.resumed_rows, note = distributed.on_main(lambda: self._start_run_dir(needed, resume_from))
         self.progress = Progress()
         if resume_from is not None:
             self.resume(resume_from)
         self.saved_step = self.progress.step if resume_from is not None else None  # the newest checkpoint's step
         self.monitor = self._make_monitor(progress)
-        for line in (note, self.parallel.describe(self.policy), *getattr(self.task, "notes", ())):
+        for line in (*damaged, note, self.parallel.describe(self.policy), *getattr(self.task, "notes", ())):
             if line:
                 self.monitor.write(line)
 
@@ -195,6 +208,31 @@ class Trainer:
             except ValueError as e:
                 raise StartupError(str(e)) from None
         return policy, reference
+
+    def _check_context(self) -> None:
+        """Every prompt and its completion fit the model's positions, or data.max_prompt_length
+        makes them: a longer sequence would train on positions the model never learned."""
+        limit = getattr(getattr(self.policy, "config", None), "max_position_embeddings", None)
+        if not isinstance(limit, int):
+            return
+        d, length = self.config.data, self.config.rollout.max_completion_length
+        budget = limit - length  # what a prompt may hold
+        if budget < 1:
+            raise ConfigError(f"rollout.max_completion_length={length} leaves no room for a prompt in the model's "
+                              f"{limit} positions: lower it")
+        if d.max_prompt_length is not None:
+            if d.max_prompt_length > budget:
+                raise ConfigError(f"data.max_prompt_length={d.max_prompt_length} + rollout.max_completion_length="
+                                  f"{length} exceeds the model's {limit} positions: lower one of them")
+            return
+        examples = [*getattr(self.task, "train_examples", ()), *self.task.eval_examples]  # a built-in stream: its eval split
+        lengths = [len(self.encode(e, truncate=False)) for e in examples]
+        over = [n for n in lengths if n > budget]
+        if over:
+            raise ConfigError(
+                f"{len(over)} of the {len(lengths)} prompts are longer than the {budget} tokens that the model's {limit} "
+                f"positions leave beside rollout.max_completion_length={length} (the longest: {max(over)}): set "
+                f"data.max_prompt_length={budget} (data.long_prompts=drop leaves them out, truncate keeps their end)")
 
     def _connect_engine(self):
         """The rollout engine (None on the processes other than 0 when it is remote), and whether
@@ -226,7 +264,7 @@ class Trainer:
         return optimizer, scheduler
 
     def _start_run_dir(self, needed: int, resume_from: Path | None) -> tuple[list[dict], str | None]:
-        check_disk_space(self.run_dir, needed)
+        check_disk_space(self.run_dir, self.config, needed)
         return start_run_dir(self.run_dir, self.config, resume_from)
 
     def _make_monitor(self, progress: bool) -> Monitor:
@@ -254,7 +292,7 @@ class Trainer:
         hook = self.optimizer.register_step_pre_hook(lambda *_: updates_begun.__setitem__(0, updates_begun[0] + 1))
         in_step = None  # (state before the running step, updates begun before it)
         try:
-            with _StopSignals() as signals:
+            with signals.StopSignals(distributed.is_main()):
                 for step in range(self.progress.step + 1, t.max_steps + 1):
                     examples = [next(self.stream) for _ in range(t.prompts_per_step)]  # the same on every process
                     if distributed.world_size() == 1:  # (capturing is a collective: never after a failure)
@@ -270,7 +308,7 @@ class Trainer:
                         )
                     if step == t.max_steps or (t.eval_every and step % t.eval_every == 0):
                         history.append(self.evaluate(step))
-                    stop = signals.received()  # every process stops after the same step
+                    stop = _agreed_stop()  # every process stops after the same step
                     if stop or step == t.max_steps or (t.save_every and step % t.save_every == 0):
                         checkpoint = self.save_checkpoint()
                     if stop and step < t.max_steps:
@@ -304,6 +342,7 @@ class Trainer:
         batch = self.sample(examples)  # this process's completions
         t_generate = time.perf_counter() - start
         scored = self.score(examples, batch)
+        self.check_scored(step, scored)
 
         t0 = time.perf_counter()
         ref_logps = self.reference_logprobs(batch, scored.active) if a.beta > 0 else None  # (n, T)
@@ -320,7 +359,7 @@ class Trainer:
         every = self.config.monitor.log_completions
         if every and step % every == 0:
             self.monitor.completions(step, distributed.gather_lists(scored.samples))
-        self.count_step(step, tokens, stats)
+        self.count_step(step, tokens, scored, stats)
         times = torch.tensor([t_generate, t_logprobs, t_update, stats.time_optimizer, time.perf_counter() - start])
         times = distributed.all_reduce(times, "max").tolist()  # the slowest process sets the pace
         return {
@@ -373,6 +412,20 @@ class Trainer:
         skip = a.beta == 0 and not self.parallel.lockstep
         active = advantages != 0 if skip else torch.ones_like(advantages, dtype=torch.bool)  # (n,)
         return Scored(rewards, per_function, advantages.to(self.device), active, samples)
+
+    def check_scored(self, step: int, scored: Scored) -> None:
+        """A step in which every reward function returned None for every completion teaches nothing:
+        say so at once, and stop (before its update) once UNSCORED_STEPS steps in a row were so."""
+        if scored.any_scored:
+            return
+        in_a_row = self.progress.unscored_in_a_row + 1
+        names = ", ".join(self.rewards.names)
+        if in_a_row >= UNSCORED_STEPS:
+            raise RewardError(f"the reward functions ({names}) scored no completion in {in_a_row} steps in a row "
+                              f"(to step {step}): every value was None. Check what they return for this data.")
+        self.monitor.write(f"step {step}: the reward functions ({names}) scored none of the {len(scored.rewards)} "
+                           f"completions (every value None): nothing to learn from; {UNSCORED_STEPS} such steps in a "
+                           "row stop the run")
 
     def reference_logprobs(self, batch: RolloutBatch, active: torch.Tensor) -> torch.Tensor:
         """The reference model's log-probs (n, T): its own copy, or, with LoRA, the policy without adapters."""
@@ -486,11 +539,12 @@ class Trainer:
             "completions/clipped_ratio": truncated.mean().item(),
         }, int(totals[2])
 
-    def count_step(self, step: int, tokens: int, stats: UpdateStats) -> None:
+    def count_step(self, step: int, tokens: int, scored: Scored, stats: UpdateStats) -> None:
         """Step `step` is complete: advance the counters, and say so if it skipped an update."""
         p = self.progress
         p.step = step
         p.num_tokens += tokens
+        p.unscored_in_a_row = 0 if scored.any_scored else p.unscored_in_a_row + 1
         if not stats.skipped_updates:
             p.skipped_in_a_row = 0
             return
@@ -550,6 +604,7 @@ class Trainer:
             "num_tokens": p.num_tokens,
             "skipped_steps": p.skipped_steps,
             "skipped_in_a_row": p.skipped_in_a_row,
+            "unscored_in_a_row": p.unscored_in_a_row,
         }
         return rng, state
 
@@ -566,7 +621,8 @@ class Trainer:
             write_state_files(folder, self.config, optimizer_state, self.scheduler, rng, state)
 
         path = distributed.on_main(
-            lambda: write_checkpoint(self.run_dir, state["step"], write, self.config.train.keep_checkpoints))
+            lambda: write_checkpoint(self.run_dir, state["step"], write, self.config.train.keep_checkpoints,
+                                     self.checkpoint_size))
         self.saved_step = state["step"]
         return path
 
@@ -598,7 +654,8 @@ class Trainer:
         # Each process its own RNG state; resumed on another process count, process 0's for all.
         set_rng_state(processes[distributed.rank()] if len(processes) == distributed.world_size() else processes[0])
         self.seed_stream.set_state(rng["seed_stream"])
-        self.progress = Progress(state["step"], state["num_tokens"], state["skipped_steps"], state["skipped_in_a_row"])
+        self.progress = Progress(state["step"], state["num_tokens"], state["skipped_steps"], state["skipped_in_a_row"],
+                                 state.get("unscored_in_a_row", 0))  # (not in checkpoints of older versions)
         self.stream = self.task.train_stream(start=state["examples_seen"])
 
     # ------------------------------------------------------------------ helpers
@@ -679,40 +736,23 @@ class _LossMetrics:
         return out
 
 
-class _StopSignals:
-    """SIGTERM and SIGINT (Ctrl-C) ask the loop to stop after the step in flight and save a
-    checkpoint. A second Ctrl-C stops at once; a second SIGTERM is ignored, because launchers
-    deliver one per layer (SLURM to every task, torchrun forwarding its own) and it must not kill
-    the save that the first one asked for."""
+def _agreed_stop() -> int:
+    """The signal number every process agrees to stop for, 0 for none (a collective)."""
+    if distributed.world_size() == 1:
+        return signals.requested()
+    return int(distributed.all_reduce(torch.tensor([signals.requested()]), "max").item())
 
-    def __init__(self):
-        self.signum = 0
-        self.previous = {}
 
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():  # Python only allows it there
-            self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGTERM, signal.SIGINT)}
-        return self
-
-    def handle(self, signum, frame) -> None:
-        if self.signum:
-            if signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            return
-        self.signum = signum
-        if distributed.is_main():  # os.write: safe inside a signal handler, unlike the progress bar
-            os.write(2, f"\ngrpokit: {signal.Signals(signum).name} received: stopping after this step and saving "
-                        "a checkpoint (Ctrl-C again to stop at once)\n".encode())
-
-    def received(self) -> int:
-        """The signal number every process agrees to stop for, 0 for none (a collective)."""
-        if distributed.world_size() == 1:
-            return self.signum
-        return int(distributed.all_reduce(torch.tensor([self.signum]), "max").item())
-
-    def __exit__(self, *exc) -> None:
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
+@contextlib.contextmanager
+def _removed_if_refused(run_dir: Path, existed: bool):
+    """A start-up refusal inside leaves no folder it created behind (process 0 owns it)."""
+    try:
+        yield
+    except BaseException:
+        if not existed and distributed.is_main() and run_dir.is_dir() and not any(run_dir.iterdir()):
+            release_run_dir(run_dir)
+            run_dir.rmdir()
+        raise
 
 
 def _seed_everything(seed: int) -> torch.Generator:

@@ -15,6 +15,7 @@ completion.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import importlib
 import importlib.util
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from grpokit import signals
 from grpokit.errors import ConfigError
 
 
@@ -55,8 +57,24 @@ BUILTIN_REWARDS = {
 REWARD_FUNCTIONS: dict[str, Callable[..., list[float | None]]] = {}
 
 
+# What every reward function is passed besides the data's columns (TRL's names, and finish_reasons).
+RESERVED = ("prompts", "completions", "completion_ids", "finish_reasons")
+
+
 class RewardError(ValueError):
     """A reward function failed; the message names it and shows the prompt and completion."""
+
+
+def _where(error: BaseException) -> str:
+    """The line of the user's code (outside grpokit) where `error` was raised, as "\n  at file:line: code"."""
+    import traceback
+
+    package = str(Path(__file__).resolve().parent.parent)
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not str(Path(f.filename).resolve()).startswith(package)]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f"\n  at {f.filename}:{f.lineno}" + (f": {f.line.strip()}" if f.line else "")
 
 
 def _short(value, limit: int = 300) -> str:
@@ -67,13 +85,38 @@ def _short(value, limit: int = 300) -> str:
 class RewardSet:
     """Reward functions called with TRL's convention and summed with weights (see module doc)."""
 
-    def __init__(self, specs: tuple[tuple[str, float, dict], ...]):
+    def __init__(self, specs: tuple[tuple[str, float, dict], ...], timeout: float | None = None):
+        self.timeout = timeout  # seconds one call may take (reward.timeout); None: no limit
         # Metric keys (rewards/<name>/mean) name a file's function without its folders.
         self.names = [name.rsplit("/", 1)[-1] for name, _, _ in specs]
         if len(set(self.names)) < len(self.names):
             raise ConfigError(f"reward.functions names a function twice: {[n for n, _, _ in specs]}")
         self.weights = [weight for _, weight, _ in specs]
-        self.functions = [_bind(name, get_reward_function(name), arguments) for name, _, arguments in specs]
+        self.specs = [(name, get_reward_function(name), arguments) for name, _, arguments in specs]
+        self.functions = [_bind(name, fn, arguments) for name, fn, arguments in self.specs]
+
+    def check_arguments(self, columns) -> None:
+        """Every function can be called with what it will be given: TRL's arguments (RESERVED) and
+        the data's `columns`, by name. A function that takes neither **kwargs nor one of them, or
+        that needs an argument nothing provides, is a ConfigError now rather than at step 1."""
+        given = {*RESERVED, *columns}
+        for name, fn, arguments in self.specs:
+            try:
+                parameters = inspect.signature(fn).parameters.values()
+            except (TypeError, ValueError):  # a builtin or C function: nothing to read
+                continue
+            named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+            needed = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                      and p.default is p.empty}
+            unnamed = sorted(given - named - set(arguments))
+            if unnamed and not any(p.kind is p.VAR_KEYWORD for p in parameters):
+                raise ConfigError(f"reward function {name!r} takes no argument {', '.join(map(repr, unnamed))}, which "
+                                  f"every call passes (reward functions get {', '.join(RESERVED)} and each column of "
+                                  "the data by name): add **kwargs to its parameters")
+            missing = sorted(needed - given - set(arguments))
+            if missing:
+                raise ConfigError(f"reward function {name!r} needs {', '.join(map(repr, missing))}, which no column of "
+                                  f"the data provides (columns: {', '.join(sorted(columns)) or 'none'})")
 
     def __call__(
         self, examples: list, completions: list, finish_reasons: list[str], completion_ids: list | None = None
@@ -92,9 +135,19 @@ class RewardSet:
                 values[name] = self._call(name, fn, kwargs)
         if pending:
             async def run_all():
-                return await asyncio.gather(*(fn(**kwargs) for _, fn in pending), return_exceptions=True)
+                return await asyncio.gather(*(asyncio.wait_for(fn(**kwargs), self.timeout) for _, fn in pending),
+                                            return_exceptions=True)
 
-            for (name, fn), result in zip(pending, _run(run_all())):
+            future = _submit(run_all())
+            try:  # each function's time limit is asyncio's; a stop request ends the wait for them all
+                with signals.waiting_on(f"reward function(s) {', '.join(repr(name) for name, _ in pending)}"):
+                    results = future.result()
+            except signals.StoppedWhileWaiting:
+                future.cancel()
+                raise
+            for (name, fn), result in zip(pending, results):
+                if isinstance(result, (asyncio.TimeoutError, TimeoutError)):
+                    raise self._timed_out(name)
                 if isinstance(result, BaseException):
                     self._raise(name, fn, kwargs, result)
                 values[name] = result
@@ -106,10 +159,18 @@ class RewardSet:
         return total, per_function
 
     def _call(self, name, fn, kwargs) -> list:
-        try:
-            return fn(**kwargs)
+        try:  # a stop request (SIGTERM) and reward.timeout end a call that never returns
+            with signals.waiting_on(f"reward function {name!r}", self.timeout):
+                return fn(**kwargs)
+        except signals.WaitTimedOut:
+            raise self._timed_out(name) from None
+        except signals.StoppedWhileWaiting:
+            raise
         except Exception as e:  # noqa: BLE001 - re-raised with the function and completion named
             self._raise(name, fn, kwargs, e)
+
+    def _timed_out(self, name) -> RewardError:
+        return RewardError(f"reward function {name!r} did not return within reward.timeout={self.timeout:g} s")
 
     def _raise(self, name, fn, kwargs, error: BaseException):
         """Find the completion `fn` fails on (calling it on one completion at a time) and say so."""
@@ -124,12 +185,12 @@ class RewardSet:
                 raise RewardError(
                     f"reward function {name!r} raised {type(e).__name__}: {e}\n"
                     f"  on completion {i}: {_short(kwargs['completions'][i])}\n"
-                    f"  of prompt: {_short(kwargs['prompts'][i])}"
+                    f"  of prompt: {_short(kwargs['prompts'][i])}{_where(e)}"
                 ) from error
         raise RewardError(
             f"reward function {name!r} raised {type(error).__name__}: {error}\n"
             f"  on a batch of {n} completions (called again on single ones, it did not fail), the first:"
-            f" {_short(kwargs['completions'][0])}\n  of prompt: {_short(kwargs['prompts'][0])}"
+            f" {_short(kwargs['completions'][0])}\n  of prompt: {_short(kwargs['prompts'][0])}{_where(error)}"
         ) from error
 
     @staticmethod
@@ -177,15 +238,19 @@ def _bind(name: str, fn, arguments: dict):
 _loop: asyncio.AbstractEventLoop | None = None
 
 
-def _run(coroutine):
-    """Run `coroutine` on one event loop that lives as long as the process (in its own thread), as
-    TRL does: async clients and semaphores made on the first step still work on the next, and a
+def _submit(coroutine) -> concurrent.futures.Future:
+    """Schedule `coroutine` on one event loop that lives as long as the process (in its own thread),
+    as TRL does: async clients and semaphores made on the first step still work on the next, and a
     caller's own running loop (Jupyter) is left alone."""
     global _loop
     if _loop is None:
         _loop = asyncio.new_event_loop()
         threading.Thread(target=_loop.run_forever, name="grpokit-rewards", daemon=True).start()
-    return asyncio.run_coroutine_threadsafe(coroutine, _loop).result()
+    return asyncio.run_coroutine_threadsafe(coroutine, _loop)
+
+
+def _run(coroutine):
+    return _submit(coroutine).result()
 
 
 def get_reward_function(name: str) -> Callable[..., list[float | None]]:

@@ -184,7 +184,17 @@ def make_app(service: RolloutService):
 
 def serve(model_name: str, engine_name: str, host: str, port: int, dtype: str) -> None:
     """Load the model, build the engine, and serve until interrupted."""
+    import socket
+
     import uvicorn
+
+    with socket.socket() as probe:  # before the model loads (which takes a while): is the port free?
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise StartupError(f"grpokit serve cannot listen on {host}:{port}: {e.strerror or e} (choose another "
+                               "--port, or stop what uses it)") from None
 
     from grpokit.models import eos_token_ids, load_model, load_tokenizer
     from grpokit.rollout.transformers_engine import TransformersEngine

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from grpokit.errors import ConfigError
+from grpokit.rewards import RESERVED
 from grpokit.tasks import Example
 
 if TYPE_CHECKING:  # the config imports this module's LONG_PROMPTS
@@ -30,10 +31,10 @@ class DataError(ConfigError):
     """A problem with a dataset file, stated as file, row and problem."""
 
 
+# The roles a chat message may have (what chat templates render).
+ROLES = ("system", "user", "assistant", "tool")
 # What data.long_prompts may say.
 LONG_PROMPTS = ("drop", "truncate")
-# Names every reward function receives besides the dataset's columns (TRL's, and finish_reasons).
-RESERVED = ("prompts", "completions", "completion_ids", "finish_reasons")
 
 
 def read_rows(path: str) -> list[tuple[str, dict]]:
@@ -135,6 +136,10 @@ def to_example(row: dict, where: str, cfg: DataConfig) -> Example:
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
     ):
         prompt = [{"role": m["role"], "content": m["content"]} for m in prompt]
+        for i, m in enumerate(prompt):
+            if m["role"] not in ROLES:
+                raise DataError(f"{where}: message {i} of the prompt (column {cfg.prompt_column!r}) has role "
+                                f"{m['role']!r}; a chat template knows {', '.join(ROLES)}")
         if not any(m["content"].strip() for m in prompt):
             raise DataError(f"{where}: the prompt (column {cfg.prompt_column!r}) has only empty messages")
     else:
