@@ -285,7 +285,7 @@ def test_a_server_that_dies_for_good_stops_the_run_with_the_command_that_resumes
     served = tmp_path / "served"
     trainer = subprocess.Popen(
         [sys.executable, "-m", "grpokit", "train", *RUN, *steps, "rollout.engine=server",
-         f"rollout.server_url={s.url}", "rollout.server_timeout=3", f"train.output_dir={served}"],
+         f"rollout.server_url={s.url}", "rollout.server_timeout=1", f"train.output_dir={served}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
     log, deadline = served / "metrics.jsonl", time.monotonic() + 120
     while not (log.exists() and len(log.read_text().splitlines()) >= 3):
