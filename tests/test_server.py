@@ -281,14 +281,14 @@ def test_a_server_that_dies_for_good_stops_the_run_with_the_command_that_resumes
     """Killed and not restarted: one `grpokit:` line naming the server, and the command that resumes;
     resumed with a new server, the run is the uninterrupted one."""
     s = server()
-    steps = ["train.max_steps=6", "data.eval_size=0", "train.save_every=2"]
+    steps = ["train.max_steps=4", "data.eval_size=0", "train.save_every=2"]
     served = tmp_path / "served"
     trainer = subprocess.Popen(
         [sys.executable, "-m", "grpokit", "train", *RUN, *steps, "rollout.engine=server",
          f"rollout.server_url={s.url}", "rollout.server_timeout=1", f"train.output_dir={served}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
     log, deadline = served / "metrics.jsonl", time.monotonic() + 120
-    while not (log.exists() and len(log.read_text().splitlines()) >= 3):
+    while not (log.exists() and len(log.read_text().splitlines()) >= 2):
         assert time.monotonic() < deadline and trainer.poll() is None, trainer.communicate()
         time.sleep(0.05)
     s.kill()
