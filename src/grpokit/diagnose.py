@@ -307,11 +307,17 @@ def doctor(run_dir: Path) -> str:
     if not found:
         lines.append(f"no problems found in {len(train)} steps (the checks need {2 * WINDOW} steps to compare "
                      "windows; see `grpokit doctor --help`)")
+    return "\n".join(lines + finding_lines(found))
+
+
+def finding_lines(found: list[tuple[Finding, Finding | None]]) -> list[str]:
+    """Each finding of `diagnose` as doctor prints it: where it began, whether it still holds, the fix."""
+    lines = []
     for i, (first, now) in enumerate(found, 1):
         still = f"still so at step {now.step}" if now else "gone by the last step"
         lines.append(f"{i}. {first.kind}, from step {first.step} ({still}): {(now or first).evidence}")
         lines.append(f"   -> {first.suggestion}")
-    return "\n".join(lines)
+    return lines
 
 
 # ---------------------------------------------------------------- TRL runs
@@ -420,8 +426,4 @@ def trl_doctor(folder: Path) -> str:
     found = diagnose(rows, facts)
     if not found:
         lines.append(f"no problems found in {len(train)} logged steps (the checks need {2 * WINDOW} to compare windows)")
-    for i, (first, now) in enumerate(found, 1):
-        still = f"still so at step {now.step}" if now else "gone by the last step"
-        lines.append(_in_trl_names(f"{i}. {first.kind}, from step {first.step} ({still}): {(now or first).evidence}"))
-        lines.append(_in_trl_names(f"   -> {first.suggestion}"))
-    return "\n".join(lines)
+    return "\n".join(lines + [_in_trl_names(line) for line in finding_lines(found)])
