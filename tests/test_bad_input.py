@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from grpokit.cli import main
+from grpokit.tasks.dataset import DataError, read_rows
 
 # A tiny run, as a new user would start one.
 T = ["model.name=tiny-random", "train.max_steps=2", "rollout.num_generations=4", "train.prompts_per_step=2",
@@ -73,6 +74,26 @@ def test_a_chat_role_no_template_knows_is_refused_with_its_line(capsys, tmp_path
     assert code == 2
     assert f"{path}:line 2: message 0 of the prompt (column 'prompt') has role 'wizard'" in err
     assert "system, user, assistant, tool" in err
+
+
+@pytest.mark.parametrize("line,problem", [
+    # json counts the line break: a row cut short was reported "at column 1" of the line.
+    ('{"prompt": "What is 2 + 2?", "answer": "4"', "Expecting ',' delimiter at the end of the line)"),
+    ('{"prompt": "What is 2 + 2?" "answer": "4"}', "Expecting ',' delimiter at column 29)"),
+    ("{", "Expecting property name enclosed in double quotes at the end of the line); JSONL holds one object per line"),
+])
+def test_a_broken_jsonl_row_is_placed_where_it_breaks(tmp_path, line, problem):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n' + line + "\n")
+    with pytest.raises(DataError) as e:
+        read_rows(str(path))
+    assert str(e.value) == f"{path}:line 2: not valid JSON (" + problem
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_row(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('\ufeff{"prompt": "What is 1 + 1?", "answer": "2"}\n', encoding="utf-8")
+    assert read_rows(str(path)) == [(f"{path}:line 1", {"prompt": "What is 1 + 1?", "answer": "2"})]
 
 
 def test_doctor_reads_a_partial_config_and_says_what_it_could_not_judge(capsys, tmp_path, finished_run):

@@ -87,14 +87,18 @@ def _rows_from_datasets(path: str, load: Callable) -> list[tuple[str, dict]]:
 
 def _jsonl(p: Path) -> list[tuple[str, dict]]:
     rows = []
-    with p.open() as f:
+    with p.open(encoding="utf-8-sig") as f:  # -sig: a byte-order mark some editors write is not data
         for i, line in enumerate(f, start=1):
+            # Without its line break: json would place an error at the end of the line on "line 2".
+            line = line.rstrip("\r\n")
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{p}:line {i}: not valid JSON ({e.msg} at column {e.colno})") from None
+                where = "at the end of the line" if e.pos >= len(line.rstrip()) else f"at column {e.colno}"
+                hint = "; JSONL holds one object per line" if line.strip() in ("{", "[") else ""
+                raise DataError(f"{p}:line {i}: not valid JSON ({e.msg} {where}){hint}") from None
             if not isinstance(row, dict):
                 raise DataError(f"{p}:line {i}: expected a JSON object, got {type(row).__name__}")
             rows.append((f"{p}:line {i}", row))
