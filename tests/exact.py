@@ -32,3 +32,33 @@ def step_on(trainer, examples, batch) -> dict:
     `examples`): its sampling phase handed `batch`, every other phase as in training. Its metrics row."""
     trainer.sample = lambda _: batch
     return trainer.train_step(trainer.progress.step + 1, examples)
+
+
+def with_tool_turns(batch, tool_ids: list[int]):
+    """`batch` made multi-turn by hand: each completion's tokens split in two model turns with
+    `tool_ids` (a tool result, in context, never trained) between them. The model tokens keep their
+    sampled values; a completion of one token gets the tool result after it."""
+    import torch
+
+    from grpokit.rollout import RolloutBatch
+    from grpokit.rollout.conversation import Conversation
+
+    N = len(batch.finish_reasons)
+    lengths = batch.completion_mask.sum(-1).tolist()
+    T = max(lengths) + len(tool_ids)
+    ids = torch.full((N, T), int(batch.completion_ids[0, -1]), dtype=torch.long)
+    context, trained = torch.zeros((N, T), dtype=torch.long), torch.zeros((N, T), dtype=torch.long)
+    logps, entropies = torch.zeros((N, T), dtype=batch.sampling_logps.dtype), torch.zeros((N, T))
+    conversations = []
+    for i, n in enumerate(lengths):
+        k = max(1, n // 2)  # the first turn's tokens
+        model = batch.completion_ids[i, :n]
+        ids[i, : n + len(tool_ids)] = torch.cat([model[:k], torch.tensor(tool_ids), model[k:]])
+        context[i, : n + len(tool_ids)] = 1
+        trained[i, :k], trained[i, k + len(tool_ids): n + len(tool_ids)] = 1, 1
+        for out, src in ((logps, batch.sampling_logps), (entropies, batch.entropies)):
+            out[i, :k], out[i, k + len(tool_ids): n + len(tool_ids)] = src[i, :k], src[i, k:n]
+        text = " ".join(map(str, model.tolist()))  # what a reward reads: it differs between completions
+        conversations.append(Conversation([{"role": "assistant", "content": text}], turns=2, calls=1))
+    return RolloutBatch(batch.prompt_index, batch.prompt_ids, batch.prompt_mask, ids, context, logps, entropies,
+                        list(batch.finish_reasons), trained, conversations)

@@ -139,6 +139,7 @@ def reward_len(completions, **kwargs):  # TRL's quick start, verbatim: plain-tex
 @pytest.mark.parametrize("example,overrides", [
     ("math.yaml", []),
     ("tldr.yaml", ["data.path=examples/data/tldr.jsonl", "data.eval_size=2"]),
+    ("calculator.yaml", ["data.eval_size=2", "train.prompts_per_step=1"]),
 ])
 def test_shipped_examples_run_two_steps(tmp_path, monkeypatch, example, overrides):
     from grpokit.cli import main
@@ -154,9 +155,11 @@ def test_shipped_examples_run_two_steps(tmp_path, monkeypatch, example, override
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
-    names = {"math.yaml": ("format", "math_accuracy"), "tldr.yaml": ("length",)}[example]
+    names = {"math.yaml": ("format", "math_accuracy"), "tldr.yaml": ("length",), "calculator.yaml": ("exact_answer",)}[example]
     for name in names:
         assert f"rewards/{name}/mean" in steps[0] and f"eval/rewards/{name}/mean" in rows[0]
+    if example == "calculator.yaml":  # conversations with the calculator tool
+        assert "tools/calls_per_rollout" in steps[0] and "turns/mean" in steps[0]
     if example == "tldr.yaml":
         assert all(r["rewards/length/mean"] <= 0 for r in steps)  # the length reward is never positive
         for r in steps:

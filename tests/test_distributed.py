@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from exact import rmsnorm_in_input_dtype, step_on, update_difference
+from exact import rmsnorm_in_input_dtype, step_on, update_difference, with_tool_turns
 from transformers.models.llama import modeling_llama
 
 from grpokit.config import load_config
@@ -111,6 +111,25 @@ def test_micro_batch_size_never_changes_the_update(make_trainer, loss_type, beta
 
 
 @pytest.mark.parametrize("loss_type", list(LOSSES))
+def test_micro_batch_size_never_changes_a_multi_turn_update(make_trainer, loss_type):
+    """Completions with a tool result between two model turns: the tool tokens are context only,
+    and whole / half / single micro-batches still give the same update."""
+    knobs = [f"algorithm.loss_type={loss_type}", "algorithm.beta=0.04"]
+    examples, batch = fixed_batch(make_trainer(*knobs))
+    tool_ids = make_trainer(*knobs).tokenizer("<tool_response>\n42\n</tool_response>")["input_ids"]
+    batch = with_tool_turns(batch, tool_ids)
+    assert (batch.trained_mask != batch.completion_mask).any()
+    results = {m: one_step(make_trainer(*knobs, f"train.micro_batch_size={m}"), examples, batch) for m in (8, 4, 1)}
+    start, whole, whole_metrics = results[8]
+    assert whole_metrics["tools/calls_per_rollout"] == 1.0 and whole_metrics["turns/mean"] == 2.0
+    for m in (4, 1):
+        _, params, metrics = results[m]
+        assert update_difference(start, whole, params) < EXACT, f"micro_batch_size={m}"
+        for key in ("loss", "grad_norm", "kl", "completions/mean_length"):
+            assert metrics[key] == pytest.approx(whole_metrics[key], rel=1e-9, abs=1e-12), key
+
+
+@pytest.mark.parametrize("loss_type", list(LOSSES))
 def test_accumulation_over_micro_batches_equals_one_pass(make_trainer, loss_type):
     """num_generations 4: (4 completions per micro-batch, 1 accumulation step) == (2 per micro-batch, 2 steps).
 
@@ -180,7 +199,10 @@ def launch(nproc: int, args: list[str], cwd: Path, launcher: str = "torchrun") -
      "algorithm.num_iterations=2", "algorithm.scale_rewards=batch", "train.micro_batch_size=1"],
     # Whole groups per process; process 1's groups have constant rewards: it back-propagates nothing.
     ["train.prompts_per_step=4", "rollout.num_generations=4", "algorithm.loss_type=dapo", "half_constant"],
-], ids=["groups-span-processes", "dapo-one-process-idle"])
+    # Completions of two model turns around a tool result (exact.with_tool_turns).
+    ["train.prompts_per_step=2", "rollout.num_generations=4", "algorithm.beta=0.04", "train.micro_batch_size=1",
+     "multi_turn"],
+], ids=["groups-span-processes", "dapo-one-process-idle", "multi-turn"])
 def test_two_processes_compute_the_one_process_update(tmp_path, overrides):
     one, two = run_worker(tmp_path, "learn", overrides)
     assert sorted(torch.cat([t["rows"] for t in two]).tolist()) == one["rows"].tolist()

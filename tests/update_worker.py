@@ -10,7 +10,8 @@ Each process saves its starting and final parameters and the metrics to OUT/rank
 The reward is "shortness" (shorter completions score higher), except on the prompts listed in the
 config's last prompts_per_step/2 prompts of a step, where it is 0 for every completion when
 `half_constant` is in the overrides: those groups have no signal, so with beta 0 a process that
-owns only them has no completion to back-propagate.
+owns only them has no completion to back-propagate. With `multi_turn`, each completion gets a tool
+result between two model turns (exact.with_tool_turns).
 """
 
 import json
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from exact import float64_everywhere, step_on
+from exact import float64_everywhere, step_on, with_tool_turns
 
 from grpokit import distributed
 from grpokit.config import load_config
@@ -36,8 +37,8 @@ def shortness(prompts, completions, **columns):
 def main(out: str, mode: str, overrides: list[str]) -> None:
     float64_everywhere()
     REWARD_FUNCTIONS["shortness"] = shortness
-    half_constant = "half_constant" in overrides
-    overrides = [o for o in overrides if o != "half_constant"]
+    half_constant, multi_turn = "half_constant" in overrides, "multi_turn" in overrides
+    overrides = [o for o in overrides if o not in ("half_constant", "multi_turn")]
     config = load_config(None, [
         "model.name=tiny-random", "model.dtype=float64", "reward.functions=[shortness]",
         "rollout.max_completion_length=6", "train.learning_rate=1e-3", "data.eval_size=0",
@@ -54,6 +55,8 @@ def main(out: str, mode: str, overrides: list[str]) -> None:
             [trainer.encode(e) for e in examples], config.rollout.num_generations, trainer.sampling,
             seeds=range(config.completions_per_step),
         )
+        if multi_turn:
+            whole = with_tool_turns(whole, trainer.tokenizer("<tool_response>\n42\n</tool_response>")["input_ids"])
         metrics = step_on(trainer, examples, whole.select(trainer.rows))
     else:
         trainer.train()

@@ -20,6 +20,7 @@ def _train(args) -> int:
     from grpokit.checkpoint import CheckpointError
     from grpokit.rewards import RewardError
     from grpokit.rollout.client import RolloutServerError
+    from grpokit.rollout.tools import EnvironmentFailed
     from grpokit.signals import StoppedWhileWaiting
     from grpokit.trainer import Interrupted, NonFiniteError, train
 
@@ -37,10 +38,10 @@ def _train(args) -> int:
         if distributed.is_main():
             print(f"grpokit: stopped: {stop}\n{_resume_hint(config)}", file=sys.stderr)
         return 128 + stop.signum
-    except (RewardError, RolloutServerError, CheckpointError, NonFiniteError) as e:
-        # A run that stopped for a reason its message states in full: no traceback. A reward function
+    except (RewardError, EnvironmentFailed, RolloutServerError, CheckpointError, NonFiniteError) as e:
+        # A run that stopped for a reason its message states in full: no traceback. The user's code
         # fails on the process that called it; the rest on every process alike.
-        if isinstance(e, RewardError) or os.environ.get("RANK", "0") == "0":
+        if isinstance(e, (RewardError, EnvironmentFailed)) or os.environ.get("RANK", "0") == "0":
             print(f"grpokit: the run stopped: {e}", file=sys.stderr)
             if not isinstance(e, NonFiniteError):  # its message says what to do instead
                 print(_resume_hint(config), file=sys.stderr)

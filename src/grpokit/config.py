@@ -43,6 +43,11 @@ class ModelConfig:
         "all-linear", "modules that get adapters: all-linear (every linear layer but the output layer) or module names "
         "separated by commas, e.g. q_proj,v_proj"
     )
+    chat_template: str | None = _f(
+        None, "a Jinja chat template file that replaces the model's own (and is saved with the trained model); null: "
+        "the model's own, except that the bundled model with tools uses grpokit's ChatML template with tools in the "
+        "Hermes format"
+    )
     gradient_checkpointing: bool = _f(
         False, "recompute each layer's activations in the backward pass instead of keeping them: less memory, "
         "about a third more compute; the policy's training pass then runs every completion whole (checkpointed "
@@ -52,7 +57,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    task: str = _f("arithmetic", "built-in task (used when data.path is null): arithmetic")
+    task: str = _f("arithmetic", "built-in task (used when data.path is null): arithmetic (small sums and products, "
+                   "answered with the number) | calculator (three digits times two, with a calculator tool)")
     path: str | None = _f(
         None,
         "your dataset: a .jsonl / .json / .csv / .parquet file, a datasets.save_to_disk folder, or a Hub id",
@@ -115,6 +121,22 @@ class RolloutConfig:
         0.3, "share of the GPU's memory vLLM may take (weights and KV cache) with rollout.engine=vllm; the rest is the trainer's"
     )
     vllm_sleep: bool = _f(True, "rollout.engine=vllm: free vLLM's weights and KV cache while the trainer updates")
+    tools: list | None = _f(
+        None, "functions the model may call, each 'package.module:function' or 'path/to/file.py:function' (sync or "
+        "async, with type hints and a Google-style docstring): a rollout becomes a conversation, and "
+        "max_completion_length counts every model and tool token after the prompt; null means the task's own "
+        "(data.task=calculator has one)"
+    )
+    environment: str | None = _f(
+        None, "an environment class, 'package.module:Class' or 'path/to/file.py:Class' (TRL's environment_factory): "
+        "one instance per rollout, reset(**row) may return text appended to the prompt, its public methods are tools, "
+        "an optional get_reward() is one more reward named after the class"
+    )
+    max_turns: int = _f(5, "model turns per rollout at most, with tools or an environment")
+    tool_timeout: float | None = _f(
+        30.0, "seconds one tool call may take; a call that takes longer answers the model with an error (counted in "
+        "tools/failures), as a raising one does; null: no limit"
+    )
 
 
 @dataclass
@@ -307,6 +329,10 @@ def _check_ranges(c: Config) -> list[str]:
          f"rollout.vllm_gpu_memory_utilization={r.vllm_gpu_memory_utilization}: must be in (0, 1]")
     need(r.top_k != 1, "rollout.top_k=1 samples greedily: every completion of a group would be the same and "
          "no group would have a learning signal; use 0 (off) or a larger k")
+    need(r.max_turns >= 1, f"rollout.max_turns={r.max_turns}: must be >= 1")
+    need(r.tool_timeout is None or r.tool_timeout > 0, f"rollout.tool_timeout={r.tool_timeout}: must be > 0, or null")
+    need(r.tools is None or all(isinstance(n, str) for n in r.tools),
+         "rollout.tools: a list of names, each 'package.module:function' or 'path/to/file.py:function'")
     d = c.data
     need(d.eval_size >= 0, f"data.eval_size={d.eval_size}: must be >= 0")
     need(d.max_prompt_length is None or d.max_prompt_length >= 1,

@@ -22,8 +22,9 @@ from grpokit.tasks import Example
 
 def score(engine, tokenizer, rewards: RewardSet, examples: list[Example], params: SamplingParams,
           num_samples: int = 1, seed: int = 0, first_index: int = 0, max_prompt_length: int | None = None,
-          batch_size: int = 64) -> list[dict]:
-    """One record per completion: example index, sample number, completion text, rewards."""
+          batch_size: int = 64, multi_turn=None) -> list[dict]:
+    """One record per completion: example index, sample number, completion (its text, or with
+    tools the conversation's messages), rewards. multi_turn: a conversation.MultiTurn, with tools."""
     records = []
     per_call = max(1, batch_size // num_samples)
     for start in range(0, len(examples), per_call):
@@ -32,17 +33,24 @@ def score(engine, tokenizer, rewards: RewardSet, examples: list[Example], params
         if params.temperature > 0:  # completion (example i, sample j) has its own seed
             seeds = [seed * 1_000_003 + (first_index + start + i) * num_samples + j
                      for i in range(len(chunk)) for j in range(num_samples)]
-        prompts = [encode_prompt(tokenizer, e.prompt, max_prompt_length) for e in chunk]
-        batch = engine.generate(prompts, num_samples, params, seeds)
+        if multi_turn is not None:
+            batch = multi_turn.generate(engine, chunk, [num_samples] * len(chunk), params, seeds)
+        else:
+            prompts = [encode_prompt(tokenizer, e.prompt, max_prompt_length) for e in chunk]
+            batch = engine.generate(prompts, num_samples, params, seeds)
         grouped = [e for e in chunk for _ in range(num_samples)]
         completions = decode_completions(tokenizer, batch, [e.prompt for e in grouped])
-        total, by_name = rewards(grouped, completions, batch.finish_reasons, batch.completion_id_lists())
-        lengths = batch.completion_mask.sum(-1).tolist()
+        environments = None if batch.conversations is None or batch.conversations[0].environment is None else [
+            c.environment for c in batch.conversations]
+        total, by_name = rewards(grouped, completions, batch.finish_reasons, batch.completion_id_lists(), environments)
+        lengths = batch.trained_mask.sum(-1).tolist()
         for row in range(len(grouped)):
             records.append({
                 "index": first_index + start + row // num_samples,
                 "sample": row % num_samples,
-                "completion": completions[row][0]["content"] if isinstance(completions[row], list) else completions[row],
+                "completion": (completions[row] if batch.conversations is not None
+                               else completions[row][0]["content"] if isinstance(completions[row], list)
+                               else completions[row]),
                 "reward": _plain(total[row].item()),
                 "rewards": {name: _plain(values[row].item()) for name, values in by_name.items()},
                 "length": lengths[row],
@@ -86,25 +94,32 @@ def evaluate_model(config, model_path: str, num_samples: int = 1, output: str | 
     from grpokit.config import reward_specs
     from grpokit.models import eos_token_ids, load_model, load_tokenizer
     from grpokit.rollout import make_engine
+    from grpokit.rollout.conversation import MultiTurn
+    from grpokit.rollout.tools import Tools
     from grpokit.tasks import make_task
 
     tokenizer = load_tokenizer(model_path)
+    tools = Tools.from_config(config, tokenizer, model_path)
+    schemas = None if tools is None else tools.schemas
     task = make_task(config.data, seed=config.train.seed,
-                     prompt_length=lambda e: len(encode_prompt(tokenizer, e.prompt)))
+                     prompt_length=lambda e: len(encode_prompt(tokenizer, e.prompt, tools=schemas)))
     if not task.eval_examples:
         raise ConfigError(f"no held-out prompts to score: data.eval_size={config.data.eval_size} (a run trained "
                           "with data.eval_size=0 keeps that in its config): add data.eval_size=100, or data.eval_path")
-    rewards = RewardSet(reward_specs(config, task.reward_functions), config.reward.timeout)
+    rewards = RewardSet(reward_specs(config, task.reward_functions), config.reward.timeout,
+                        extra=(tools.reward(),) if tools is not None and tools.has_reward else ())
     for note in getattr(task, "notes", ()):
         print(note)
     model = load_model(model_path, config.model.dtype).to("cuda" if torch.cuda.is_available() else "cpu")
     engine = make_engine(config.rollout, model, tokenizer, eos_token_ids(model, tokenizer), model_path)
+    multi_turn = None if tools is None else MultiTurn(tokenizer, tools, config.rollout.max_turns,
+                                                      eos_token_ids(model, tokenizer), config.data.max_prompt_length)
     r = config.rollout
     params = (SamplingParams(r.max_completion_length, r.temperature, r.top_p, r.top_k) if num_samples > 1
               else SamplingParams(r.max_completion_length, temperature=0.0))
     with torch.no_grad():
         records = score(engine, tokenizer, rewards, task.eval_examples, params, num_samples, seed=config.train.seed,
-                        max_prompt_length=config.data.max_prompt_length)
+                        max_prompt_length=config.data.max_prompt_length, multi_turn=multi_turn)
     if output:
         with Path(output).open("w") as f:
             for record in records:

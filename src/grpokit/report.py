@@ -126,10 +126,24 @@ def _prompt_text(prompt) -> str:
     return str(prompt)
 
 
-def _completion_text(completion) -> str:
-    if isinstance(completion, list):
-        return "".join(m.get("content", "") for m in completion if isinstance(m, dict))
-    return str(completion)
+def _completion_html(completion) -> str:
+    """A completion as HTML: its text; a conversation's tool calls and tool results set apart
+    from the model's own text (classes call and tool)."""
+    if not isinstance(completion, list):
+        return html.escape(str(completion))
+    parts = []
+    for m in (m for m in completion if isinstance(m, dict)):
+        if m.get("role") == "tool":
+            parts.append(f'<div class="tool">&larr; {html.escape(str(m.get("name", "tool")))}: '
+                         f'{html.escape(str(m.get("content", "")))}</div>')
+            continue
+        if m.get("content"):
+            parts.append(f"<div>{html.escape(str(m['content']))}</div>")
+        for call in m.get("tool_calls") or []:
+            f = call.get("function", call)
+            parts.append(f'<div class="call">&rarr; {html.escape(str(f.get("name")))}'
+                         f'({html.escape(json.dumps(f.get("arguments")))})</div>')
+    return "".join(parts)
 
 
 def _samples(path: Path) -> list[dict]:
@@ -164,6 +178,7 @@ th, td { border: 1px solid #ddd; padding: 4px 6px; vertical-align: top; text-ali
 th { background: #f4f4f4; } .samples td { white-space: pre-wrap; }
 .samples td:nth-child(2), .samples td:nth-child(3) { font-family: ui-monospace, monospace; }
 .alerts td:first-child { color: #d000d0; font-weight: 600; } .note { color: #666; }
+.call { color: #0060c0; font-family: monospace; } .tool { color: #207020; font-family: monospace; }
 """
 
 
@@ -233,7 +248,7 @@ def report(run_dir: Path) -> Path:
         functions = list(dict.fromkeys(k for s in samples for k in s if k.startswith("rewards/")))
         parts.append(_table(
             ["step", "prompt", "completion", "reward", *[f.removeprefix("rewards/") for f in functions], "finish"],
-            [[str(s["step"]), html.escape(_prompt_text(s.get("prompt"))), html.escape(_completion_text(s.get("completion"))),
+            [[str(s["step"]), html.escape(_prompt_text(s.get("prompt"))), _completion_html(s.get("completion")),
               _number(s.get("reward")), *[_number(s.get(f, "")) for f in functions], html.escape(str(s.get("finish_reason", "")))]
              for s in samples], "samples",
         ))

@@ -70,6 +70,8 @@ from grpokit.monitor import Monitor
 from grpokit.rewards import RewardError, RewardSet
 from grpokit.rollout import (RolloutBatch, SamplingParams, decode_completions, encode_prompt, engine_class,
                              make_engine)
+from grpokit.rollout.conversation import MultiTurn
+from grpokit.rollout.tools import Tools
 from grpokit.rundir import check_disk_space, open_run_dir, release_run_dir, start_run_dir
 from grpokit.tasks import Example, make_task
 
@@ -143,10 +145,18 @@ class Trainer:
         # functions (a bad row or name fails here), the output folder, the model, then the disk
         # space a checkpoint of that model needs.
         self.tokenizer = load_tokenizer(config.model.name)
+        self.tools = Tools.from_config(config, self.tokenizer)  # None: single-turn rollouts
+        if self.tools is not None and self.parallel.lockstep:
+            raise ConfigError("multi-turn rollouts (rollout.tools, rollout.environment) with sharded weights (FSDP2, "
+                              "ZeRO-3) are not supported: the processes would take different numbers of turns")
         self.task = make_task(config.data, config.train.seed, lambda e: len(self.encode(e, truncate=False)))
-        self.rewards = RewardSet(reward_specs(config, self.task.reward_functions), config.reward.timeout)
+        first = next(self.task.train_stream())
+        if self.tools is not None:
+            self.tools.check({"prompt": first.prompt, **first.columns})
+        self.rewards = RewardSet(reward_specs(config, self.task.reward_functions), config.reward.timeout,
+                                 extra=(self.tools.reward(),) if self.tools is not None and self.tools.has_reward else ())
         self.stream = self.task.train_stream()
-        self.rewards.check_arguments(next(self.task.train_stream()).columns)
+        self.rewards.check_arguments(first.columns, environments=self.tools is not None and self.tools.environment is not None)
         # Process 0 alone owns the run directory; the others learn its path (a default one is
         # stamped with process 0's clock) or its refusal, and stop with the same message.
         existed = config.train.output_dir is not None and Path(config.train.output_dir).exists()
@@ -160,6 +170,9 @@ class Trainer:
             # weights, or when the model uses the ids for more than the embedding lookup (logprobs.py).
             self.whole_model = self.parallel.lockstep or not check_inputs_embeds(self.policy)
             self.engine, self.is_correction = self._connect_engine()
+            self.multi_turn = None if self.tools is None else MultiTurn(
+                self.tokenizer, self.tools, config.rollout.max_turns, eos_token_ids(self.policy, self.tokenizer),
+                config.data.max_prompt_length)
             # The global completions of a step this process owns, in update order (distributed.py).
             self.rows = distributed.shard_rows(config.completions_per_step, config.completions_per_update,
                                                distributed.world_size(), distributed.rank())
@@ -379,14 +392,18 @@ class Trainer:
         seeds = torch.randint(0, 2**62, (N,), generator=self.seed_stream)  # (N,) the whole step's
         if self.remote:  # process 0 asks for the whole step; each process keeps its rows
             self.hand_weights_to_server()
-            batch = distributed.on_main(lambda: self.engine.generate(
-                [self.encode(e) for e in examples], G, self.sampling, seeds.tolist()))
+            batch = distributed.on_main(lambda: self.generate(examples, [G] * len(examples), self.sampling, seeds.tolist()))
             return batch if distributed.world_size() == 1 else batch.select(self.rows)
         prompts, counts = torch.unique_consecutive(self.rows // G, return_counts=True)
-        return self.engine.generate(
-            [self.encode(examples[p]) for p in prompts.tolist()], counts.tolist(), self.sampling,
-            seeds[self.rows].tolist()
-        )
+        return self.generate([examples[p] for p in prompts.tolist()], counts.tolist(), self.sampling,
+                             seeds[self.rows].tolist())
+
+    def generate(self, examples: list[Example], counts: list[int], params: SamplingParams,
+                 seeds: list[int] | None) -> RolloutBatch:
+        """counts[i] completions of examples[i]: conversations with tools, or one engine call."""
+        if self.multi_turn is not None:
+            return self.multi_turn.generate(self.engine, examples, counts, params, seeds)
+        return self.engine.generate([self.encode(e) for e in examples], counts, params, seeds)
 
     def score(self, examples: list[Example], batch: RolloutBatch) -> Scored:
         """Rewards of this process's completions `batch`, gathered into the whole step's, and
@@ -395,8 +412,10 @@ class Trainer:
         N, U = cfg.completions_per_step, cfg.completions_per_update
         owned = [examples[r // G] for r in self.rows.tolist()]
         completions = decode_completions(self.tokenizer, batch, [e.prompt for e in owned])
+        environments = None if self.tools is None or self.tools.environment is None else [
+            c.environment for c in batch.conversations]
         local_rewards, local_per_function = self.rewards(
-            owned, completions, batch.finish_reasons, batch.completion_id_lists()
+            owned, completions, batch.finish_reasons, batch.completion_id_lists(), environments
         )  # (n,)
         samples = [
             {"prompt": e.prompt, "completion": c, "finish_reason": f, "reward": r.item(),
@@ -464,7 +483,8 @@ class Trainer:
         U = cfg.completions_per_update
         share = U // distributed.world_size()
         micro = cfg.micro_batch_size(distributed.world_size())
-        mask, advantages, active = batch.completion_mask, scored.advantages, scored.active  # (n, T), (n,), (n,)
+        # Only the model's own tokens are trained (not a conversation's tool results).
+        mask, advantages, active = batch.trained_mask, scored.advantages, scored.active  # (n, T), (n,), (n,)
         metrics = _LossMetrics(token_metric_names(self.loss_settings), corrected=self.is_correction)
         skipped, t_optimizer = 0, 0.0
         self.policy.train()
@@ -510,10 +530,11 @@ class Trainer:
 
     def rollout_metrics(self, batch: RolloutBatch, scored: Scored) -> tuple[dict, int]:
         """The step's reward and completion metrics (TRL's names), over all processes' completions,
-        and the number of prompt and completion tokens the step saw."""
+        and the number of prompt and completion tokens the step saw. Completion lengths and token
+        counts are of the model's own tokens (a conversation's tool results are not counted), as TRL's."""
         cfg, G = self.config, self.config.rollout.num_generations
         N, U = cfg.completions_per_step, cfg.completions_per_update
-        mask = batch.completion_mask.cpu()  # (n, T)
+        mask = batch.trained_mask.cpu()  # (n, T)
         lengths = distributed.gather_rows(mask.sum(-1).float(), N, U)  # (N,)
         truncated = torch.tensor([r == "length" for r in batch.finish_reasons], dtype=torch.float32)
         truncated = distributed.gather_rows(truncated, N, U)  # (N,)
@@ -537,7 +558,25 @@ class Trainer:
             "completions/min_length": lengths.min().item(),
             "completions/max_length": lengths.max().item(),
             "completions/clipped_ratio": truncated.mean().item(),
+            **(self.conversation_metrics(batch) if batch.conversations is not None else {}),
         }, int(totals[2])
+
+    def conversation_metrics(self, batch: RolloutBatch) -> dict:
+        """Tool use over all processes' conversations: calls and failed calls (raised, timed out,
+        unknown or malformed) per rollout and in all, model turns, and the share of rollouts that
+        used their last turn (the budget's share is completions/clipped_ratio)."""
+        cfg = self.config
+        N, U = cfg.completions_per_step, cfg.completions_per_update
+        per_rollout = torch.tensor([[c.calls, c.failures, c.turns, c.stop == "max_turns"] for c in batch.conversations],
+                                   dtype=torch.float64)  # (n, 4)
+        calls, failures, turns, max_turns = distributed.gather_rows(per_rollout, N, U).T  # (N,) each
+        return {
+            "tools/calls_per_rollout": calls.mean().item(),
+            "tools/failures": failures.sum().item(),
+            "tools/failures_per_rollout": failures.mean().item(),
+            "turns/mean": turns.mean().item(),
+            "turns/max_turns_ratio": max_turns.mean().item(),
+        }
 
     def count_step(self, step: int, tokens: int, scored: Scored, stats: UpdateStats) -> None:
         """Step `step` is complete: advance the counters, and say so if it skipped an update."""
@@ -575,7 +614,8 @@ class Trainer:
         def scored(first: int, last: int) -> list[dict]:
             chunk = [examples[min(i, len(examples) - 1)] for i in range(first, last)]  # padding repeats the last
             return score(self.engine, self.tokenizer, self.rewards, chunk, self.greedy,
-                         first_index=first, max_prompt_length=self.config.data.max_prompt_length)
+                         first_index=first, max_prompt_length=self.config.data.max_prompt_length,
+                         multi_turn=self.multi_turn)
 
         if self.parallel.lockstep:  # equal slices (every forward is collective): the last padded, then cut
             share = -(-len(examples) // W)
@@ -662,7 +702,8 @@ class Trainer:
 
     def encode(self, example: Example, truncate: bool = True) -> list[int]:
         # data.long_prompts=truncate keeps the end; with "drop" no longer prompt is left.
-        return encode_prompt(self.tokenizer, example.prompt, self.config.data.max_prompt_length if truncate else None)
+        return encode_prompt(self.tokenizer, example.prompt, self.config.data.max_prompt_length if truncate else None,
+                             None if self.tools is None else self.tools.schemas)
 
     def logprobs(self, model, batch: RolloutBatch, rows: torch.Tensor) -> torch.Tensor:
         """Log-probs (len(rows), T) of completions `rows`, each distinct prompt run once."""

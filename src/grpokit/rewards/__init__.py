@@ -15,32 +15,27 @@ completion.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import hashlib
 import importlib
-import importlib.util
 import inspect
 import math
 import numbers
-import os
-import sys
-import threading
-import types
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from grpokit import signals
+from grpokit import signals, user_code
 from grpokit.errors import ConfigError
 
 
 def completion_text(completion) -> str:
-    """TRL's two completion shapes: a plain string, or a list of messages (conversational).
-    Shared by the built-in reward functions."""
+    """The reply in TRL's completion shapes: a plain string, or a list of messages (conversational;
+    in a multi-turn rollout, its last assistant message is the reply: the tool results and the
+    turns that called tools come before). Shared by the built-in reward functions."""
     if isinstance(completion, str):
         return completion
-    return "".join(message["content"] for message in completion)
+    replies = [m for m in completion if m.get("role", "assistant") == "assistant"]
+    return replies[-1]["content"] if replies else ""
 
 
 # The built-in reward functions: name -> module:function, imported when a run names them.
@@ -78,28 +73,36 @@ def _where(error: BaseException) -> str:
 
 
 def _short(value, limit: int = 300) -> str:
-    text = completion_text(value) if isinstance(value, (str, list)) else repr(value)
+    if isinstance(value, list):  # messages: a prompt, or a completion with its tool turns
+        text = "".join(str(m.get("content") or "") if isinstance(m, dict) else str(m) for m in value)
+    else:
+        text = value if isinstance(value, str) else repr(value)
     return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
 class RewardSet:
     """Reward functions called with TRL's convention and summed with weights (see module doc)."""
 
-    def __init__(self, specs: tuple[tuple[str, float, dict], ...], timeout: float | None = None):
+    def __init__(self, specs: tuple[tuple[str, float, dict], ...], timeout: float | None = None,
+                 extra: tuple[tuple[str, Callable], ...] = ()):
+        """specs: (name, weight, arguments) of the functions configured; extra: (name, function)
+        of others the run brings (an environment's get_reward), weight 1."""
         self.timeout = timeout  # seconds one call may take (reward.timeout); None: no limit
         # Metric keys (rewards/<name>/mean) name a file's function without its folders.
-        self.names = [name.rsplit("/", 1)[-1] for name, _, _ in specs]
+        self.names = [name.rsplit("/", 1)[-1] for name, _, _ in specs] + [name for name, _ in extra]
         if len(set(self.names)) < len(self.names):
-            raise ConfigError(f"reward.functions names a function twice: {[n for n, _, _ in specs]}")
-        self.weights = [weight for _, weight, _ in specs]
+            raise ConfigError(f"reward.functions names a function twice: {self.names}")
+        self.weights = [weight for _, weight, _ in specs] + [1.0] * len(extra)
         self.specs = [(name, get_reward_function(name), arguments) for name, _, arguments in specs]
+        self.specs += [(name, fn, {}) for name, fn in extra]
         self.functions = [_bind(name, fn, arguments) for name, fn, arguments in self.specs]
 
-    def check_arguments(self, columns) -> None:
-        """Every function can be called with what it will be given: TRL's arguments (RESERVED) and
-        the data's `columns`, by name. A function that takes neither **kwargs nor one of them, or
-        that needs an argument nothing provides, is a ConfigError now rather than at step 1."""
-        given = {*RESERVED, *columns}
+    def check_arguments(self, columns, environments: bool = False) -> None:
+        """Every function can be called with what it will be given: TRL's arguments (RESERVED),
+        `environments` with an environment, and the data's `columns`, by name. A function that takes
+        neither **kwargs nor one of them, or that needs an argument nothing provides, is a
+        ConfigError now rather than at step 1."""
+        given = {*RESERVED, *columns, *(["environments"] if environments else [])}
         for name, fn, arguments in self.specs:
             try:
                 parameters = inspect.signature(fn).parameters.values()
@@ -119,13 +122,17 @@ class RewardSet:
                                   f"the data provides (columns: {', '.join(sorted(columns)) or 'none'})")
 
     def __call__(
-        self, examples: list, completions: list, finish_reasons: list[str], completion_ids: list | None = None
+        self, examples: list, completions: list, finish_reasons: list[str], completion_ids: list | None = None,
+        environments: list | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Total rewards (N,) and each function's (N,), NaN where not applicable; N = len(completions)."""
+        """Total rewards (N,) and each function's (N,), NaN where not applicable; N = len(completions).
+        environments: each completion's environment instance (TRL passes them), with one."""
         prompts = [e.prompt for e in examples]
         columns = {k: [e.columns.get(k) for e in examples] for k in dict.fromkeys(k for e in examples for k in e.columns)}
         kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids,
                       finish_reasons=finish_reasons, **columns)
+        if environments is not None:
+            kwargs["environments"] = environments
         values: dict[str, list] = {}
         pending = []  # the async functions, awaited together
         for name, fn in zip(self.names, self.functions):
@@ -138,7 +145,7 @@ class RewardSet:
                 return await asyncio.gather(*(asyncio.wait_for(fn(**kwargs), self.timeout) for _, fn in pending),
                                             return_exceptions=True)
 
-            future = _submit(run_all())
+            future = user_code.submit(run_all())
             try:  # each function's time limit is asyncio's; a stop request ends the wait for them all
                 with signals.waiting_on(f"reward function(s) {', '.join(repr(name) for name, _ in pending)}"):
                     results = future.result()
@@ -180,7 +187,7 @@ class RewardSet:
             try:
                 result = fn(**one)
                 if inspect.isawaitable(result):
-                    _run(result)
+                    user_code.submit(result).result()
             except Exception as e:  # noqa: BLE001
                 raise RewardError(
                     f"reward function {name!r} raised {type(e).__name__}: {e}\n"
@@ -235,24 +242,6 @@ def _bind(name: str, fn, arguments: dict):
     return bound
 
 
-_loop: asyncio.AbstractEventLoop | None = None
-
-
-def _submit(coroutine) -> concurrent.futures.Future:
-    """Schedule `coroutine` on one event loop that lives as long as the process (in its own thread),
-    as TRL does: async clients and semaphores made on the first step still work on the next, and a
-    caller's own running loop (Jupyter) is left alone."""
-    global _loop
-    if _loop is None:
-        _loop = asyncio.new_event_loop()
-        threading.Thread(target=_loop.run_forever, name="grpokit-rewards", daemon=True).start()
-    return asyncio.run_coroutine_threadsafe(coroutine, _loop)
-
-
-def _run(coroutine):
-    return _submit(coroutine).result()
-
-
 def get_reward_function(name: str) -> Callable[..., list[float | None]]:
     """Resolve a built-in name, `module:function` or `file.py:function` (ConfigError if it can't)."""
     if name in REWARD_FUNCTIONS:
@@ -260,52 +249,9 @@ def get_reward_function(name: str) -> Callable[..., list[float | None]]:
     if name in BUILTIN_REWARDS:
         module, function = BUILTIN_REWARDS[name].split(":")
         return getattr(importlib.import_module(module), function)
-    where, sep, attr = name.rpartition(":")
-    if not sep or not where or not attr:
+    if ":" not in name:
         raise ConfigError(
             f"unknown reward function {name!r}: built-in ones are {', '.join(sorted(BUILTIN_REWARDS.keys() | REWARD_FUNCTIONS.keys()))}; "
             "your own are named 'package.module:function' or 'path/to/file.py:function'"
         )
-    module = _load_file(name, Path(where)) if where.endswith(".py") else _import(name, where)
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ConfigError(f"reward function {name!r}: {where} has no function named {attr!r}")
-    return fn
-
-
-def _import(name: str, module_name: str):
-    # `python -m grpokit` puts the working directory on sys.path, the `grpokit` script does not;
-    # a module next to the user should be found either way.
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
-    try:
-        return importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(
-            f"reward function {name!r}: cannot import module {module_name!r} ({e}); "
-            f"a file can be named by its path instead, e.g. 'path/to/{module_name.split('.')[-1]}.py:function'"
-        ) from None
-
-
-_loaded_files: dict[Path, types.ModuleType] = {}
-
-
-def _load_file(name: str, path: Path):
-    """Run a user's reward file once (however many functions are taken from it)."""
-    path = path.resolve()
-    if path in _loaded_files:
-        return _loaded_files[path]
-    if not path.is_file():
-        raise ConfigError(f"reward function {name!r}: file {path} does not exist")
-    # A unique module name per file: two files with the same name in different folders both load.
-    module_name = f"grpokit_user_rewards_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # dataclasses and typing look a class's module up here
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[module_name]
-        raise
-    _loaded_files[path] = module
-    return module
+    return user_code.find(f"reward function {name!r}", name)

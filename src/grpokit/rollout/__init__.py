@@ -8,6 +8,8 @@ downstream infers a mask from a pad id (the pad id of SmolLM2 *is* its EOS id).
     client.py               a `grpokit serve` process over HTTP (server.py), weights pushed to it
     vllm_engine.py          vLLM in the training process (GPU)
     weights.py              naming, fingerprinting, checksumming and sending weights
+    conversation.py         multi-turn rollouts (tools, environments) on top of any engine
+    tools.py                tools and environments: loading, schemas, parsing and running calls
 
 To add an engine: a class with the protocol's attributes and methods, registered in ENGINES.
 """
@@ -42,11 +44,19 @@ class RolloutBatch:
     prompt_index: torch.Tensor  # (N,) which prompt of the request each completion continues
     prompt_ids: torch.Tensor  # (N, Lp) left-padded
     prompt_mask: torch.Tensor  # (N, Lp) 1 on prompt tokens
-    completion_ids: torch.Tensor  # (N, T) right-padded
-    completion_mask: torch.Tensor  # (N, T) 1 on generated tokens, the EOS included
-    sampling_logps: torch.Tensor  # (N, T) log-prob of each token under the sampling distribution
-    entropies: torch.Tensor | None  # (N, T) entropy of the tempered policy distribution each token came from; None: not measured (vLLM)
+    completion_ids: torch.Tensor  # (N, T) right-padded: every token after the prompt
+    completion_mask: torch.Tensor  # (N, T) 1 on every token after the prompt (the context), the EOS included
+    sampling_logps: torch.Tensor  # (N, T) log-prob of each sampled token under the sampling distribution; 0 elsewhere
+    entropies: torch.Tensor | None  # (N, T) entropy of the tempered policy distribution each sampled token came from; None: not measured (vLLM)
     finish_reasons: list[str]  # "stop" (an EOS was sampled) or "length" (hit max_tokens)
+    # (N, T) 1 on the tokens the model sampled, which alone are trained: the loss, its normalizers,
+    # the KL and the completion metrics count these. None: every completion token (single-turn).
+    trained_mask: torch.Tensor | None = None
+    conversations: list | None = None  # multi-turn rollouts: one conversation.Conversation each
+
+    def __post_init__(self):
+        if self.trained_mask is None:
+            self.trained_mask = self.completion_mask
 
     def completion_id_lists(self) -> list[list[int]]:
         """Each completion's token ids, padding removed (TRL's `completion_ids` reward argument)."""
@@ -57,7 +67,10 @@ class RolloutBatch:
         picked = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            picked[f.name] = [value[i] for i in rows.tolist()] if isinstance(value, list) else value[rows.to(value.device)]
+            if value is None:
+                picked[f.name] = None
+            else:
+                picked[f.name] = [value[i] for i in rows.tolist()] if isinstance(value, list) else value[rows.to(value.device)]
         return RolloutBatch(**picked)
 
 
@@ -138,20 +151,25 @@ def make_engine(rollout, model, tokenizer, eos_ids: list[int], model_name: str, 
     return engine_class(rollout.engine).from_config(rollout, model, tokenizer, eos_ids, model_name, lockstep)
 
 
-def encode_prompt(tokenizer, prompt: list[dict] | str, max_length: int | None = None) -> list[int]:
-    """Prompt token ids: chat messages through the chat template, plain text as it is; longer than
-    `max_length` keeps the end (where the question and the generation prompt are)."""
+def encode_prompt(tokenizer, prompt: list[dict] | str, max_length: int | None = None,
+                  tools: list[dict] | None = None) -> list[int]:
+    """Prompt token ids: chat messages through the chat template (with the `tools` schemas), plain
+    text as it is; longer than `max_length` keeps the end (where the question and the generation
+    prompt are)."""
     if isinstance(prompt, str):
         text = prompt
     else:
-        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(prompt, tools=tools, add_generation_prompt=True, tokenize=False)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return ids[-max_length:] if max_length is not None and len(ids) > max_length else ids
 
 
 def decode_completions(tokenizer, batch: RolloutBatch, prompts: list) -> list:
     """Completions in TRL's shapes: [{"role": "assistant", "content": text}] after a chat prompt,
-    the plain text after a plain-text prompt. prompts: the prompt of each completion."""
+    the plain text after a plain-text prompt; a conversation's messages after its prompt (assistant
+    turns with their tool calls, tool results). prompts: the prompt of each completion."""
+    if batch.conversations is not None:
+        return [c.messages for c in batch.conversations]
     lengths = batch.completion_mask.sum(-1).tolist()
     texts = [
         tokenizer.decode(ids[:n], skip_special_tokens=True)

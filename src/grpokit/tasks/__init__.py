@@ -17,7 +17,21 @@ class Example:
 
 
 # data.task -> the module and class of a built-in task, imported when chosen.
-TASKS = {"arithmetic": "grpokit.tasks.arithmetic:ArithmeticTask"}
+TASKS = {"arithmetic": "grpokit.tasks.arithmetic:ArithmeticTask", "calculator": "grpokit.tasks.calculator:CalculatorTask"}
+
+
+def _task_class(name: str):
+    import importlib
+
+    if name not in TASKS:
+        raise ValueError(f"data.task={name!r} is not a built-in task; built-in tasks: {', '.join(TASKS)}")
+    module, cls = TASKS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def task_tools(data) -> tuple[str, ...]:
+    """The tools the task of `data` (a DataConfig) brings: a built-in task's own, none for a dataset."""
+    return () if data.path is not None else getattr(_task_class(data.task), "tools", ())
 
 
 def make_task(data, seed: int, prompt_length):
@@ -25,13 +39,8 @@ def make_task(data, seed: int, prompt_length):
 
     prompt_length(example) counts a prompt's tokens (for data.max_prompt_length).
     """
-    import importlib
-
     if data.path is not None:
         from grpokit.tasks.dataset import DatasetTask
 
         return DatasetTask(data, seed=seed, prompt_length=prompt_length)
-    if data.task not in TASKS:
-        raise ValueError(f"data.task={data.task!r} is not a built-in task; built-in tasks: {', '.join(TASKS)}")
-    module, name = TASKS[data.task].split(":")
-    return getattr(importlib.import_module(module), name)(seed=seed, eval_size=data.eval_size)
+    return _task_class(data.task)(seed=seed, eval_size=data.eval_size)

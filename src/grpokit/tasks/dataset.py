@@ -139,7 +139,8 @@ def to_example(row: dict, where: str, cfg: DataConfig) -> Example:
     elif isinstance(prompt, list) and prompt and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
     ):
-        prompt = [{"role": m["role"], "content": m["content"]} for m in prompt]
+        # Role and content, and a few-shot conversation's tool calls and tool names.
+        prompt = [{k: m[k] for k in ("role", "content", "tool_calls", "name") if k in m} for m in prompt]
         for i, m in enumerate(prompt):
             if m["role"] not in ROLES:
                 raise DataError(f"{where}: message {i} of the prompt (column {cfg.prompt_column!r}) has role "

@@ -1,0 +1,196 @@
+"""Multi-turn rollouts: the model and its tools in conversation, on top of any engine.
+
+A rollout is the prompt, then model segments (sampled, trained) and tool segments (the tools'
+results as the chat template renders them: never sampled, never trained), interleaved until the
+model answers without a tool call, `rollout.max_turns` model turns were taken, or the token budget
+(`rollout.max_completion_length`, every token after the prompt) is spent (finish reason "length").
+
+Each model turn is one engine generation over the whole context so far, given as token ids: model
+tokens stay exactly as sampled, never decoded and encoded again (which can change them). The
+batch's `completion_mask` covers every token after the prompt, the context its log-probs are
+computed in; its `trained_mask` only the model's tokens.
+
+Turn k of completion i samples from its own seed, derived from seeds[i] and k: what a rollout
+samples depends neither on the other rollouts of its batch nor on the process or engine.
+
+A tool segment is the text the chat template puts between the end of an assistant turn and the
+start of the next one: it is found by rendering a stand-in conversation with and without the tool
+results, so that any template that can express tools works.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from grpokit.errors import ConfigError
+from grpokit.rollout import RolloutBatch, SamplingParams, encode_prompt, from_completions
+from grpokit.rollout.tools import Tools, call_message, parse_calls
+
+# Why a rollout ended: the model answered without a tool call, it used its last turn, or the budget ran out.
+STOPS = ("answer", "max_turns", "length")
+_MARK = "\u2063grpokit-assistant\u2063"  # stand-in assistant text, found again in the rendering
+
+
+@dataclass
+class Conversation:
+    """One rollout after its prompt, as reward functions and completions.jsonl see it."""
+
+    messages: list[dict]  # assistant turns ({"content", "tool_calls"}) and tool results ({"name", "content"})
+    turns: int = 0  # model turns
+    calls: int = 0  # tool calls, the malformed ones included
+    failures: int = 0  # calls that raised, timed out, named no tool, or were malformed
+    stop: str = "answer"  # one of STOPS
+    environment: object | None = field(default=None, repr=False, compare=False)
+
+
+@dataclass
+class _Rollout:
+    prompt: list[int]
+    tools: dict
+    conversation: Conversation
+    ids: list[int] = field(default_factory=list)  # every token after the prompt
+    trained: list[int] = field(default_factory=list)  # 1 on model tokens
+    logps: list[float] = field(default_factory=list)
+    entropies: list[float] | None = field(default_factory=list)
+    finish: str = "stop"
+
+    def add(self, ids: list[int], trained: bool, logps=None, entropies=None) -> None:
+        self.ids += ids
+        self.trained += [int(trained)] * len(ids)
+        self.logps += logps if logps is not None else [0.0] * len(ids)
+        if self.entropies is not None:
+            self.entropies = None if trained and entropies is None else self.entropies + (entropies or [0.0] * len(ids))
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """The sampling seed of a rollout's turn `turn` (turn 0: the rollout's own seed)."""
+    return (seed + turn * 0x9E3779B97F4A7C15) % 2**62
+
+
+class MultiTurn:
+    """Samples conversations: `generate` has the engine protocol's shape, with examples for prompts."""
+
+    def __init__(self, tokenizer, tools: Tools, max_turns: int, eos_ids: list[int], max_prompt_length: int | None = None):
+        self.tokenizer = tokenizer
+        self.tools = tools
+        self.max_turns = max_turns
+        self.eos_ids = set(eos_ids)
+        self.max_prompt_length = max_prompt_length
+        self._base = self._render([{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}])
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=self.tools.schemas, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def encode(self, prompt: list[dict]) -> list[int]:
+        return encode_prompt(self.tokenizer, prompt, self.max_prompt_length, self.tools.schemas)
+
+    def tool_segment(self, results: list[dict], after_eos: int | None) -> list[int]:
+        """Token ids of the tool `results` as the template renders them after an assistant turn,
+        up to the next assistant turn's start; after_eos: the EOS id the model's turn ended with."""
+        full = self._render([{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}, *results],
+                            add_generation_prompt=True)
+        if not full.startswith(self._base):
+            raise ConfigError("the chat template renders an assistant turn differently once tool results follow it; "
+                              "grpokit cannot tell where the tool results start: set model.chat_template to one that "
+                              "does not (for example grpokit's chatml_tools.jinja)")
+        closing = self._base[self._base.rindex(_MARK) + len(_MARK):]  # what ends an assistant turn, e.g. "<|im_end|>\n"
+        if after_eos is not None:  # the model sampled that part itself
+            eos_text = self.tokenizer.decode([after_eos])
+            if closing.startswith(eos_text):
+                closing = closing[len(eos_text):]
+        return self.tokenizer(closing + full[len(self._base):], add_special_tokens=False)["input_ids"]
+
+    def generate(self, engine, examples: list, counts: list[int], params: SamplingParams,
+                 seeds: list[int] | None = None) -> RolloutBatch:
+        """counts[i] rollouts of examples[i] (those of one example contiguous), seeds[r]: rollout r's."""
+        rollouts = []
+        for example, count in zip(examples, counts):
+            if isinstance(example.prompt, str):
+                raise ConfigError("multi-turn rollouts (rollout.tools, rollout.environment) need chat prompts: "
+                                  "set data.chat_template=true, or give prompts as lists of messages")
+            for _ in range(count):
+                environment, appended = self.tools.start({"prompt": example.prompt, **example.columns})
+                messages = [dict(m) for m in example.prompt]
+                if appended:  # TRL's rule: reset's text is appended to the last message of the prompt
+                    messages[-1]["content"] += appended
+                rollouts.append(_Rollout(self.encode(messages), self.tools.callables(environment),
+                                         Conversation([], environment=environment)))
+        # Rollouts in a row with the same prompt (all of a group, unless reset() told them apart)
+        # share one prefill.
+        prompts, prompt_index = [], []
+        for r in rollouts:
+            if not prompts or r.prompt != prompts[-1]:
+                prompts.append(r.prompt)
+            prompt_index.append(len(prompts) - 1)
+        budget = params.max_tokens
+        active = list(range(len(rollouts)))
+        for turn in range(self.max_turns):
+            if not active:
+                break
+            room = [budget - len(rollouts[r].ids) for r in active]
+            turn_params = replace(params, max_tokens=max(room))
+            turn_seeds = None if seeds is None else [turn_seed(int(seeds[r]), turn) for r in active]
+            if turn == 0:
+                batch = engine.generate(prompts, torch.bincount(torch.tensor(prompt_index)).tolist(), turn_params,
+                                        turn_seeds)
+            else:
+                batch = engine.generate([rollouts[r].prompt + rollouts[r].ids for r in active], 1, turn_params,
+                                        turn_seeds)
+            active = [r for j, r in enumerate(active) if self._take_turn(rollouts[r], batch, j, room[j], turn, budget)]
+        return self._batch(rollouts, prompts, prompt_index)
+
+    def _take_turn(self, rollout: _Rollout, batch: RolloutBatch, row: int, room: int, turn: int, budget: int) -> bool:
+        """Add row `row` of `batch` as `rollout`'s model turn, run its tool calls and add their
+        results; whether the rollout goes on."""
+        c = rollout.conversation
+        n = int(batch.completion_mask[row].sum())
+        finish = batch.finish_reasons[row]
+        if n > room:  # the engine was asked for the longest room of the turn's rollouts
+            n, finish = room, "length"
+        ids = batch.completion_ids[row, :n].tolist()
+        entropies = None if batch.entropies is None else batch.entropies[row, :n].tolist()
+        rollout.add(ids, True, batch.sampling_logps[row, :n].tolist(), entropies)
+        c.turns += 1
+        content, calls, problems = parse_calls(self.tokenizer, self.tokenizer.decode(ids, skip_special_tokens=True))
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call_message(call) for call in calls]
+        c.messages.append(message)
+        if finish == "length":
+            rollout.finish, c.stop = "length", "length"
+            return False
+        if not calls and not problems:
+            c.stop = "answer"
+            return False
+        if turn == self.max_turns - 1:  # its calls are not run: the model would have no turn to read them
+            c.stop = "max_turns"
+            return False
+        results = []
+        for call in calls:
+            text, failed = self.tools.call(rollout.tools, call)
+            results.append({"role": "tool", "name": call.name, "content": text})
+            c.failures += failed
+        results += [{"role": "tool", "name": "error", "content": problem} for problem in problems]
+        c.calls += len(calls) + len(problems)
+        c.failures += len(problems)
+        segment = self.tool_segment(results, ids[-1] if ids and ids[-1] in self.eos_ids else None)
+        if len(rollout.ids) + len(segment) >= budget:  # no room left for the model to read them
+            rollout.finish, c.stop = "length", "length"
+            return False
+        rollout.add(segment, False)
+        c.messages += results
+        return True
+
+    def _batch(self, rollouts: list[_Rollout], prompts: list[list[int]], prompt_index: list[int]) -> RolloutBatch:
+        counts = torch.bincount(torch.tensor(prompt_index)).tolist()
+        batch = from_completions(prompts, counts, [
+            {"token_ids": r.ids, "logprobs": r.logps, "entropies": r.entropies, "finish_reason": r.finish}
+            for r in rollouts], self.tokenizer.pad_token_id)
+        trained = torch.zeros_like(batch.completion_mask)  # (N, T)
+        for i, r in enumerate(rollouts):
+            trained[i, : len(r.trained)] = torch.tensor(r.trained, dtype=torch.long)
+        batch.trained_mask, batch.conversations = trained, [r.conversation for r in rollouts]
+        return batch

@@ -1,0 +1,83 @@
+"""The user's code named in configs (reward functions, tools, environments): found by
+`package.module:name` or `path/to/file.py:name`, and async functions run on one event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
+import threading
+import types
+from pathlib import Path
+
+from grpokit.errors import ConfigError
+
+
+def find(what: str, name: str, noun: str = "function"):
+    """The object `name` ('package.module:attr' or 'path/to/file.py:attr') names; a ConfigError
+    that starts with `what` (e.g. "reward function 'x'") when it cannot be found, or when `noun`
+    is "function" and it is not callable."""
+    where, sep, attr = name.rpartition(":")
+    if not sep or not where or not attr:
+        raise ConfigError(f"{what}: name it 'package.module:name' or 'path/to/file.py:name'")
+    module = _load_file(what, Path(where)) if where.endswith(".py") else _import(what, where)
+    found = getattr(module, attr, None)
+    if found is None or (noun == "function" and not callable(found)):
+        raise ConfigError(f"{what}: {where} has no {noun} named {attr!r}")
+    return found
+
+
+def _import(what: str, module_name: str):
+    # `python -m grpokit` puts the working directory on sys.path, the `grpokit` script does not;
+    # a module next to the user should be found either way.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(
+            f"{what}: cannot import module {module_name!r} ({e}); "
+            f"a file can be named by its path instead, e.g. 'path/to/{module_name.split('.')[-1]}.py:name'"
+        ) from None
+
+
+_loaded_files: dict[Path, types.ModuleType] = {}
+
+
+def _load_file(what: str, path: Path):
+    """Run a user's file once (however many objects are taken from it)."""
+    path = path.resolve()
+    if path in _loaded_files:
+        return _loaded_files[path]
+    if not path.is_file():
+        raise ConfigError(f"{what}: file {path} does not exist")
+    # A unique module name per file: two files with the same name in different folders both load.
+    module_name = f"grpokit_user_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses and typing look a class's module up here
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+    _loaded_files[path] = module
+    return module
+
+
+_loop: asyncio.AbstractEventLoop | None = None
+
+
+def submit(coroutine) -> concurrent.futures.Future:
+    """Schedule `coroutine` on one event loop that lives as long as the process (in its own thread),
+    as TRL does: async clients and semaphores made on the first step still work on the next, and a
+    caller's own running loop (Jupyter) is left alone."""
+    global _loop
+    if _loop is None:
+        _loop = asyncio.new_event_loop()
+        threading.Thread(target=_loop.run_forever, name="grpokit-user-code", daemon=True).start()
+    return asyncio.run_coroutine_threadsafe(coroutine, _loop)
