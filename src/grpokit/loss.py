@@ -173,7 +173,16 @@ def clipped_surrogate_loss(inputs: LossInputs, settings: LossSettings, normalize
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)  # (B, 1), broadcast over tokens
 
-    old_logps = logps.detach() if inputs.old_logps is None else inputs.old_logps
+    # Untrained positions (padding, a conversation's tool tokens) hold log-probs that no sampling
+    # produced, possibly far from the others': every log-prob there is set to the policy's before
+    # any exp, so that a huge difference cannot become inf * 0 = NaN. Trained positions are untouched.
+    trained = inputs.mask.bool()  # (B, T)
+    here = logps.detach()
+
+    def on_trained(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else torch.where(trained, x, here)
+
+    old_logps = here if inputs.old_logps is None else on_trained(inputs.old_logps)
     ratio = torch.exp(logps - old_logps)  # (B, T)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantages
@@ -181,12 +190,12 @@ def clipped_surrogate_loss(inputs: LossInputs, settings: LossSettings, normalize
 
     weights = None
     if inputs.sampling_logps is not None:
-        weights = importance_weights(old_logps, inputs.sampling_logps, s.is_cap)  # (B, T)
+        weights = importance_weights(old_logps, on_trained(inputs.sampling_logps.to(logps.dtype)), s.is_cap)  # (B, T)
         per_token = per_token * weights
 
     kl = None
     if s.beta > 0:
-        kl = KL_ESTIMATORS[s.kl_estimator](logps, inputs.ref_logps)  # (B, T)
+        kl = KL_ESTIMATORS[s.kl_estimator](logps, on_trained(inputs.ref_logps))  # (B, T)
         per_token = per_token + s.beta * kl
 
     loss = normalize(per_token, mask, num_sequences, num_tokens, length)

@@ -149,6 +149,10 @@ class Trainer:
         if self.tools is not None and self.parallel.lockstep:
             raise ConfigError("multi-turn rollouts (rollout.tools, rollout.environment) with sharded weights (FSDP2, "
                               "ZeRO-3) are not supported: the processes would take different numbers of turns")
+        if self.tools is not None and self.tools.environment is not None and self.remote and distributed.world_size() > 1:
+            raise ConfigError("rollout.environment with rollout.engine=server on several processes is not supported: the "
+                              "environments live in process 0, which alone talks to the server; use one process, or "
+                              "the transformers engine")
         self.task = make_task(config.data, config.train.seed, lambda e: len(self.encode(e, truncate=False)))
         first = next(self.task.train_stream())
         if self.tools is not None:

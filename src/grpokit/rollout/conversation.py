@@ -79,6 +79,7 @@ class MultiTurn:
         self.eos_ids = set(eos_ids)
         self.max_prompt_length = max_prompt_length
         self._base = self._render([{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}])
+        self.tool_segment([{"role": "tool", "name": "tool", "content": "?"}], None)  # a template it fails on fails now
 
     def _render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=self.tools.schemas, tokenize=False,

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import json
 import re
@@ -71,22 +72,25 @@ class Tools:
             self.functions[fn.__name__] = fn
             self.schemas.append(schema(fn, f"tool {name!r} (rollout.tools)"))
         self.environment = self.environment_name = None
+        self.has_reward = False  # the environment has get_reward()
         if environment is not None:
             self.environment = user_code.find(f"environment {environment!r} (rollout.environment)", environment)
             self.environment_name = getattr(self.environment, "__name__", environment.rpartition(":")[2])
             # One instance now: a constructor that fails, or a method that is not a well-described
             # tool, is a start-up error rather than a failure at step 1.
             try:
-                methods = environment_tools(self._new())
+                probe = self._new()
             except EnvironmentFailed as e:
                 raise ConfigError(f"{e} (rollout.environment)") from None
+            methods = environment_tools(probe)
+            self.has_reward = callable(getattr(probe, "get_reward", None))
+            self._async_reward = inspect.iscoroutinefunction(getattr(probe, "get_reward", None))
             clash = sorted(set(methods) & set(self.functions))
             if clash:
                 raise ConfigError(f"environment {environment!r} has methods named like rollout.tools' functions: {clash}")
             if not methods and not self.functions:
                 raise ConfigError(f"environment {environment!r} has no public method the model could call as a tool")
             self.schemas += [schema(m, f"environment {environment!r}: method {n!r}") for n, m in methods.items()]
-        self.has_reward = self.environment is not None and callable(getattr(self.environment, "get_reward", None))
 
     @classmethod
     def from_config(cls, config, tokenizer, model_name: str | None = None) -> Tools | None:
@@ -126,7 +130,7 @@ class Tools:
         if not callable(getattr(instance, "reset", None)):
             raise ConfigError(f"{what} has no reset method (TRL's environments reset(**row) for every rollout)")
         try:
-            text = instance.reset(**row)
+            text = instance.reset(**copy.deepcopy(row))  # the task's own examples stay as they are
         except Exception as e:  # noqa: BLE001
             raise EnvironmentFailed(f"{what}: reset() raised {type(e).__name__}: {e}") from e
         if text is not None and not isinstance(text, str):
@@ -144,30 +148,30 @@ class Tools:
         if fn is None:
             return f"error: there is no tool named {call.name!r}; the tools are: {', '.join(tools)}", True
         what = f"tool {call.name!r}"
-        try:
-            if inspect.iscoroutinefunction(fn):
-                future = user_code.submit(asyncio.wait_for(fn(**call.arguments), self.timeout))
-                try:
-                    with signals.waiting_on(what):
-                        result = future.result()
-                except signals.StoppedWhileWaiting:
-                    future.cancel()
-                    raise
-            else:
-                with signals.waiting_on(what, self.timeout):
+        future = None
+        try:  # a stop request (SIGTERM) and rollout.tool_timeout end a call that never returns
+            with signals.waiting_on(what, self.timeout):
+                if inspect.iscoroutinefunction(fn):  # on the long-lived loop; the wait here is what times out
+                    future = user_code.submit(fn(**call.arguments))
+                    result = future.result()
+                else:
                     result = fn(**call.arguments)
-        except (signals.WaitTimedOut, asyncio.TimeoutError, TimeoutError):
+        except signals.WaitTimedOut:
+            if future is not None:
+                future.cancel()
             return f"error: {what} did not return within {self.timeout:g} s", True
         except signals.StoppedWhileWaiting:
+            if future is not None:
+                future.cancel()
             raise
-        except Exception as e:  # noqa: BLE001 - the model reads the error, as it would in production
+        except Exception as e:  # noqa: BLE001 - the model reads the error (its own timeouts included), as in production
             return f"error: {type(e).__name__}: {e}", True
         return result if isinstance(result, str) else _as_text(result), False
 
 
     def reward(self) -> tuple[str, Callable]:
         """The environment's get_reward() as a reward function, named after its class (TRL's rule)."""
-        if inspect.iscoroutinefunction(self.environment.get_reward):
+        if self._async_reward:
             async def reward(environments, **kwargs):
                 return list(await asyncio.gather(*(e.get_reward() for e in environments)))
         else:
