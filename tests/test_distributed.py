@@ -194,15 +194,13 @@ def launch(nproc: int, args: list[str], cwd: Path, launcher: str = "torchrun") -
 
 
 @pytest.mark.parametrize("overrides", [
-    # 4 completions per update, 2 per process: every group is split across the two processes.
+    # 4 completions per update, 2 per process: every group is split across the two processes; each
+    # completion has a tool result between two model turns (exact.with_tool_turns).
     ["train.prompts_per_step=2", "rollout.num_generations=4", "train.updates_per_step=2", "algorithm.beta=0.04",
-     "algorithm.num_iterations=2", "algorithm.scale_rewards=batch", "train.micro_batch_size=1"],
+     "algorithm.num_iterations=2", "algorithm.scale_rewards=batch", "train.micro_batch_size=1", "multi_turn"],
     # Whole groups per process; process 1's groups have constant rewards: it back-propagates nothing.
     ["train.prompts_per_step=4", "rollout.num_generations=4", "algorithm.loss_type=dapo", "half_constant"],
-    # Completions of two model turns around a tool result (exact.with_tool_turns).
-    ["train.prompts_per_step=2", "rollout.num_generations=4", "algorithm.beta=0.04", "train.micro_batch_size=1",
-     "multi_turn"],
-], ids=["groups-span-processes", "dapo-one-process-idle", "multi-turn"])
+], ids=["groups-span-processes-multi-turn", "dapo-one-process-idle"])
 def test_two_processes_compute_the_one_process_update(tmp_path, overrides):
     one, two = run_worker(tmp_path, "learn", overrides)
     assert sorted(torch.cat([t["rows"] for t in two]).tolist()) == one["rows"].tolist()

@@ -331,7 +331,7 @@ def test_a_multi_turn_server_run_equals_the_in_process_run(server, tmp_path):
         for a, b in ((347, 58), (512, 33))))
     run = ["--no-progress", f"model.name={bundled}", f"data.path={tmp_path / 'data.jsonl'}", "data.eval_size=0",
            "rollout.tools=[grpokit.tasks.calculator:calculator]", "reward.functions=[exact_answer]",
-           "train.prompts_per_step=1", "rollout.num_generations=2", "rollout.max_completion_length=80",
+           "train.prompts_per_step=1", "rollout.num_generations=2", "rollout.max_completion_length=72",
            "train.max_steps=1", "train.learning_rate=1e-4"]
     assert main(["train", *run, f"train.output_dir={tmp_path / 'local'}"]) == 0
     assert main(["train", *run, "rollout.engine=server", f"rollout.server_url={s.url}",
