@@ -40,9 +40,8 @@ def score(engine, tokenizer, rewards: RewardSet, examples: list[Example], params
             batch = engine.generate(prompts, num_samples, params, seeds)
         grouped = [e for e in chunk for _ in range(num_samples)]
         completions = decode_completions(tokenizer, batch, [e.prompt for e in grouped])
-        environments = None if batch.conversations is None or batch.conversations[0].environment is None else [
-            c.environment for c in batch.conversations]
-        total, by_name = rewards(grouped, completions, batch.finish_reasons, batch.completion_id_lists(), environments)
+        total, by_name = rewards(grouped, completions, batch.finish_reasons, batch.completion_id_lists(),
+                                 batch.environments())
         lengths = batch.trained_mask.sum(-1).tolist()
         for row in range(len(grouped)):
             records.append({
@@ -107,7 +106,7 @@ def evaluate_model(config, model_path: str, num_samples: int = 1, output: str | 
         raise ConfigError(f"no held-out prompts to score: data.eval_size={config.data.eval_size} (a run trained "
                           "with data.eval_size=0 keeps that in its config): add data.eval_size=100, or data.eval_path")
     rewards = RewardSet(reward_specs(config, task.reward_functions), config.reward.timeout,
-                        extra=(tools.reward(),) if tools is not None and tools.has_reward else ())
+                        extra=Tools.rewards(tools))
     for note in getattr(task, "notes", ()):
         print(note)
     model = load_model(model_path, config.model.dtype).to("cuda" if torch.cuda.is_available() else "cpu")

@@ -158,7 +158,7 @@ class Trainer:
         if self.tools is not None:
             self.tools.check({"prompt": first.prompt, **first.columns})
         self.rewards = RewardSet(reward_specs(config, self.task.reward_functions), config.reward.timeout,
-                                 extra=(self.tools.reward(),) if self.tools is not None and self.tools.has_reward else ())
+                                 extra=Tools.rewards(self.tools))
         self.stream = self.task.train_stream()
         self.rewards.check_arguments(first.columns, environments=self.tools is not None and self.tools.environment is not None)
         # Process 0 alone owns the run directory; the others learn its path (a default one is
@@ -416,10 +416,8 @@ class Trainer:
         N, U = cfg.completions_per_step, cfg.completions_per_update
         owned = [examples[r // G] for r in self.rows.tolist()]
         completions = decode_completions(self.tokenizer, batch, [e.prompt for e in owned])
-        environments = None if self.tools is None or self.tools.environment is None else [
-            c.environment for c in batch.conversations]
         local_rewards, local_per_function = self.rewards(
-            owned, completions, batch.finish_reasons, batch.completion_id_lists(), environments
+            owned, completions, batch.finish_reasons, batch.completion_id_lists(), batch.environments()
         )  # (n,)
         samples = [
             {"prompt": e.prompt, "completion": c, "finish_reason": f, "reward": r.item(),

@@ -62,6 +62,12 @@ class RolloutBatch:
         """Each completion's token ids, padding removed (TRL's `completion_ids` reward argument)."""
         return [ids[:n] for ids, n in zip(self.completion_ids.tolist(), self.completion_mask.sum(-1).tolist())]
 
+    def environments(self) -> list | None:
+        """Each completion's environment instance (reward functions' `environments`), None without one."""
+        if self.conversations is None or self.conversations[0].environment is None:
+            return None
+        return [c.environment for c in self.conversations]
+
     def select(self, rows: torch.Tensor) -> RolloutBatch:
         """The completions `rows` (R,), in that order; `prompt_index` keeps naming the same prompts."""
         picked = {}

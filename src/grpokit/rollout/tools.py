@@ -169,6 +169,11 @@ class Tools:
         return result if isinstance(result, str) else _as_text(result), False
 
 
+    @staticmethod
+    def rewards(tools: Tools | None) -> tuple[tuple[str, Callable], ...]:
+        """The reward functions `tools` bring (RewardSet's `extra`): the environment's get_reward, if any."""
+        return (tools.reward(),) if tools is not None and tools.has_reward else ()
+
     def reward(self) -> tuple[str, Callable]:
         """The environment's get_reward() as a reward function, named after its class (TRL's rule)."""
         if self._async_reward:
