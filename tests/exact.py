@@ -62,3 +62,30 @@ def with_tool_turns(batch, tool_ids: list[int]):
         conversations.append(Conversation([{"role": "assistant", "content": text}], turns=2, calls=1))
     return RolloutBatch(batch.prompt_index, batch.prompt_ids, batch.prompt_mask, ids, context, logps, entropies,
                         list(batch.finish_reasons), trained, conversations)
+
+
+def off_the_sampler(trainer, batch):
+    """`batch` as if sampled by other kernels than the trainer's (as vLLM's): a copy with its
+    sampling log-probs moved by a fixed pseudo-random amount per token; and the trainer's rollout
+    importance weight turned on."""
+    import copy
+
+    g = torch.Generator().manual_seed(5)
+    moved = copy.copy(batch)
+    moved.sampling_logps = batch.sampling_logps + 0.3 * torch.randn(batch.sampling_logps.shape, generator=g,
+                                                                    dtype=batch.sampling_logps.dtype)
+    trainer.is_correction = True
+    return moved
+
+
+def cut_ragged(batch, eos: int):
+    """`batch` with its completions cut to ragged lengths, ending in EOS (a random model never
+    samples it), for the normalizers to matter; some stay whole, with finish reason "length"."""
+    T = batch.completion_ids.shape[1]
+    for i in range(len(batch.finish_reasons)):
+        n = 1 + (3 * i) % (T + 2)
+        if n < T:
+            batch.completion_ids[i, n - 1 :] = eos  # EOS, then padding (SmolLM2 pads with EOS)
+            batch.completion_mask[i, n:] = 0
+            batch.finish_reasons[i] = "stop"
+    return batch

@@ -11,3 +11,10 @@ import torch
 def noisy_length(completions, **columns):
     noise = [random.random() + np.random.rand() + torch.rand(()).item() for _ in completions]
     return [-float(len(c[0]["content"])) + 0.1 * n for c, n in zip(completions, noise)]
+
+
+def noisy_parity(completions, answer, **columns):
+    """noisy_length, except on prompts with an even answer, where every completion gets 0: about half
+    the groups teach nothing, for dynamic sampling to drop (the RNGs are drawn from all the same)."""
+    values = noisy_length(completions)
+    return [0.0 if int(a) % 2 == 0 else v for a, v in zip(answer, values)]

@@ -24,12 +24,16 @@ from grpokit.rundir import read_metrics, release_run_dir
 from grpokit.cli import main
 
 # 24 short steps on tiny-random (a few tenths of a second each) with a reward it learns that also
-# draws from every global RNG, and a learning rate still warming up: resuming must restore the
-# RNGs, the scheduler, the optimizer, the sampling seeds and the data position to match.
-ARGS = ["model.name=tiny-random", f"reward.functions=[{Path(__file__).parent / 'noisy_reward.py'}:noisy_length]",
+# draws from every global RNG, and a learning rate still warming up: resuming must
+# restore the RNGs, the scheduler, the optimizer, the sampling seeds and the data position to match.
+# Dynamic sampling is on and about half the groups have equal rewards, so steps take one or two
+# rounds of sampling (the data position moves by a varying number of prompts) or fill their batch;
+# the reference model moves towards the policy every second update (it is saved with the weights).
+ARGS = ["model.name=tiny-random", f"reward.functions=[{Path(__file__).parent / 'noisy_reward.py'}:noisy_parity]",
         "train.prompts_per_step=2", "rollout.num_generations=4", "data.eval_size=4", "train.learning_rate=1e-3",
-        "train.warmup_steps=30", "train.eval_every=5", "train.save_every=3", "train.max_steps=24",
-        "algorithm.beta=0.01"]
+        "train.warmup_steps=30", "train.eval_every=5", "train.save_every=3",
+        "train.max_steps=24", "algorithm.beta=0.01", "rollout.dynamic_sampling=true", "rollout.max_sampling_rounds=2",
+        "algorithm.sync_ref_model=true", "algorithm.ref_model_sync_steps=2"]
 
 
 def launch(out: Path, *extra: str, env: dict | None = None, processes: int = 1) -> subprocess.Popen:
@@ -87,7 +91,10 @@ def reference(tmp_path_factory) -> Path:
     """The uninterrupted run."""
     out = tmp_path_factory.mktemp("reference") / "run"
     assert finish(launch(out), out) == 0
-    assert [r["step"] for r in train_rows(out)] == list(range(1, 25))
+    rows = train_rows(out)
+    assert [r["step"] for r in rows] == list(range(1, 25))
+    rounds = {r["dynamic_sampling/rounds"] for r in rows}
+    assert rounds == {1.0, 2.0} and any(r["dynamic_sampling/groups_kept"] < 2 for r in rows)  # each path taken
     return out
 
 

@@ -38,6 +38,30 @@ def test_bad_values_fail_naming_the_field(override, field):
         load_config(None, [override])
 
 
+@pytest.mark.parametrize("overrides, names", [
+    (["algorithm.loss_type=cispo", "algorithm.delta=2"], ["algorithm.delta", "algorithm.loss_type=cispo"]),
+    (["algorithm.loss_type=sapo", "algorithm.delta=2"], ["algorithm.delta", "algorithm.loss_type=sapo"]),
+    (["algorithm.delta=1.1"], ["algorithm.delta", "algorithm.epsilon_high"]),
+    (["algorithm.importance_sampling_level=sequence", "algorithm.top_entropy_quantile=0.2"],
+     ["algorithm.importance_sampling_level=sequence", "algorithm.top_entropy_quantile"]),
+    (["algorithm.reward_aggregation=normalize_then_sum", "algorithm.advantage_estimator=rloo"],
+     ["normalize_then_sum", "algorithm.advantage_estimator=rloo"]),
+    (["algorithm.reward_aggregation=normalize_then_sum", "algorithm.scale_rewards=batch"],
+     ["normalize_then_sum", "algorithm.scale_rewards=batch"]),
+    (["algorithm.sync_ref_model=true"], ["algorithm.sync_ref_model", "algorithm.beta=0"]),
+    (["algorithm.sync_ref_model=true", "algorithm.beta=0.01", "model.lora_rank=8"],
+     ["algorithm.sync_ref_model", "model.lora_rank"]),
+    (["rollout.is_min=1.5"], ["rollout.is_min"]),
+    (["rollout.max_sampling_rounds=0"], ["rollout.max_sampling_rounds"]),
+    (["algorithm.top_entropy_quantile=1.5"], ["algorithm.top_entropy_quantile"]),
+])
+def test_contradictory_variant_settings_name_both(overrides, names):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    for name in names:
+        assert name in str(e.value), (name, str(e.value))
+
+
 def test_every_problem_is_reported_at_once():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["rollout.num_generations=1", "algorithm.beta=-1"])

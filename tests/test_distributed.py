@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from exact import rmsnorm_in_input_dtype, step_on, update_difference, with_tool_turns
+from exact import cut_ragged, off_the_sampler, rmsnorm_in_input_dtype, step_on, update_difference, with_tool_turns
 from transformers.models.llama import modeling_llama
 
 from grpokit.config import load_config
@@ -47,6 +47,8 @@ def test_shard_rows_split_every_update_evenly():
 def make_trainer(tmp_path, monkeypatch):
     monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", rmsnorm_in_input_dtype)
     monkeypatch.setitem(REWARD_FUNCTIONS, "shortness", shortness)
+    monkeypatch.setitem(REWARD_FUNCTIONS, "oddness", lambda completions, **columns: [
+        float(len(c[0]["content"]) % 2) for c in completions])
     runs = iter(range(1000))
 
     def make(*overrides):
@@ -69,25 +71,37 @@ def one_step(trainer, examples, batch):
 
 
 def fixed_batch(trainer, seed=7):
-    """A rollout batch of the trainer's first prompts; a random model never samples EOS, so the
+    """A rollout batch of the trainer's first prompts; a random model never samples EOS, so most
     completions are cut to ragged lengths (ending in EOS) for the normalizers to matter."""
     examples = [next(trainer.stream) for _ in range(trainer.config.train.prompts_per_step)]
     batch = trainer.engine.generate(
         [trainer.encode(e) for e in examples], trainer.config.rollout.num_generations, trainer.sampling,
         seeds=range(seed * 1000, seed * 1000 + trainer.config.completions_per_step),
     )
-    eos, T = trainer.tokenizer.eos_token_id, batch.completion_ids.shape[1]
-    for i in range(len(batch.finish_reasons)):
-        n = 1 + (3 * i) % T
-        if n < T:
-            batch.completion_ids[i, n - 1 :] = eos  # EOS, then padding (SmolLM2 pads with EOS)
-            batch.completion_mask[i, n:] = 0
-            batch.finish_reasons[i] = "stop"
-    return examples, batch
+    return examples, cut_ragged(batch, trainer.tokenizer.eos_token_id)
 
 
-CASES = [(loss, beta, iters, 1) for loss in LOSSES for beta in (0.0, 0.04) for iters in (1, 2)]
+CASES = [(loss, beta, iters, 1) for loss in ("grpo", "dapo", "dr_grpo") for beta in (0.0, 0.04) for iters in (1, 2)]
 CASES += [("grpo", 0.04, 1, 2), ("dapo", 0.0, 2, 2)]  # two optimizer updates per step as well
+
+# Every other variant and estimator, each with a KL term and two passes (the second off-policy, so
+# that ratios leave 1 and the clips bind). "off_sampler": the rollout importance weight is on (exact.py).
+VARIANTS = {
+    "cispo": ["algorithm.loss_type=cispo", "algorithm.epsilon_high=0.02"],
+    "sapo": ["algorithm.loss_type=sapo"],
+    "gspo": ["algorithm.importance_sampling_level=sequence"],
+    "gspo-dapo": ["algorithm.importance_sampling_level=sequence", "algorithm.loss_type=dapo"],
+    "dual-clip": ["algorithm.delta=1.05", "algorithm.epsilon=0.02"],
+    "rloo": ["algorithm.advantage_estimator=rloo"],
+    "rloo-batch-scaled": ["algorithm.advantage_estimator=rloo", "algorithm.scale_rewards=batch", "algorithm.loss_type=dr_grpo"],
+    "normalize-then-sum": ["reward.functions=[shortness, {name: oddness, weight: 0.5}]",
+                           "algorithm.reward_aggregation=normalize_then_sum"],
+    "mask-truncated": ["algorithm.mask_truncated_completions=true", "algorithm.loss_type=dapo"],
+    "top-entropy": ["algorithm.top_entropy_quantile=0.3"],
+    "is-token-truncate": ["off_sampler", "rollout.is_cap=1.2", "rollout.is_min=0.9"],
+    "is-sequence-mask": ["off_sampler", "rollout.is_level=sequence", "rollout.is_mode=mask", "rollout.is_cap=1.5"],
+}
+VARIANT_KNOBS = ["algorithm.beta=0.04", "algorithm.num_iterations=2"]
 
 
 @pytest.mark.parametrize("loss_type,beta,num_iterations,updates_per_step", CASES)
@@ -110,7 +124,39 @@ def test_micro_batch_size_never_changes_the_update(make_trainer, loss_type, beta
             assert metrics[key] == pytest.approx(whole_metrics[key], rel=1e-9, abs=1e-12), key
 
 
-@pytest.mark.parametrize("loss_type", list(LOSSES))
+# What shows, in a variant's metrics on that batch, that its mechanism acted (the cases are not vacuous).
+ACTED = {
+    "cispo": lambda m: m["cispo_clip_ratio"] > 0,
+    "dual-clip": lambda m: m["clip_ratio/low_mean"] > 0,
+    "is-token-truncate": lambda m: m["sampling/is_truncated_fraction"] > 0,
+    "is-sequence-mask": lambda m: 0 < m["sampling/is_masked_fraction"] < 1,
+    "mask-truncated": lambda m: 0 < m["completions/clipped_ratio"] < 1,
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_micro_batch_size_never_changes_a_variant_update(make_trainer, variant):
+    """Whole / half / single-completion micro-batches give the same update, for every variant."""
+    knobs = [*VARIANT_KNOBS, *(o for o in VARIANTS[variant] if o != "off_sampler")]
+    first = make_trainer(*knobs)  # micro_batch_size null: the whole update at once, 8
+    examples, batch = fixed_batch(first)
+    results = {}
+    for m in (8, 4, 1):
+        trainer = first if m == 8 else make_trainer(*knobs, f"train.micro_batch_size={m}")
+        results[m] = one_step(trainer, examples,
+                              off_the_sampler(trainer, batch) if "off_sampler" in VARIANTS[variant] else batch)
+    start, whole, whole_metrics = results[8]
+    assert update_difference(start, whole, start) > 0
+    assert ACTED.get(variant, lambda m: True)(whole_metrics), variant
+    for m in (4, 1):
+        _, params, metrics = results[m]
+        assert update_difference(start, whole, params) < EXACT, f"micro_batch_size={m}"
+        for key, value in whole_metrics.items():
+            if "time" not in key:
+                assert metrics[key] == pytest.approx(value, rel=1e-9, abs=1e-12, nan_ok=True), key
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
 def test_micro_batch_size_never_changes_a_multi_turn_update(make_trainer, loss_type):
     """Completions with a tool result between two model turns: the tool tokens are context only,
     and whole / half / single micro-batches still give the same update."""
@@ -214,6 +260,40 @@ def test_two_processes_compute_the_one_process_update(tmp_path, overrides):
             assert two[1]["metrics"][key] == two[0]["metrics"][key], key
     if "half_constant" in overrides:
         assert one["metrics"]["frac_reward_zero_std"] == 0.5
+
+
+def test_two_processes_compute_the_one_process_update_of_every_variant(tmp_path):
+    """Each variant of VARIANTS, groups split across the two processes (2 completions each per update)."""
+    cases = [["train.prompts_per_step=2", "rollout.num_generations=4", "train.updates_per_step=2",
+              "train.micro_batch_size=1", "ragged", *VARIANT_KNOBS, *VARIANTS[v]] for v in VARIANTS]
+    one, two = run_worker(tmp_path, "learn-each", cases)
+    for variant, a, b0, b1 in zip(VARIANTS, one, *two):
+        assert update_difference(a["start"], a["params"], b0["params"]) < EXACT, variant
+        for name in a["params"]:
+            assert torch.equal(b0["params"][name], b1["params"][name]), (variant, name)
+        for key, value in a["metrics"].items():
+            if "time" not in key:
+                assert b0["metrics"][key] == pytest.approx(value, rel=1e-9, abs=1e-12, nan_ok=True), (variant, key)
+
+
+def test_dynamic_sampling_is_the_same_run_on_two_processes(tmp_path):
+    """About half the groups have equal rewards ("parity"): steps sample one or two rounds, or fill
+    their batch; 1 and 2 processes log the same metrics and end with the same weights."""
+    overrides = ["train.prompts_per_step=2", "rollout.num_generations=4", "train.max_steps=4", "algorithm.beta=0.04",
+                 "reward.functions=[parity]", "rollout.dynamic_sampling=true", "rollout.max_sampling_rounds=2",
+                 "algorithm.loss_type=dapo"]
+    one, two = run_worker(tmp_path, "train", overrides)
+    assert update_difference(one["start"], one["params"], two[0]["params"]) < EXACT
+    rows = [[json.loads(line) for line in (tmp_path / f"p{n}" / "run" / "metrics.jsonl").read_text().splitlines()]
+            for n in (1, 2)]
+    kept = [r["dynamic_sampling/groups_kept"] for r in rows[0]]
+    assert 2.0 in kept and min(kept) < 2  # steps that found their groups, and steps that filled their batch
+    assert all(r["frac_reward_zero_std"] == (2 - k) / 2 for r, k in zip(rows[0], kept))
+    for a, b in zip(*rows, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            if "time" not in key:
+                assert b[key] == pytest.approx(a[key], rel=1e-9, abs=1e-12), key
 
 
 def test_the_process_count_does_not_change_a_run(tmp_path):

@@ -6,25 +6,28 @@ import math
 import pytest
 import torch
 
-from grpokit.loss import IS_MAX, IS_MEAN, LossInputs, LossSettings, compute_loss
+from grpokit.loss import IS_MAX, IS_MEAN, IS_OUTSIDE, LOSSES, LossInputs, LossSettings, compute_loss
 
-LOSS_TYPES = ["grpo", "dapo", "dr_grpo"]
+LOSS_TYPES = ["grpo", "dapo", "dr_grpo"]  # the clipped objective, three normalizations
 ESTIMATORS = ["k1", "k2", "k3"]
 
 
 def loss_of(logps, old, ref, adv, mask, *, loss_type="grpo", beta=0.0, epsilon=0.2, epsilon_high=None,
             kl_estimator="k3", max_completion_length=None, num_sequences=None, num_tokens=None,
-            sampling_logps=None, is_cap=2.0):
+            sampling_logps=None, is_cap=2.0, policy_mask=None, **settings):
     """The loss `loss_type` on one micro-batch, and its metrics as the trainer reports them for an
     update made of it: token sums over the update's token count (the importance weight's over the
     micro-batch's own tokens)."""
     out = compute_loss(loss_type, LossInputs(logps, mask, adv, old, ref, sampling_logps, num_sequences, num_tokens,
-                                             max_completion_length),
-                       LossSettings(beta, epsilon, epsilon_high, kl_estimator, is_cap))
+                                             max_completion_length, policy_mask),
+                       LossSettings(beta, epsilon, epsilon_high, kl_estimator, is_cap=is_cap, **settings))
     denom = max(mask.sum().item() if num_tokens is None else num_tokens, 1.0)
-    metrics = {k: v / denom for k, v in out.token_sums.items() if k != IS_MEAN}
+    corrected = (IS_MEAN, *IS_OUTSIDE.values())
+    metrics = {k: v / denom for k, v in out.token_sums.items() if k not in corrected}
     if IS_MEAN in out.token_sums:
-        metrics[IS_MEAN] = out.token_sums[IS_MEAN] / mask.sum()
+        for k in corrected:
+            if k in out.token_sums:
+                metrics[k] = out.token_sums[k] / mask.sum()
         metrics[IS_MAX] = out.token_max[IS_MAX]
     return out.loss, metrics
 
@@ -86,7 +89,7 @@ def test_matches_naive_reference(loss_type, est, beta):
     assert abs(loss.item() - expected) < 1e-12
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", list(LOSSES))
 @pytest.mark.parametrize("beta", [0.0, 0.1])
 def test_micro_batches_add_up_to_the_full_batch(loss_type, beta):
     """Loss, gradient and metrics of micro-batches given the full batch's counts sum to the full batch's."""
@@ -230,7 +233,7 @@ def test_importance_weights_scale_the_policy_gradient_and_carry_none():
 
 def test_zero_advantage_rows_add_nothing():
     """The trainer skips zero-advantage completions when beta is 0: loss and gradient are unchanged."""
-    for loss_type in ("grpo", "dapo", "dr_grpo"):
+    for loss_type in LOSSES:
         logps = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
         old = logps.detach() + 0.1
         adv = torch.tensor([0.5, 0.0, -0.5, 0.0], dtype=torch.float64)

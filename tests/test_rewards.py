@@ -65,7 +65,7 @@ def test_reward_functions_from_a_module_or_a_file(tmp_path, monkeypatch):
 
 from grpokit.config import ConfigError as ConfigError_  # noqa: E402
 from grpokit.rewards import REWARD_FUNCTIONS, RewardError, RewardSet  # noqa: E402
-from grpokit.rewards.length import length  # noqa: E402
+from grpokit.rewards.length import length, overlong  # noqa: E402
 from grpokit.rewards.math_answer import format_reward, math_accuracy  # noqa: E402
 from grpokit.tasks import Example  # noqa: E402
 
@@ -121,6 +121,58 @@ def test_format_and_length():
     assert format_reward([msg("ANSWER: 4")], pattern=r"ANSWER: \d+") == [1.0]
     assert length([msg("x" * 20), msg("x" * 5), "x" * 31]) == [0.0, -15.0, -11.0]
     assert length([msg("x" * 5)], target=5) == [0.0]
+
+
+def get_soft_overlong_punishment(max_completion_len, soft_punish_cache):
+    """TRL's trl.rewards.get_soft_overlong_punishment, as TRL publishes it (TRL is not installed here)."""
+
+    def soft_overlong_punishment_reward(completion_ids, **kwargs):
+        rewards = []
+        for ids in completion_ids:
+            completion_length = len(ids)
+            if completion_length <= max_completion_len - soft_punish_cache:
+                rewards.append(0.0)
+            elif max_completion_len - soft_punish_cache < completion_length <= max_completion_len:
+                rewards.append((max_completion_len - soft_punish_cache - completion_length) / soft_punish_cache)
+            else:
+                rewards.append(-1.0)
+        return rewards
+
+    return soft_overlong_punishment_reward
+
+
+@pytest.mark.parametrize("max_length,cache", [(20, 4), (6, 2), (5, 5), (7, 1)])
+def test_overlong_is_trls_soft_overlong_punishment(max_length, cache):
+    lengths = [0, max_length - cache, max_length - cache + 1, max_length - 1, max_length, max_length + 1, 3 * max_length]
+    ids = [[7] * n for n in lengths]
+    got = overlong(ids, max_length=max_length, cache=cache)
+    assert got == get_soft_overlong_punishment(max_length, cache)(ids)
+    assert got[:2] == [0.0, 0.0] and got[4:] == [-1.0, -1.0, -1.0]
+    assert got[2] == -1 / cache  # the first token over max_length - cache
+
+
+def test_overlong_refuses_arguments_that_make_no_ramp():
+    for max_length, cache, problem in ((8, 0, "cache=0 must be an integer >= 1"), (0, 1, "max_length=0 must be"),
+                                       (4, 5, "cache=5 must be <= max_length=4"), (8, 2.5, "cache=2.5 must be an integer")):
+        with pytest.raises(ValueError, match=problem):
+            overlong([[1]], max_length=max_length, cache=cache)
+
+
+def test_overlong_through_the_config_and_reward_set():
+    """Configured as a run configures it: arguments bound from reward.functions, completion_ids as the
+    trainer passes them (padding removed); without max_length or cache, an error before step 1."""
+    from grpokit.config import load_config, reward_specs
+
+    config = load_config(None, ["reward.functions=[{name: overlong, max_length: 6, cache: 2}]"])
+    rewards = RewardSet(reward_specs(config, ()))
+    rewards.check_arguments(["answer"])
+    ids = [[1] * n for n in (4, 5, 6, 7)]
+    total, per_function = rewards(examples(4), [msg("x")] * 4, ["stop"] * 3 + ["length"], completion_ids=ids)
+    assert per_function["overlong"].tolist() == [0.0, -0.5, -1.0, -1.0] == total.tolist()
+    with pytest.raises(ConfigError_, match=r"'overlong' needs 'cache', which .* \{name: overlong, cache: \.\.\.\}"):
+        RewardSet((("overlong", 1.0, {"max_length": 6}),)).check_arguments(["answer"])
+    with pytest.raises(RewardError, match="'overlong' raised ValueError: overlong: cache=0 must be"):
+        RewardSet((("overlong", 1.0, {"max_length": 6, "cache": 0}),))(examples(1), [msg("x")], ["stop"], [[1]])
 
 
 # ---------------------------------------------------------------- RewardSet
@@ -202,7 +254,7 @@ def test_async_functions_run_concurrently(tmp_path):
 
 
 def test_builtins_are_registered():
-    for name in ("math_accuracy", "format", "length", "reward_model", "exact_answer", "leading_number"):
+    for name in ("math_accuracy", "format", "length", "overlong", "reward_model", "exact_answer", "leading_number"):
         assert callable(get_reward_function(name)), name
     assert get_reward_function("format").__name__ == "format_reward"
 

@@ -111,6 +111,73 @@ def test_sampling_logps_and_filters():
     assert abs(ent.item() - (-(p * p.log()).sum()).item()) < 1e-5
 
 
+def transformers_filtered(logits, params):
+    """The logits transformers samples from with `params`: its warpers, in the order generate() chains them."""
+    from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(params.temperature)])
+    if params.top_k > 0:
+        warpers.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1:
+        warpers.append(TopPLogitsWarper(params.top_p))
+    warpers.append(MinPLogitsWarper(params.min_p))
+    return warpers(None, logits.clone())
+
+
+# On the tiny model's flat logits min-p keeps 816 tokens at temperature 0.3 and min_p 0.3, and 4188 of
+# top-k's 10000 and of top-p's half of the mass at 0.7 and 0.5 (where vLLM's order would keep fewer).
+@pytest.mark.parametrize("params", [SamplingParams(1, temperature=0.3, min_p=0.3),
+                                    SamplingParams(1, temperature=0.7, min_p=0.5, top_k=10000),
+                                    SamplingParams(1, temperature=0.7, min_p=0.5, top_p=0.5)],
+                         ids=["min_p", "with-top_k", "with-top_p"])
+def test_min_p_drops_the_tokens_transformers_drops(tiny, params):
+    """On the tiny model's logits (nearly flat: min-p drops most of the mass): no sampled token is
+    less likely than min_p times the most likely one, and each sampled token's log-prob is that of
+    transformers' filtered, renormalised distribution (top-k and top-p first, as in generate())."""
+    model, _ = tiny
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([[5, 6, 7], [8, 9, 10]])).logits[:, -1]  # (2, V)
+    draws = 100
+    rows = logits.repeat_interleave(draws, 0)  # (2 * draws, V)
+    tok, lp, ent = sample_next(rows, params, torch.rand(2 * draws, generator=torch.Generator().manual_seed(0)))
+    p = torch.softmax(rows / params.temperature, -1)  # the naive reference: the tempered, unfiltered distribution
+    assert (p.gather(-1, tok[:, None]).squeeze(-1) >= params.min_p * p.amax(-1)).all()
+    filtered = transformers_filtered(rows, params)
+    assert torch.isfinite(filtered.gather(-1, tok[:, None])).all()
+    torch.testing.assert_close(lp, torch.log_softmax(filtered, -1).gather(-1, tok[:, None]).squeeze(-1), rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent, -(p * p.log()).sum(-1), rtol=0, atol=1e-4)  # entropy: unfiltered, as with top-k/top-p
+    # Without min-p, most draws from these flat distributions would be tokens it drops.
+    plain, _, _ = sample_next(rows, SamplingParams(1, params.temperature, params.top_p, params.top_k),
+                              torch.rand(2 * draws, generator=torch.Generator().manual_seed(0)))
+    assert (p.gather(-1, plain[:, None]).squeeze(-1) < params.min_p * p.amax(-1)).float().mean() > 0.2
+
+
+def test_the_engine_samples_with_min_p(tiny):
+    """Through generate(): every sampled token passes min-p under the logits of its context
+    (recomputed with the whole sequence), and its sampling log-prob is of the filtered distribution.
+    A float64 model, so that the recomputed logits match the decoded ones to rounding."""
+    from grpokit.logprobs import position_ids
+
+    model = copy.deepcopy(tiny[0]).double()
+    engine = TransformersEngine(model, pad_id=tiny[1].pad_token_id, eos_ids=[tiny[1].eos_token_id])
+    params = SamplingParams(max_tokens=5, temperature=0.7, min_p=0.5)
+    batch = engine.generate([[5, 6, 7], [8, 9]], 3, params, seeds=range(6))
+    ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
+    mask = torch.cat([batch.prompt_mask, batch.completion_mask], 1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits
+    Lp, T = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
+    logits = logits[:, Lp - 1 : Lp - 1 + T] / params.temperature  # (N, T, V): each completion token's context
+    p = torch.softmax(logits, -1)
+    tok = batch.completion_ids[..., None]
+    on = batch.completion_mask.bool()
+    assert (p.gather(-1, tok).squeeze(-1) >= params.min_p * p.amax(-1))[on].all()
+    kept = logits.masked_fill(p < params.min_p * p.amax(-1, keepdim=True), float("-inf"))
+    expected = torch.log_softmax(kept, -1).gather(-1, tok).squeeze(-1)
+    torch.testing.assert_close(batch.sampling_logps[on], expected[on].float(), rtol=0, atol=1e-5)
+
+
 def test_per_prompt_counts_and_select(tiny):
     """A data-parallel process may own part of a group: n per prompt, and prompt_index names each."""
     model, tokenizer = tiny

@@ -209,9 +209,19 @@ def test_malformed_requests_get_422_with_the_reason(server, tiny):
     good = {"fingerprint": get(s.url)["fingerprint"], "session": trainer.session, "weights_version": trainer.version,
             "prompts": [[1, 2, 3]], "n": [2], "seeds": [5, 6],
             "sampling": {"max_tokens": 3, "temperature": 1.0, "top_p": 1.0, "top_k": 0}}
-    status, body = post(s.url, "/generate", good)
+    status, body = post(s.url, "/generate", good)  # `good` has no min_p, as trainers from before it send
     assert status == 200 and len(body["completions"]) == 2
     assert all(len(c["token_ids"]) == len(c["logprobs"]) <= 3 for c in body["completions"])
+    # min_p reaches the server's sampler: the in-process engine's completions and log-probs.
+    from grpokit.models import eos_token_ids
+    from grpokit.rollout.transformers_engine import TransformersEngine
+
+    params = SamplingParams(4, temperature=0.7, min_p=0.5)
+    served = trainer.generate([[1, 2, 3]], 3, params, [5, 6, 7])
+    local = TransformersEngine(model, tokenizer.pad_token_id, eos_token_ids(model, tokenizer)).generate(
+        [[1, 2, 3]], 3, params, [5, 6, 7])
+    assert torch.equal(served.completion_ids, local.completion_ids)
+    torch.testing.assert_close(served.sampling_logps, local.sampling_logps)
     for bad, reason in [
         (b"{not json", "JSON decode error"),
         ({**good, "prompts": "hello"}, "prompts"),
@@ -219,6 +229,8 @@ def test_malformed_requests_get_422_with_the_reason(server, tiny):
         ({**good, "n": [2, 2]}, "n must hold one count"),
         ({**good, "seeds": [1]}, "one seed per completion"),
         ({**good, "sampling": {**good["sampling"], "top_p": 0}}, "top_p"),
+        ({**good, "sampling": {**good["sampling"], "min_p": 1}}, "min_p"),
+        ({**good, "sampling": {**good["sampling"], "min_q": 0.1}}, "min_q"),  # unknown: refused, not ignored
     ]:
         status, body = post(s.url, "/generate", bad)
         assert status == 422 and reason in json.dumps(body), (reason, body)

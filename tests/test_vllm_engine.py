@@ -95,15 +95,16 @@ def fake_vllm(monkeypatch):
 def test_requests_one_per_seeded_completion_or_n_per_greedy_prompt(fake_vllm):
     from grpokit.rollout.vllm_engine import build_requests
 
-    params = SamplingParams(max_tokens=4, temperature=0.7, top_p=0.9, top_k=0)
+    params = SamplingParams(max_tokens=4, temperature=0.7, top_p=0.9, top_k=0, min_p=0.05)
     prompts, sampling = build_requests(fake_vllm, [[1, 2], [3]], [2, 1], params, [7, 8, 9], [2])
     assert prompts == [{"prompt_token_ids": [1, 2]}] * 2 + [{"prompt_token_ids": [3]}]
     assert [(s.n, s.seed) for s in sampling] == [(1, 7), (1, 8), (1, 9)]
     s = sampling[0]
-    assert (s.temperature, s.top_p, s.top_k, s.max_tokens, s.logprobs, s.stop_token_ids, s.detokenize) == \
-        (0.7, 0.9, -1, 4, 0, [2], False)
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.max_tokens, s.logprobs, s.stop_token_ids, s.detokenize) == \
+        (0.7, 0.9, -1, 0.05, 4, 0, [2], False)
     prompts, sampling = build_requests(fake_vllm, [[1, 2], [3]], [2, 1], SamplingParams(4, 0.0, top_k=5), None, [2])
-    assert len(prompts) == 2 and [(s.n, s.seed, s.top_k, s.temperature) for s in sampling] == [(2, None, 5, 0.0), (1, None, 5, 0.0)]
+    assert len(prompts) == 2 and [(s.n, s.seed, s.top_k, s.temperature, s.min_p) for s in sampling] == \
+        [(2, None, 5, 0.0, 0.0), (1, None, 5, 0.0, 0.0)]
 
 
 def test_outputs_become_a_rollout_batch():

@@ -4,14 +4,20 @@
 
 MODE "learn": every process builds the same global rollout batch (same prompts, same per-completion
 seeds), keeps the completions it owns (`trainer.rows`) and runs a training step on them (exact.step_on):
-one step's updates on a fixed rollout batch. MODE "train": `Trainer.train()`, a whole (short) run.
-Each process saves its starting and final parameters and the metrics to OUT/rank<r>.pt.
+one step's updates on a fixed rollout batch. MODE "learn-each": "learn" for each of a list of
+override lists, one after the other in the same processes. MODE "train": `Trainer.train()`, a whole
+(short) run. Each process saves its starting and final parameters and the metrics to OUT/rank<r>.pt
+(a list of those with "learn-each").
 
 The reward is "shortness" (shorter completions score higher), except on the prompts listed in the
 config's last prompts_per_step/2 prompts of a step, where it is 0 for every completion when
 `half_constant` is in the overrides: those groups have no signal, so with beta 0 a process that
 owns only them has no completion to back-propagate. With `multi_turn`, each completion gets a tool
-result between two model turns (exact.with_tool_turns).
+result between two model turns (exact.with_tool_turns). With `ragged`, completions are cut to
+ragged lengths (exact.cut_ragged). With `off_sampler`, the sampling log-probs
+are moved off the trainer's (as vLLM's would be) and the rollout importance weight is on. "oddness"
+is a second reward (the completion's length is odd) and "parity" is shortness on prompts with an odd
+answer and 0 on the others (about half the groups teach nothing, for dynamic sampling).
 """
 
 import json
@@ -20,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from exact import float64_everywhere, step_on, with_tool_turns
+from exact import cut_ragged, float64_everywhere, off_the_sampler, step_on, with_tool_turns
 
 from grpokit import distributed
 from grpokit.config import load_config
@@ -34,11 +40,29 @@ def shortness(prompts, completions, **columns):
     return [0.0 if str(p) in SILENT_PROMPTS else -float(len(c[0]["content"])) for p, c in zip(prompts, completions)]
 
 
-def main(out: str, mode: str, overrides: list[str]) -> None:
+def oddness(completions, **columns):
+    return [float(len(c[0]["content"]) % 2) for c in completions]
+
+
+def parity(completions, answer, **columns):
+    return [-float(len(c[0]["content"])) if int(a) % 2 else 0.0 for c, a in zip(completions, answer)]
+
+
+def main(out: str, mode: str, overrides: list) -> None:
     float64_everywhere()
-    REWARD_FUNCTIONS["shortness"] = shortness
-    half_constant, multi_turn = "half_constant" in overrides, "multi_turn" in overrides
-    overrides = [o for o in overrides if o not in ("half_constant", "multi_turn")]
+    REWARD_FUNCTIONS.update(shortness=shortness, oddness=oddness, parity=parity)
+    if mode == "learn-each":
+        results = [run(f"{out}/{i}", "learn", each) for i, each in enumerate(overrides)]
+    else:
+        results = run(out, mode, overrides)
+    torch.save(results, Path(out) / f"rank{distributed.rank()}.pt")
+    distributed.finish()
+
+
+def run(out: str, mode: str, overrides: list[str]) -> dict:
+    flags = ("half_constant", "multi_turn", "off_sampler", "ragged")
+    half_constant, multi_turn, off_sampler, ragged = (flag in overrides for flag in flags)
+    overrides = [o for o in overrides if o not in flags]
     config = load_config(None, [
         "model.name=tiny-random", "model.dtype=float64", "reward.functions=[shortness]",
         "rollout.max_completion_length=6", "train.learning_rate=1e-3", "data.eval_size=0",
@@ -55,16 +79,18 @@ def main(out: str, mode: str, overrides: list[str]) -> None:
             [trainer.encode(e) for e in examples], config.rollout.num_generations, trainer.sampling,
             seeds=range(config.completions_per_step),
         )
+        if ragged:
+            whole = cut_ragged(whole, trainer.tokenizer.eos_token_id)
         if multi_turn:
             whole = with_tool_turns(whole, trainer.tokenizer("<tool_response>\n42\n</tool_response>")["input_ids"])
+        if off_sampler:
+            whole = off_the_sampler(trainer, whole)
         metrics = step_on(trainer, examples, whole.select(trainer.rows))
     else:
         trainer.train()
         metrics = None
     params = {k: v.detach().clone() for k, v in trainer.policy.named_parameters()}
-    torch.save({"start": start, "params": params, "metrics": metrics, "rows": trainer.rows},
-               Path(out) / f"rank{distributed.rank()}.pt")
-    distributed.finish()
+    return {"start": start, "params": params, "metrics": metrics, "rows": trainer.rows}
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ A checkpoint is the folder `<run_dir>/checkpoints/step-N/`:
     config.json, model.safetensors, tokenizer files   the policy, a Hugging Face model folder
                                                       (`from_pretrained` and `grpokit eval` load it)
     optimizer.pt        AdamW state (full, keyed by parameter name: the same sharded or not) and learning-rate schedule
+    reference.pt        with algorithm.sync_ref_model, the reference model's weights (they drift)
     rng.pt              every process's RNG states (python, numpy, torch, CUDA) and the stream
                         the per-completion sampling seeds are drawn from
     config.yaml         the run's config, checked against the config of a resumed run
@@ -255,7 +256,7 @@ def link_model_files(checkpoint: Path, folder: Path) -> None:
     tmp = folder.with_name(f".{folder.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    state_files = {"optimizer.pt", "rng.pt", "config.yaml", STATE_FILE, MANIFEST}
+    state_files = {"optimizer.pt", "rng.pt", "reference.pt", "config.yaml", STATE_FILE, MANIFEST}
     for f in checkpoint.iterdir():
         if f.name not in state_files:
             try:

@@ -85,7 +85,7 @@ class RewardConfig:
     functions: list | None = _f(
         None,
         "reward functions, summed with weights: a list of {name, weight, other keys: the function's "
-        "arguments} (or bare names, weight 1); a name is a built-in (math_accuracy, format, length, "
+        "arguments} (or bare names, weight 1); a name is a built-in (math_accuracy, format, length, overlong, "
         "reward_model, exact_answer, leading_number), 'package.module:function' or 'path/to/file.py:function'; "
         "null means the task's own",
     )
@@ -111,12 +111,23 @@ class RolloutConfig:
     server_timeout: float = _f(
         300.0, "seconds to wait for the rollout server: for one answer, and in all while retrying one it cannot reach"
     )
+    min_p: float = _f(0.0, "min-p sampling: drop tokens less likely than min_p times the most likely one; 0 turns it off")
     is_correction: bool = _f(
-        True, "weight each token's policy term by min(exp(old_logp - sampling_logp), rollout.is_cap) when the "
-        "engine's sampling log-probs come from other kernels than the trainer's (vLLM); transformers engines sample "
-        "with the trainer's own code and need none"
+        True, "correct for sampling log-probs that come from other kernels than the trainer's (vLLM) by weighting each "
+        "token's policy term with the importance ratio exp(old_logp - sampling_logp), bounded as rollout.is_level, "
+        "is_mode, is_cap and is_min say; transformers engines sample with the trainer's own code and need none"
     )
-    is_cap: float = _f(2.0, "upper bound of the importance-sampling weight of rollout.is_correction")
+    is_level: str = _f(
+        "token", "importance ratio of rollout.is_correction: token (each token's own) | sequence (the product over the "
+        "completion's trained tokens, the same weight for all of them)"
+    )
+    is_mode: str = _f(
+        "truncate", "what happens to a ratio outside [rollout.is_min, rollout.is_cap]: truncate (clamped to the bound) | "
+        "mask (its token, or with is_level=sequence its whole completion, leaves the policy term; counted in "
+        "sampling/is_masked_fraction)"
+    )
+    is_cap: float = _f(3.0, "upper bound of the importance ratio of rollout.is_correction (TRL's default)")
+    is_min: float | None = _f(None, "lower bound of the importance ratio of rollout.is_correction; null: none")
     vllm_gpu_memory_utilization: float = _f(
         0.3, "share of the GPU's memory vLLM may take (weights and KV cache) with rollout.engine=vllm; the rest is the trainer's"
     )
@@ -137,25 +148,70 @@ class RolloutConfig:
         30.0, "seconds one tool call may take; a call that takes longer answers the model with an error (counted in "
         "tools/failures), as a raising one does; null: no limit"
     )
+    dynamic_sampling: bool = _f(
+        False, "DAPO's dynamic sampling: keep only groups whose rewards are not all equal (the others teach nothing) and "
+        "sample further rounds of train.prompts_per_step prompts until that many such groups are collected"
+    )
+    max_sampling_rounds: int = _f(
+        4, "rollout.dynamic_sampling: rounds of sampling per step at most; a step that still lacks groups then fills "
+        "its batch with equal-reward groups (advantage 0) and says so in dynamic_sampling/* metrics"
+    )
 
 
 @dataclass
 class AlgorithmConfig:
     loss_type: str = _f(
         "grpo",
-        "loss normalization, applied to every term: grpo (per-sequence mean, then mean over "
-        "sequences) | dapo (mean over all tokens of the update batch) | dr_grpo (sum / "
-        "(sequences * max_completion_length))",
+        "the objective and its normalization, applied to every term: grpo (clipped ratio; per-sequence mean, then mean "
+        "over sequences) | dapo (clipped; mean over all tokens of the update batch) | dr_grpo (clipped; sum / "
+        "(sequences * max_completion_length)) | cispo (the ratio capped at 1 + epsilon_high as a weight without "
+        "gradient on every token's log-prob; token mean) | sapo (a soft sigmoid gate instead of the clip; "
+        "per-sequence mean)",
+    )
+    importance_sampling_level: str = _f(
+        "token", "token: each token's ratio | sequence: GSPO, one ratio per completion, the geometric mean of its "
+        "token ratios, clipped as a whole"
     )
     beta: float = _f(0.0, "KL coefficient; the reference model is loaded and run only when beta > 0")
     kl_estimator: str | None = _f(None, "KL estimator when beta > 0: k1 | k2 | k3; null means k3 (setting it with beta 0 is an error)")
     epsilon: float = _f(0.2, "lower clip range: ratio is clipped below at 1 - epsilon")
-    epsilon_high: float | None = _f(None, "upper clip range (ratio clipped at 1 + epsilon_high); null means epsilon")
-    num_iterations: int = _f(1, "passes over each rollout batch (PPO epochs); > 1 reuses samples")
-    scale_rewards: str = _f(
-        "group",
-        "advantage scaling: group (divide by the group's std) | batch (by the batch's std) | none",
+    epsilon_high: float | None = _f(
+        None, "upper clip range (ratio clipped at 1 + epsilon_high; cispo caps its weight there); null means epsilon")
+    delta: float | None = _f(
+        None, "dual clipping (INTELLECT-2's two-sided clip, veRL's clip_ratio_c): a negative-advantage token's ratio "
+        "counts at most delta (> 1 + epsilon_high), bounding its loss; for grpo, dapo and dr_grpo; null: off"
     )
+    sapo_temperature_pos: float = _f(1.0, "loss_type=sapo: gate temperature of tokens with a positive advantage")
+    sapo_temperature_neg: float = _f(1.05, "loss_type=sapo: gate temperature of tokens with a zero or negative advantage")
+    num_iterations: int = _f(1, "passes over each rollout batch (PPO epochs); > 1 reuses samples")
+    advantage_estimator: str = _f(
+        "grpo", "grpo: reward minus its group's mean, scaled as scale_rewards says | rloo: reward minus the mean of the "
+        "other completions of its group (leave-one-out)"
+    )
+    scale_rewards: str | None = _f(
+        None,
+        "advantage scaling: group (divide by the group's std) | batch (by the batch's std) | none; null: group for "
+        "advantage_estimator=grpo, none for rloo",
+    )
+    reward_aggregation: str = _f(
+        "sum_then_normalize", "with several reward functions: sum_then_normalize (their weighted sum goes through the "
+        "advantage estimator) | normalize_then_sum (each function's rewards normalized in its group, then the weighted "
+        "sum divided by its batch std; TRL's multi_objective_aggregation)"
+    )
+    mask_truncated_completions: bool = _f(
+        False, "completions cut by max_completion_length leave the loss (their tokens are not trained and not counted "
+        "by the dapo normalizer; grpo and dr_grpo still count them among the sequences)"
+    )
+    top_entropy_quantile: float = _f(
+        1.0, "train the policy term only on the share of tokens with the highest sampling entropy (0.2 in 'Beyond the "
+        "80/20 rule'; the threshold is taken over the whole update batch); 1.0: every token"
+    )
+    sync_ref_model: bool = _f(
+        False, "move the reference model towards the policy every ref_model_sync_steps optimizer updates "
+        "(ref = alpha * policy + (1 - alpha) * ref, TR-DPO); needs beta > 0"
+    )
+    ref_model_mixup_alpha: float = _f(0.6, "algorithm.sync_ref_model's alpha")
+    ref_model_sync_steps: int = _f(512, "algorithm.sync_ref_model's period, in optimizer updates")
 
 
 @dataclass
@@ -173,7 +229,11 @@ class TrainConfig:
         "memory knob only (same values and gradients); null: all at once"
     )
     learning_rate: float = _f(2e-5, "AdamW peak learning rate")
-    warmup_steps: int = _f(0, "linear warm-up, in optimizer updates; constant afterwards")
+    warmup_steps: int = _f(0, "linear warm-up, in optimizer updates; train.lr_scheduler afterwards")
+    lr_scheduler: str = _f(
+        "constant", "learning rate after the warm-up: constant | linear (down to 0 at the last update) | cosine "
+        "(half a cosine down to 0 at the last update)"
+    )
     weight_decay: float = _f(0.0, "AdamW weight decay")
     max_steps: int = _f(140, "training steps (each: generate, score, update)")
     max_grad_norm: float = _f(1.0, "gradient norm clip; 0 turns clipping off")
@@ -266,10 +326,11 @@ class Config:
 def choices() -> dict[str, tuple]:
     """The allowed values of each field that names one of several things, each taken from the
     registry that owns those things (imported here, when a config is checked, not when it is read)."""
-    from grpokit.advantages import SCALES
-    from grpokit.loss import KL_ESTIMATORS, LOSSES
+    from grpokit.advantages import AGGREGATIONS, ESTIMATORS, SCALES
+    from grpokit.loss import IS_MODES, KL_ESTIMATORS, LEVELS, LOSSES
     from grpokit.models import DTYPES
     from grpokit.rollout import ENGINES
+    from grpokit.schedule import SCHEDULES
     from grpokit.tasks import TASKS
     from grpokit.tasks.dataset import LONG_PROMPTS
 
@@ -278,9 +339,15 @@ def choices() -> dict[str, tuple]:
         "data.task": tuple(TASKS),
         "data.long_prompts": LONG_PROMPTS,
         "rollout.engine": tuple(ENGINES),
+        "rollout.is_level": LEVELS,
+        "rollout.is_mode": IS_MODES,
         "algorithm.loss_type": tuple(LOSSES),
+        "algorithm.importance_sampling_level": LEVELS,
         "algorithm.kl_estimator": (*KL_ESTIMATORS, None),
-        "algorithm.scale_rewards": SCALES,
+        "algorithm.advantage_estimator": tuple(ESTIMATORS),
+        "algorithm.scale_rewards": (*SCALES, None),
+        "algorithm.reward_aggregation": AGGREGATIONS,
+        "train.lr_scheduler": SCHEDULES,
         "train.resume": ("auto", "never"),
     }
 
@@ -310,6 +377,13 @@ def _check_ranges(c: Config) -> list[str]:
     need(a.epsilon_high is None or a.epsilon_high > 0,
          f"algorithm.epsilon_high={a.epsilon_high}: must be > 0, or null to use algorithm.epsilon")
     need(a.num_iterations >= 1, f"algorithm.num_iterations={a.num_iterations}: must be >= 1")
+    need(a.sapo_temperature_pos > 0 and a.sapo_temperature_neg > 0,
+         "algorithm.sapo_temperature_pos and algorithm.sapo_temperature_neg must be > 0")
+    need(0 <= a.top_entropy_quantile <= 1, f"algorithm.top_entropy_quantile={a.top_entropy_quantile}: must be in "
+         "[0, 1] (1 trains every token)")
+    need(0 < a.ref_model_mixup_alpha <= 1, f"algorithm.ref_model_mixup_alpha={a.ref_model_mixup_alpha}: must be in (0, 1]")
+    need(a.ref_model_sync_steps >= 1, f"algorithm.ref_model_sync_steps={a.ref_model_sync_steps}: must be >= 1")
+    errors += _check_variants(c)
     # Contradictions: a setting that the rest of the config switches off (a KL estimator without a KL term,
     # a server URL without the server engine) is refused, never silently ignored.
     need(a.kl_estimator is None or a.beta > 0,
@@ -325,6 +399,9 @@ def _check_ranges(c: Config) -> list[str]:
          f"rollout.server_url={r.server_url}: must be a URL with its scheme and host, e.g. http://127.0.0.1:8000")
     need(r.server_timeout > 0, f"rollout.server_timeout={r.server_timeout}: must be > 0")
     need(r.is_cap >= 1, f"rollout.is_cap={r.is_cap}: must be >= 1 (a cap below 1 shrinks every weight)")
+    need(r.is_min is None or 0 < r.is_min <= 1, f"rollout.is_min={r.is_min}: must be in (0, 1], or null")
+    need(0 <= r.min_p < 1, f"rollout.min_p={r.min_p}: must be in [0, 1) (0 turns it off)")
+    need(r.max_sampling_rounds >= 1, f"rollout.max_sampling_rounds={r.max_sampling_rounds}: must be >= 1")
     need(0 < r.vllm_gpu_memory_utilization <= 1,
          f"rollout.vllm_gpu_memory_utilization={r.vllm_gpu_memory_utilization}: must be in (0, 1]")
     need(r.top_k != 1, "rollout.top_k=1 samples greedily: every completion of a group would be the same and "
@@ -371,6 +448,37 @@ def _check_ranges(c: Config) -> list[str]:
     if t.micro_batch_size is not None and t.micro_batch_size < 1:
         errors.append(f"train.micro_batch_size={t.micro_batch_size}: must be >= 1, or null")
     errors += _check_reward_functions(c.reward.functions)
+    return errors
+
+
+def _check_variants(c: Config) -> list[str]:
+    """Settings of the GRPO variants that contradict each other: each message names both."""
+    from grpokit.loss import LOSSES
+
+    a, errors = c.algorithm, []
+    loss = LOSSES.get(a.loss_type)
+    high = a.epsilon if a.epsilon_high is None else a.epsilon_high
+    if a.delta is not None and loss is not None and not getattr(loss, "clips", True):
+        errors.append(f"algorithm.delta={a.delta} caps the clipped ratio of grpo, dapo and dr_grpo, but "
+                      f"algorithm.loss_type={a.loss_type} has no clip: remove algorithm.delta or change the loss")
+    elif a.delta is not None and a.delta <= 1 + high:
+        errors.append(f"algorithm.delta={a.delta} must be > 1 + algorithm.epsilon_high = {1 + high:g}: a smaller delta "
+                      "never binds (the clip already bounds those ratios)")
+    if a.importance_sampling_level == "sequence" and a.top_entropy_quantile < 1:
+        errors.append(f"algorithm.importance_sampling_level=sequence gives every token of a completion one ratio, but "
+                      f"algorithm.top_entropy_quantile={a.top_entropy_quantile} selects tokens: use one of them")
+    if a.reward_aggregation == "normalize_then_sum" and a.advantage_estimator != "grpo":
+        errors.append(f"algorithm.reward_aggregation=normalize_then_sum makes the advantages itself, so "
+                      f"algorithm.advantage_estimator={a.advantage_estimator} would be ignored: use one of them")
+    if a.reward_aggregation == "normalize_then_sum" and a.scale_rewards is not None:
+        errors.append(f"algorithm.reward_aggregation=normalize_then_sum scales by group, then by batch, so "
+                      f"algorithm.scale_rewards={a.scale_rewards} would be ignored: remove it")
+    if a.sync_ref_model and a.beta == 0:
+        errors.append("algorithm.sync_ref_model moves the reference model, but algorithm.beta=0 has none: set "
+                      "algorithm.beta > 0 or remove algorithm.sync_ref_model")
+    if a.sync_ref_model and c.model.lora_rank:
+        errors.append(f"algorithm.sync_ref_model with model.lora_rank={c.model.lora_rank}: with LoRA the reference is "
+                      "the policy with its adapters off, nothing to move; remove one of them")
     return errors
 
 

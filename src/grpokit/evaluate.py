@@ -114,7 +114,7 @@ def evaluate_model(config, model_path: str, num_samples: int = 1, output: str | 
     multi_turn = None if tools is None else MultiTurn(tokenizer, tools, config.rollout.max_turns,
                                                       eos_token_ids(model, tokenizer), config.data.max_prompt_length)
     r = config.rollout
-    params = (SamplingParams(r.max_completion_length, r.temperature, r.top_p, r.top_k) if num_samples > 1
+    params = (SamplingParams(r.max_completion_length, r.temperature, r.top_p, r.top_k, r.min_p) if num_samples > 1
               else SamplingParams(r.max_completion_length, temperature=0.0))
     with torch.no_grad():
         records = score(engine, tokenizer, rewards, task.eval_examples, params, num_samples, seed=config.train.seed,

@@ -1,59 +1,87 @@
-"""The GRPO objective: pure functions over one micro-batch, registered by name.
+"""The GRPO family's objectives: pure functions over one micro-batch, registered by name.
 
-Per token t of completion i (Shao et al. 2024, eq. 3; clipping as PPO, with DAPO's asymmetric
-upper bound):
+Per token t of completion i, with ratio r_it = exp(logp_it - old_logp_it) (`importance_sampling_level`
+token) or, GSPO (Zheng et al. 2025), one ratio per completion, the geometric mean of its tokens'
+(`sequence`): r_i = exp(sum_t m_it (logp_it - old_logp_it) / sum_t m_it). The policy term p_it of
+each registered objective:
 
-    ratio = exp(logp - old_logp)
-    l_it  = -min(ratio * A_i, clip(ratio, 1 - eps, 1 + eps_high) * A_i) + beta * KL_it
+    clipped  -min(r A_i, clip(r, 1 - eps, 1 + eps_high) A_i)        PPO / GRPO (Shao et al. 2024, eq. 3),
+             with `delta`, r is first capped at delta in the          DAPO's asymmetric upper bound;
+             unclipped term: a negative-advantage token's loss        dual clipping (INTELLECT-2; veRL's
+             is at most -delta A_i                                    clip_ratio_c)
+    cispo    -sg(min(r, 1 + eps_high)) A_i logp_it                   MiniMax-M1: the weight is capped and
+                                                                      has no gradient; every token keeps its own
+    sapo     -(4 / tau) sigmoid(tau (r - 1)) A_i,                    SAPO (Gao et al. 2025): a soft gate;
+             tau = tau_pos if A_i > 0 else tau_neg                    gradient A_i at r = 1, fading away from it
 
-Every term of `l` goes through the same normalization, chosen by name (`algorithm.loss_type`):
+and the per-token loss is l_it = w_it h_it p_it + beta KL_it, where w_it is the rollout importance
+weight (below, 1 without it) and h_it the top-entropy mask (1 without it). Every term of l goes
+through the same normalization, chosen with the objective by `algorithm.loss_type`:
 
-    grpo     sum_i (sum_t l_it m_it / max(1, sum_t m_it)) / num_sequences   (per-sequence mean)
-    dapo     sum_it l_it m_it / num_tokens                                  (global token mean)
-    dr_grpo  sum_it l_it m_it / (num_sequences * max_completion_length)     (a constant)
+    grpo     clipped, sum_i (sum_t l_it m_it / max(1, sum_t m_it)) / num_sequences   (per-sequence mean)
+    dapo     clipped, sum_it l_it m_it / num_tokens                                  (global token mean)
+    dr_grpo  clipped, sum_it l_it m_it / (num_sequences * max_completion_length)     (a constant)
+    cispo    cispo,   the token mean (the paper's 1 / sum_i |o_i|)
+    sapo     sapo,    the per-sequence mean (as TRL)
 
 Normalizing the policy term one way and the KL term another (as TRL once did) makes the loss of a
 batch with beta 0 and ratio 1 non-zero although its group advantages sum to zero: here one
 function, `NORMALIZERS[name]`, normalizes the whole per-token loss.
 
 When the completions were sampled by an engine whose log-probs are not the trainer's own (vLLM's
-kernels), the policy term of each token is weighted by the truncated importance ratio between the
-trainer's policy before the update and the sampler (TIS; TRL's `vllm_importance_sampling_correction`):
+kernels), the policy term is weighted by the importance ratio between the trainer's policy before
+the update and the sampler (TRL's `vllm_importance_sampling_correction`), without gradient:
 
-    w_it  = min(exp(old_logp_it - sampling_logp_it), is_cap)     (no gradient)
-    l_it  = -w_it * min(ratio * A_i, clip(ratio) * A_i) + beta * KL_it
+    rho_it = exp(old_logp_it - sampling_logp_it)       is_level token
+    rho_i  = exp(sum_t m_it (old_logp_it - sampling_logp_it))   is_level sequence (the whole completion's ratio)
+    w      = clamp(rho, is_min, is_cap)                 is_mode truncate
+    w      = rho if is_min <= rho <= is_cap else 0      is_mode mask
 
 `num_sequences` and `num_tokens` are those of the whole optimizer update, not of the micro-batch:
 so the micro-batch losses add up exactly to the loss of the whole update batch, and the memory
 knobs (micro-batch size, process count) never change the math.
 
-A loss variant is a function `(LossInputs, LossSettings) -> LossOutput` registered in LOSSES under
-the name `algorithm.loss_type` takes; the trainer looks it up there, and learns the names of its
-metrics from `token_metric_names`.
+A loss is a `Loss` (an objective, a normalizer and the names of its metrics) registered in LOSSES
+under the name `algorithm.loss_type` takes; the trainer looks it up there, and learns the names of
+its metrics from `token_metric_names`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
 # The names of the loss's per-token metrics (TRL's), summed over tokens in LossOutput.token_sums.
 CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+CISPO_CLIP = "cispo_clip_ratio"
 IS_MEAN, IS_MAX = "sampling/importance_sampling_ratio/mean", "sampling/importance_sampling_ratio/max"
+IS_OUTSIDE = {"truncate": "sampling/is_truncated_fraction", "mask": "sampling/is_masked_fraction"}
+LEVELS = ("token", "sequence")
+IS_MODES = tuple(IS_OUTSIDE)
 
 
 @dataclass(frozen=True)
 class LossSettings:
-    """The loss's hyperparameters (algorithm.* and rollout.is_cap), fixed for a run."""
+    """The loss's hyperparameters (algorithm.* and rollout.is_*), fixed for a run."""
 
     beta: float = 0.0  # KL coefficient; the KL term exists only when > 0
     epsilon: float = 0.2  # lower clip range
     epsilon_high: float | None = None  # upper clip range; None: epsilon
     kl_estimator: str = "k3"
-    is_cap: float = 2.0  # upper bound of the importance-sampling weight
+    importance_sampling_level: str = "token"  # the policy ratio's: token | sequence (GSPO)
+    delta: float | None = None  # dual clip of negative-advantage tokens (clipped objective)
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    is_level: str = "token"  # the rollout importance weight's level: token | sequence
+    is_mode: str = "truncate"  # truncate | mask
+    is_cap: float = 3.0  # upper bound of the rollout importance weight
+    is_min: float | None = None  # its lower bound
+
+    @property
+    def eps_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 
 @dataclass(frozen=True)
@@ -68,31 +96,21 @@ class LossInputs:
     advantages: torch.Tensor  # (B,) or (B, T)
     old_logps: torch.Tensor | None = None  # (B, T) before the update; None: sampled by this very policy (ratio 1, gradient flows)
     ref_logps: torch.Tensor | None = None  # (B, T) the reference model's; needed when beta > 0
-    sampling_logps: torch.Tensor | None = None  # (B, T) the sampler's; given, it turns on the IS correction
+    sampling_logps: torch.Tensor | None = None  # (B, T) the sampler's; given, it turns on the rollout importance weight
     num_sequences: float | None = None
     num_tokens: float | None = None
     max_completion_length: int | None = None
+    policy_mask: torch.Tensor | None = None  # (B, T) 1 where the policy term applies (top_entropy_quantile); None: everywhere
 
 
 @dataclass
 class LossOutput:
     loss: torch.Tensor  # () this micro-batch's share of the update's loss
-    # Detached sums over the micro-batch's trained tokens, by metric name: the clip indicators
-    # (CLIP_METRICS), `kl` when beta > 0, and the importance weight (IS_MEAN) when corrected. They
-    # add up over micro-batches; the trainer turns them into means.
+    # Detached sums over the micro-batch's trained tokens, by metric name: the objective's indicators
+    # (its Loss.metrics), `kl` when beta > 0, and the importance weight (IS_MEAN, IS_OUTSIDE) when
+    # corrected. They add up over micro-batches; the trainer turns them into means.
     token_sums: dict[str, torch.Tensor]
     token_max: dict[str, torch.Tensor]  # detached maxima over the trained tokens (IS_MAX when corrected)
-
-
-LossFn = Callable[[LossInputs, LossSettings], LossOutput]
-
-
-def token_metric_names(settings: LossSettings) -> tuple[str, ...]:
-    """The token-summed metrics every loss returns in LossOutput.token_sums (the importance weight's
-    aside): the clip ratios, and `kl` when beta > 0. Known before any call, because every process
-    logs the same keys, even one whose rows all skip the forward pass. A variant with a metric of
-    its own adds its name here."""
-    return (*CLIP_METRICS, *(("kl",) if settings.beta > 0 else ()))
 
 
 # ---------------------------------------------------------------- KL estimators (Schulman 2020)
@@ -121,9 +139,26 @@ KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] =
 }
 
 
-def importance_weights(old_logps: torch.Tensor, sampling_logps: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated importance weights (B, T): min(exp(old_logps - sampling_logps), cap), detached."""
-    return torch.clamp(torch.exp(old_logps.detach() - sampling_logps), max=cap)
+def log_ratio(logps: torch.Tensor, other: torch.Tensor, mask: torch.Tensor, level: str, mean: bool) -> torch.Tensor:
+    """log(p / other) per token (B, T), or per completion (B, 1) over the `mask`ed tokens: their mean
+    (GSPO's geometric mean) when `mean`, else their sum (the whole completion's probability ratio)."""
+    diff = logps - other  # (B, T)
+    if level == "token":
+        return diff
+    total = (diff * mask).sum(-1, keepdim=True)  # (B, 1)
+    return total / mask.sum(-1, keepdim=True).clamp(min=1.0) if mean else total
+
+
+def importance_weights(old_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor,
+                       s: LossSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rollout importance weights (B, T) or (B, 1) of the module docstring, detached, and where the
+    ratio fell outside [is_min, is_cap] (bool, same shape)."""
+    rho = torch.exp(log_ratio(old_logps.detach(), sampling_logps, mask, s.is_level, mean=False))
+    low = -torch.inf if s.is_min is None else s.is_min
+    outside = (rho > s.is_cap) | (rho < low)
+    if s.is_mode == "truncate":
+        return rho.clamp(min=s.is_min, max=s.is_cap), outside
+    return torch.where(outside, torch.zeros_like(rho), rho), outside
 
 
 # ---------------------------------------------------------------- normalizations
@@ -151,20 +186,82 @@ def constant_normalizer(values: torch.Tensor, mask: torch.Tensor, num_sequences:
 NORMALIZERS = {"grpo": per_sequence_mean, "dapo": token_mean, "dr_grpo": constant_normalizer}
 
 
+# ---------------------------------------------------------------- objectives
+# Each: (ratio (B, T) or (B, 1), logps (B, T), advantages (B, 1) or (B, T), settings) -> the policy
+# term p (B, T) and its metrics' per-token indicators (broadcastable to (B, T)), by name.
+
+
+def clipped(ratio, logps, advantages, s: LossSettings):
+    """-min(r A, clip(r, 1 - eps, 1 + eps_high) A), r capped at delta in the first term when set."""
+    clip = torch.clamp(ratio, 1 - s.epsilon, 1 + s.eps_high)
+    capped = ratio if s.delta is None else torch.clamp(ratio, max=s.delta)
+    per_token = -torch.minimum(capped * advantages, clip * advantages)
+    with torch.no_grad():
+        low = ((ratio < 1 - s.epsilon) & (advantages < 0)).to(logps.dtype)
+        high = ((ratio > 1 + s.eps_high) & (advantages > 0)).to(logps.dtype)
+    return per_token.expand_as(logps), dict(zip(CLIP_METRICS, (low, high, low + high)))
+
+
+def cispo(ratio, logps, advantages, s: LossSettings):
+    """-sg(min(r, 1 + eps_high)) A logp."""
+    weight = torch.clamp(ratio, max=1 + s.eps_high).detach()
+    with torch.no_grad():
+        capped = ((ratio > 1 + s.eps_high) & (advantages > 0)).to(logps.dtype)
+    return -weight * advantages * logps, {CISPO_CLIP: capped}
+
+
+def sapo(ratio, logps, advantages, s: LossSettings):
+    """-(4 / tau) sigmoid(tau (r - 1)) A, tau by the advantage's sign."""
+    pos, neg = (torch.tensor(t, dtype=logps.dtype, device=logps.device) for t in (s.sapo_temperature_pos, s.sapo_temperature_neg))
+    tau = torch.where(advantages > 0, pos, neg)
+    return (-(4 / tau) * torch.sigmoid(tau * (ratio - 1)) * advantages).expand_as(logps), {}
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A registered loss: its objective, its normalizer, the names of the objective's metrics, and
+    whether it clips the ratio (so that algorithm.delta means something)."""
+
+    objective: Callable
+    normalize: Callable
+    metrics: tuple[str, ...]
+    clips: bool = False
+
+    def __call__(self, inputs: LossInputs, settings: LossSettings) -> LossOutput:
+        return surrogate_loss(inputs, settings, self)
+
+
+# algorithm.loss_type -> the loss. A variant with another per-token objective registers a Loss here.
+LOSSES: dict[str, Callable[[LossInputs, LossSettings], LossOutput]] = {
+    "grpo": Loss(clipped, per_sequence_mean, CLIP_METRICS, clips=True),
+    "dapo": Loss(clipped, token_mean, CLIP_METRICS, clips=True),
+    "dr_grpo": Loss(clipped, constant_normalizer, CLIP_METRICS, clips=True),
+    "cispo": Loss(cispo, token_mean, (CISPO_CLIP,)),
+    "sapo": Loss(sapo, per_sequence_mean, ()),
+}
+
+
+def token_metric_names(loss_type: str, settings: LossSettings) -> tuple[str, ...]:
+    """The token-summed metrics the loss returns in LossOutput.token_sums, the rollout importance
+    weight's aside (IS_MEAN, IS_OUTSIDE): its objective's and `kl` when beta > 0. Known before any
+    call, because every process logs the same keys, even one whose rows all skip the forward pass."""
+    own = getattr(LOSSES[loss_type], "metrics", CLIP_METRICS)
+    return (*own, *(("kl",) if settings.beta > 0 else ()))
+
+
 # ---------------------------------------------------------------- the loss
 
 
-def clipped_surrogate_loss(inputs: LossInputs, settings: LossSettings, normalize) -> LossOutput:
-    """The module docstring's l_it (clipped ratio, optional TIS weight, optional KL), normalized by
-    `normalize` (one of NORMALIZERS), with its metrics' token sums."""
+def surrogate_loss(inputs: LossInputs, settings: LossSettings, loss: Loss) -> LossOutput:
+    """The module docstring's l_it for `loss`'s objective (ratio at the configured level, optional
+    rollout importance weight, top-entropy mask and KL), normalized by `loss.normalize`, with its
+    metrics' token sums."""
     s = settings
     if s.kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator must be one of {tuple(KL_ESTIMATORS)}, got {s.kl_estimator!r}")
     if s.beta > 0 and inputs.ref_logps is None:
         raise ValueError("beta > 0 needs ref_logps (the reference model's log-probs)")
     logps = inputs.logps
-    eps_low = s.epsilon
-    eps_high = s.epsilon if s.epsilon_high is None else s.epsilon_high
     mask = inputs.mask.to(logps.dtype)  # (B, T)
     num_sequences = logps.shape[0] if inputs.num_sequences is None else inputs.num_sequences
     num_tokens = mask.sum().item() if inputs.num_tokens is None else inputs.num_tokens
@@ -183,39 +280,35 @@ def clipped_surrogate_loss(inputs: LossInputs, settings: LossSettings, normalize
         return None if x is None else torch.where(trained, x, here)
 
     old_logps = here if inputs.old_logps is None else on_trained(inputs.old_logps)
-    ratio = torch.exp(logps - old_logps)  # (B, T)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantages
-    per_token = -torch.minimum(unclipped, clipped)  # (B, T)
+    ratio = torch.exp(log_ratio(logps, old_logps, mask, s.importance_sampling_level, mean=True))  # (B, T) or (B, 1)
+    per_token, indicators = loss.objective(ratio, logps, advantages, s)  # (B, T)
 
-    weights = None
+    weights = outside = None
     if inputs.sampling_logps is not None:
-        weights = importance_weights(old_logps, on_trained(inputs.sampling_logps.to(logps.dtype)), s.is_cap)  # (B, T)
+        sampling = on_trained(inputs.sampling_logps.to(logps.dtype))
+        weights, outside = importance_weights(old_logps, sampling, mask, s)  # (B, T) or (B, 1)
         per_token = per_token * weights
+    if inputs.policy_mask is not None:
+        per_token = per_token * inputs.policy_mask.to(logps.dtype)
 
     kl = None
     if s.beta > 0:
         kl = KL_ESTIMATORS[s.kl_estimator](logps, on_trained(inputs.ref_logps))  # (B, T)
         per_token = per_token + s.beta * kl
 
-    loss = normalize(per_token, mask, num_sequences, num_tokens, length)
+    value = loss.normalize(per_token, mask, num_sequences, num_tokens, length)
 
     with torch.no_grad():
-        low = ((ratio < 1 - eps_low) & (advantages < 0)).to(logps.dtype)  # (B, T)
-        high = ((ratio > 1 + eps_high) & (advantages > 0)).to(logps.dtype)  # (B, T)
-        sums = {name: (value * mask).sum() for name, value in zip(CLIP_METRICS, (low, high, low + high))}
+        sums = {name: (indicator * mask).sum() for name, indicator in indicators.items()}
         maxima = {}
         if kl is not None:
             sums["kl"] = (kl * mask).sum()
         if weights is not None:
             sums[IS_MEAN] = (weights * mask).sum()
-            maxima[IS_MAX] = weights.masked_fill(mask == 0, float("-inf")).max() if mask.any() else weights.new_tensor(float("-inf"))
-    return LossOutput(loss, sums, maxima)
-
-
-# algorithm.loss_type -> the loss function. Today's three share the clipped surrogate and differ in
-# normalization; a variant with another per-token objective registers its own function here.
-LOSSES: dict[str, LossFn] = {name: partial(clipped_surrogate_loss, normalize=fn) for name, fn in NORMALIZERS.items()}
+            sums[IS_OUTSIDE[s.is_mode]] = (outside * mask).sum()
+            spread = weights.expand_as(mask)
+            maxima[IS_MAX] = spread.masked_fill(mask == 0, float("-inf")).max() if mask.any() else spread.new_tensor(float("-inf"))
+    return LossOutput(value, sums, maxima)
 
 
 def compute_loss(loss_type: str, inputs: LossInputs, settings: LossSettings) -> LossOutput:

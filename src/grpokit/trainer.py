@@ -55,15 +55,16 @@ import numpy as np
 import torch
 
 from grpokit import distributed, sharding, signals
-from grpokit.advantages import group_advantages
+from grpokit.advantages import advantages as compute_advantages
 from grpokit.checkpoint import (checkpoint_bytes, link_model_files, load_state, load_weights, rng_state, set_rng_state,
                                 write_checkpoint, write_state_files)
 from grpokit.config import Config, reward_specs
 from grpokit.diagnose import RunFacts
+from grpokit.dynamic_sampling import Collector, Round
 from grpokit.errors import ConfigError, StartupError
 from grpokit.evaluate import score, summarize
 from grpokit.logprobs import check_chunkable, check_inputs_embeds, completion_logprobs
-from grpokit.loss import IS_MAX, IS_MEAN, LossInputs, LossOutput, LossSettings, compute_loss, token_metric_names
+from grpokit.loss import IS_MAX, IS_MEAN, IS_OUTSIDE, LossInputs, LossOutput, LossSettings, compute_loss, token_metric_names
 from grpokit.models import (apply_lora, enable_activation_checkpointing, eos_token_ids, load_model, load_tokenizer,
                             save_model)
 from grpokit.monitor import Monitor
@@ -73,6 +74,7 @@ from grpokit.rollout import (RolloutBatch, SamplingParams, decode_completions, e
 from grpokit.rollout.conversation import MultiTurn
 from grpokit.rollout.tools import Tools
 from grpokit.rundir import check_disk_space, open_run_dir, release_run_dir, start_run_dir
+from grpokit.schedule import lr_multiplier
 from grpokit.tasks import Example, make_task
 
 
@@ -84,6 +86,8 @@ class TrainResult:
 
 # Steps in a row in which no reward function scored any completion that stop a run.
 UNSCORED_STEPS = 3
+# A checkpoint's reference model weights, with algorithm.sync_ref_model (it drifts towards the policy).
+REFERENCE_FILE = "reference.pt"
 
 
 class NonFiniteError(RuntimeError):
@@ -107,6 +111,7 @@ class Progress:
     skipped_steps: int = 0  # steps with a skipped (non-finite) update
     skipped_in_a_row: int = 0
     unscored_in_a_row: int = 0  # steps in which no reward function scored any completion
+    examples_seen: int = 0  # prompts drawn from the data stream (its position)
 
 
 @dataclass
@@ -149,10 +154,18 @@ class Trainer:
         if self.tools is not None and self.parallel.lockstep:
             raise ConfigError("multi-turn rollouts (rollout.tools, rollout.environment) with sharded weights (FSDP2, "
                               "ZeRO-3) are not supported: the processes would take different numbers of turns")
-        if self.tools is not None and self.tools.environment is not None and self.remote and distributed.world_size() > 1:
-            raise ConfigError("rollout.environment with rollout.engine=server on several processes is not supported: the "
-                              "environments live in process 0, which alone talks to the server; use one process, or "
-                              "the transformers engine")
+        if self.tools is not None and self.tools.environment is not None and distributed.world_size() > 1:
+            if self.remote:
+                raise ConfigError("rollout.environment with rollout.engine=server on several processes is not supported: "
+                                  "the environments live in process 0, which alone talks to the server; use one process, "
+                                  "or the transformers engine")
+            if config.rollout.dynamic_sampling:
+                raise ConfigError("rollout.dynamic_sampling with rollout.environment on several processes is not "
+                                  "supported: the kept groups' environments would have to move between processes; use "
+                                  "one process, or turn one of them off")
+        if config.algorithm.sync_ref_model and self.parallel.lockstep:
+            raise ConfigError("algorithm.sync_ref_model with sharded weights (FSDP2, ZeRO-3) is not supported: the "
+                              "reference is mixed with the policy weight by weight; use data parallelism")
         self.task = make_task(config.data, config.train.seed, lambda e: len(self.encode(e, truncate=False)))
         first = next(self.task.train_stream())
         if self.tools is not None:
@@ -187,8 +200,10 @@ class Trainer:
             self.params = [p for p in self.policy.parameters() if p.requires_grad]
             self.optimizer, self.scheduler = self._make_optimizer()
             a, r = config.algorithm, config.rollout
-            self.loss_settings = LossSettings(a.beta, a.epsilon, a.epsilon_high, a.kl_estimator or "k3", r.is_cap)
-            self.sampling = SamplingParams(r.max_completion_length, r.temperature, r.top_p, r.top_k)
+            self.loss_settings = LossSettings(
+                a.beta, a.epsilon, a.epsilon_high, a.kl_estimator or "k3", a.importance_sampling_level, a.delta,
+                a.sapo_temperature_pos, a.sapo_temperature_neg, r.is_level, r.is_mode, r.is_cap, r.is_min)
+            self.sampling = SamplingParams(r.max_completion_length, r.temperature, r.top_p, r.top_k, r.min_p)
             self.greedy = SamplingParams(r.max_completion_length, temperature=0.0)
             # The metrics.jsonl rows kept from before the checkpoint, and what to tell the user about them.
             self.resumed_rows, note = distributed.on_main(lambda: self._start_run_dir(needed, resume_from))
@@ -269,15 +284,16 @@ class Trainer:
 
     def _make_optimizer(self):
         """AdamW (fused: one kernel over all weights, where the strategy allows it) and its
-        learning-rate schedule: linear warm-up over train.warmup_steps updates, then constant."""
+        learning-rate schedule (schedule.py): linear warm-up over train.warmup_steps updates, then
+        train.lr_scheduler over the run's max_steps x updates_per_step x num_iterations updates."""
         t = self.config.train
         optimizer = self.parallel.make_optimizer(
             self.policy, self.params,
             lambda params: torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay,
                                              fused=self.parallel.fused_adamw))
-        warmup = t.warmup_steps
+        total = t.max_steps * t.updates_per_step * self.config.algorithm.num_iterations
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda update: min(1.0, (update + 1) / warmup) if warmup else 1.0)
+            optimizer, lambda update: lr_multiplier(t.lr_scheduler, update, t.warmup_steps, total))
         return optimizer, scheduler
 
     def _start_run_dir(self, needed: int, resume_from: Path | None) -> tuple[list[dict], str | None]:
@@ -356,9 +372,13 @@ class Trainer:
         """Step `step` on the prompts `examples` (the same on every process): its metrics row."""
         a = self.config.algorithm
         start = time.perf_counter()
-        batch = self.sample(examples)  # this process's completions
-        t_generate = time.perf_counter() - start
-        scored = self.score(examples, batch)
+        if self.config.rollout.dynamic_sampling:
+            examples, batch, scored, sampling = self.sample_informative(step, examples)
+        else:
+            batch = self.sample(examples)  # this process's completions
+            scored = self.score(examples, batch)
+            sampling = {}
+        t_generate = time.perf_counter() - start  # with the reward functions' time when sampling dynamically
         self.check_scored(step, scored)
 
         t0 = time.perf_counter()
@@ -376,13 +396,14 @@ class Trainer:
         every = self.config.monitor.log_completions
         if every and step % every == 0:
             self.monitor.completions(step, distributed.gather_lists(scored.samples))
-        self.count_step(step, tokens, scored, stats)
+        self.count_step(step, tokens, scored, stats, int(sampling.get("dynamic_sampling/prompts_sampled", len(examples))))
         times = torch.tensor([t_generate, t_logprobs, t_update, stats.time_optimizer, time.perf_counter() - start])
         times = distributed.all_reduce(times, "max").tolist()  # the slowest process sets the pace
         return {
             "step": step,
             **stats.metrics,
             **rollout,
+            **sampling,
             "num_tokens": self.progress.num_tokens,
             "skipped_steps": self.progress.skipped_steps,
             **dict(zip(("time/generate", "time/logprobs", "time/update", "time/optimizer", "step_time"), times)),
@@ -412,7 +433,12 @@ class Trainer:
     def score(self, examples: list[Example], batch: RolloutBatch) -> Scored:
         """Rewards of this process's completions `batch`, gathered into the whole step's, and
         group-relative advantages (of whole groups, wherever their completions were generated)."""
-        cfg, a, G = self.config, self.config.algorithm, self.config.rollout.num_generations
+        return self.advantages(batch, *self.reward(examples, batch))
+
+    def reward(self, examples: list[Example], batch: RolloutBatch) -> tuple[torch.Tensor, dict, list[dict]]:
+        """The reward functions on this process's completions `batch`: the whole step's rewards (N,)
+        and each function's (gathered from every process), and this process's records of them."""
+        cfg, G = self.config, self.config.rollout.num_generations
         N, U = cfg.completions_per_step, cfg.completions_per_update
         owned = [examples[r // G] for r in self.rows.tolist()]
         completions = decode_completions(self.tokenizer, batch, [e.prompt for e in owned])
@@ -426,13 +452,60 @@ class Trainer:
         ]
         rewards = distributed.gather_rows(local_rewards, N, U)  # (N,) in global order
         per_function = {k: distributed.gather_rows(v, N, U) for k, v in local_per_function.items()}
-        advantages = group_advantages(rewards, G, a.scale_rewards)[self.rows]  # (n,)
+        return rewards, per_function, samples
+
+    def advantages(self, batch: RolloutBatch, rewards: torch.Tensor, per_function: dict, samples: list[dict]) -> Scored:
+        """The step's advantages (advantages.py) from the whole step's `rewards` (N,), kept for this
+        process's completions `batch`, and which of them need a forward/backward pass."""
+        a, G = self.config.algorithm, self.config.rollout.num_generations
+        stacked = torch.stack(list(per_function.values()), 1)  # (N, K)
+        weights = torch.tensor(self.rewards.weights, dtype=stacked.dtype)
+        advantages = compute_advantages(rewards, stacked, weights, G, a.advantage_estimator, a.scale_rewards,
+                                        a.reward_aggregation)[self.rows]  # (n,)
         # With no KL term, a completion with advantage exactly 0 adds exactly 0 to the loss, its
-        # gradient and the clip metrics: it needs no forward/backward at all. Sharded weights need
-        # every process in every forward (sharding.py), so there every row runs.
-        skip = a.beta == 0 and not self.parallel.lockstep
-        active = advantages != 0 if skip else torch.ones_like(advantages, dtype=torch.bool)  # (n,)
+        # gradient and the clip metrics: it needs no forward/backward at all; a completion whose
+        # tokens all leave the loss (a masked truncated one) adds 0 with any beta. Sharded weights
+        # need every process in every forward (sharding.py), so there every row runs.
+        active = torch.ones_like(advantages, dtype=torch.bool)  # (n,)
+        if not self.parallel.lockstep:
+            if a.beta == 0:
+                active &= advantages != 0
+            active &= self.loss_mask(batch).cpu().any(-1)
         return Scored(rewards, per_function, advantages.to(self.device), active, samples)
+
+    def sample_informative(self, step: int, examples: list[Example]) -> tuple[list[Example], RolloutBatch, Scored, dict]:
+        """Dynamic sampling (dynamic_sampling.py): rounds of sampling and scoring, the first on
+        `examples`, the next ones on prompts drawn from the data stream, until the step holds
+        prompts_per_step informative groups or max_sampling_rounds rounds were sampled. The step's
+        prompts, this process's completions of them, their scores, and the dynamic_sampling/* metrics."""
+        cfg, r = self.config, self.config.rollout
+        N, U, P = cfg.completions_per_step, cfg.completions_per_update, cfg.train.prompts_per_step
+        collector = Collector(P, r.num_generations)
+        # Where each process's completions go in a round's global order (the inverse of shard_rows).
+        order = torch.argsort(torch.cat([distributed.shard_rows(N, U, distributed.world_size(), k)
+                                         for k in range(distributed.world_size())]))
+        while True:
+            if collector.rounds:
+                examples = [next(self.stream) for _ in range(P)]
+            batch = self.sample(examples)
+            rewards, per_function, samples = self.reward(examples, batch)
+            if distributed.world_size() > 1:  # every process holds the whole round, in global order
+                batch = RolloutBatch.concat(distributed.gather_lists([batch])).select(order)
+                everyone = distributed.gather_lists(samples)
+                samples = [everyone[i] for i in order.tolist()]
+            batch.prompt_index = torch.arange(N) // r.num_generations
+            collector.add(Round(examples, batch, rewards, per_function, samples))
+            if collector.full or collector.rounds == r.max_sampling_rounds:
+                break
+        examples, whole, rewards, per_function, samples = collector.batch()
+        metrics = collector.metrics()
+        if metrics["dynamic_sampling/groups_kept"] < P:
+            self.monitor.write(
+                f"step {step}: dynamic sampling found {len(collector.kept)} groups with differing rewards in "
+                f"{collector.rounds} rounds (rollout.max_sampling_rounds={r.max_sampling_rounds}), fewer than "
+                f"train.prompts_per_step={P}: the step trains on those, the batch filled with equal-reward groups")
+        batch = whole.select(self.rows)
+        return examples, batch, self.advantages(batch, rewards, per_function, [samples[i] for i in self.rows.tolist()]), metrics
 
     def check_scored(self, step: int, scored: Scored) -> None:
         """A step in which every reward function returned None for every completion teaches nothing:
@@ -486,8 +559,9 @@ class Trainer:
         share = U // distributed.world_size()
         micro = cfg.micro_batch_size(distributed.world_size())
         # Only the model's own tokens are trained (not a conversation's tool results).
-        mask, advantages, active = batch.trained_mask, scored.advantages, scored.active  # (n, T), (n,), (n,)
-        metrics = _LossMetrics(token_metric_names(self.loss_settings), corrected=self.is_correction)
+        mask, advantages, active = self.loss_mask(batch), scored.advantages, scored.active  # (n, T), (n,), (n,)
+        metrics = _LossMetrics(token_metric_names(a.loss_type, self.loss_settings),
+                               IS_OUTSIDE[self.loss_settings.is_mode] if self.is_correction else None)
         skipped, t_optimizer = 0, 0.0
         self.policy.train()
         for _ in range(a.num_iterations):
@@ -495,6 +569,7 @@ class Trainer:
                 local = torch.arange(u0, u0 + share)
                 # The whole update batch's counts, all processes, normalize every micro-batch's loss.
                 num_tokens = distributed.all_reduce(mask[local].sum().double()).item()
+                policy_mask = self.high_entropy_tokens(batch, mask, local) if a.top_entropy_quantile < 1 else None  # (n, T)
                 rows = local[active[local]]
                 update_loss = 0.0
                 micro_batches = rows.split(micro) if len(rows) else ()  # split() of nothing gives one empty part
@@ -506,6 +581,7 @@ class Trainer:
                         old_logps=None if old_logps is None else old_logps[mb],
                         ref_logps=None if ref_logps is None else ref_logps[mb],
                         sampling_logps=batch.sampling_logps[mb].to(self.device) if self.is_correction else None,
+                        policy_mask=None if policy_mask is None else policy_mask[mb],
                         num_sequences=U,
                         num_tokens=num_tokens,
                         max_completion_length=cfg.rollout.max_completion_length,
@@ -526,9 +602,44 @@ class Trainer:
                     self.scheduler.step()
                     if self.engine is not None:
                         self.engine.weights_updated()
+                    if a.sync_ref_model and self.scheduler.last_epoch % a.ref_model_sync_steps == 0:
+                        self.sync_reference()
                 else:
                     skipped += 1
         return UpdateStats(metrics.result(), skipped, t_optimizer)
+
+    def loss_mask(self, batch: RolloutBatch) -> torch.Tensor:
+        """(n, T) the tokens the loss trains: the model's own (not a conversation's tool results),
+        less every token of a truncated completion with algorithm.mask_truncated_completions."""
+        mask = batch.trained_mask
+        if self.config.algorithm.mask_truncated_completions:
+            kept = torch.tensor([f != "length" for f in batch.finish_reasons], dtype=mask.dtype, device=mask.device)
+            mask = mask * kept[:, None]
+        return mask
+
+    def high_entropy_tokens(self, batch: RolloutBatch, mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """(n, T) bool, on the update's `rows`: the trained tokens whose sampling entropy is at least
+        the (1 - top_entropy_quantile) quantile of every trained token's of the update, all processes
+        (TRL's threshold, taken per micro-batch there; over the whole update here)."""
+        if batch.entropies is None:
+            raise ConfigError(f"algorithm.top_entropy_quantile={self.config.algorithm.top_entropy_quantile} selects "
+                              f"tokens by their sampling entropy, which rollout.engine={self.config.rollout.engine} "
+                              "does not measure: use the transformers engine, or remove it")
+        entropies = batch.entropies.to(mask.device)  # (n, T)
+        trained = mask.bool()
+        values = torch.cat(distributed.gather_lists([entropies[rows][trained[rows]].double().cpu()]))
+        out = torch.zeros_like(trained)
+        if values.numel():
+            threshold = torch.quantile(values, 1 - self.config.algorithm.top_entropy_quantile)
+            out[rows] = (entropies[rows].double() >= threshold.to(mask.device)) & trained[rows]
+        return out
+
+    @torch.no_grad()
+    def sync_reference(self) -> None:
+        """algorithm.sync_ref_model (TR-DPO): ref = alpha * policy + (1 - alpha) * ref, weight by weight."""
+        alpha = self.config.algorithm.ref_model_mixup_alpha
+        for ref, weight in zip(self.reference.parameters(), self.policy.parameters(), strict=True):
+            ref.mul_(1 - alpha).add_(weight.detach(), alpha=alpha)
 
     def rollout_metrics(self, batch: RolloutBatch, scored: Scored) -> tuple[dict, int]:
         """The step's reward and completion metrics (TRL's names), over all processes' completions,
@@ -580,11 +691,13 @@ class Trainer:
             "turns/max_turns_ratio": max_turns.mean().item(),
         }
 
-    def count_step(self, step: int, tokens: int, scored: Scored, stats: UpdateStats) -> None:
-        """Step `step` is complete: advance the counters, and say so if it skipped an update."""
+    def count_step(self, step: int, tokens: int, scored: Scored, stats: UpdateStats, prompts: int) -> None:
+        """Step `step`, which drew `prompts` prompts from the data stream, is complete: advance the
+        counters, and say so if it skipped an update."""
         p = self.progress
         p.step = step
         p.num_tokens += tokens
+        p.examples_seen += prompts
         p.unscored_in_a_row = 0 if scored.any_scored else p.unscored_in_a_row + 1
         if not stats.skipped_updates:
             p.skipped_in_a_row = 0
@@ -642,7 +755,7 @@ class Trainer:
         p = self.progress
         state = {
             "step": p.step,
-            "examples_seen": p.step * self.config.train.prompts_per_step,  # the data stream's position
+            "examples_seen": p.examples_seen,  # the data stream's position
             "num_tokens": p.num_tokens,
             "skipped_steps": p.skipped_steps,
             "skipped_in_a_row": p.skipped_in_a_row,
@@ -660,6 +773,8 @@ class Trainer:
 
         def write(folder: Path) -> None:
             save_model(self.policy, self.tokenizer, folder, weights)
+            if self.config.algorithm.sync_ref_model:  # the reference has moved from the initial policy
+                torch.save(self.reference.state_dict(), folder / REFERENCE_FILE)
             write_state_files(folder, self.config, optimizer_state, self.scheduler, rng, state)
 
         path = distributed.on_main(
@@ -691,13 +806,16 @@ class Trainer:
         """Continue from checkpoint `folder` (its weights are loaded already): optimizer, scheduler,
         RNGs, data position, counters."""
         optimizer_state, rng, state = load_state(folder, self.scheduler)
+        if self.config.algorithm.sync_ref_model:
+            self.reference.load_state_dict(torch.load(folder / REFERENCE_FILE, map_location="cpu", weights_only=True))
         self.parallel.load_optimizer_state(self.policy, self.optimizer, optimizer_state)
         processes = rng["processes"]
         # Each process its own RNG state; resumed on another process count, process 0's for all.
         set_rng_state(processes[distributed.rank()] if len(processes) == distributed.world_size() else processes[0])
         self.seed_stream.set_state(rng["seed_stream"])
         self.progress = Progress(state["step"], state["num_tokens"], state["skipped_steps"], state["skipped_in_a_row"],
-                                 state.get("unscored_in_a_row", 0))  # (not in checkpoints of older versions)
+                                 state.get("unscored_in_a_row", 0),  # (not in checkpoints of older versions)
+                                 state["examples_seen"])
         self.stream = self.task.train_stream(start=state["examples_seen"])
 
     # ------------------------------------------------------------------ helpers
@@ -736,28 +854,31 @@ class _LossMetrics:
 
     Per update: each token-summed metric (clip ratios, kl) divided by the update's token count,
     the loss as summed over its micro-batches, the gradient norm and learning rate. Then the mean
-    over the updates, with every process's share summed. The importance weight's mean is over the
-    tokens that had a forward pass, its max over all of them."""
+    over the updates, with every process's share summed. The rollout importance weight's mean and
+    out-of-bounds share are over the tokens that had a forward pass, its max over all of them."""
 
-    def __init__(self, names: tuple[str, ...], corrected: bool):
-        """names: the loss's token-summed metrics (loss.token_metric_names)."""
+    def __init__(self, names: tuple[str, ...], outside: str | None):
+        """names: the loss's token-summed metrics (loss.token_metric_names); outside: the importance
+        weight's out-of-bounds metric (loss.IS_OUTSIDE) when the weight is on, else None."""
         self.names = names
         self.sums = dict.fromkeys(("loss", *names), 0.0)  # this process's shares
         self.shared = {"grad_norm": 0.0, "learning_rate": 0.0}  # the same on every process
-        self.corrected = corrected
-        self.is_sum = self.is_count = 0.0
+        self.corrected = () if outside is None else (IS_MEAN, outside)
+        self.counted = dict.fromkeys(self.corrected, 0.0)  # summed over the tokens that had a forward pass
+        self.is_count = 0.0
         self.is_max = -math.inf
         self.updates = 0
 
     def add_micro_batch(self, out: LossOutput, mask: torch.Tensor, num_tokens: float) -> None:
         """mask: (M, T) the micro-batch's; num_tokens: its whole update's, all processes."""
-        undeclared = out.token_sums.keys() - {*self.names, IS_MEAN}
+        undeclared = out.token_sums.keys() - {*self.names, *self.corrected}
         if undeclared:
             raise ValueError(f"the loss returned metrics {sorted(undeclared)} that loss.token_metric_names does not name")
         for name in self.names:
             self.sums[name] += (out.token_sums[name] / max(num_tokens, 1.0)).item()
         if self.corrected:
-            self.is_sum += out.token_sums[IS_MEAN].item()
+            for name in self.corrected:
+                self.counted[name] += out.token_sums[name].item()
             self.is_count += mask.sum().item()
             self.is_max = max(self.is_max, out.token_max[IS_MAX].item())
 
@@ -772,8 +893,10 @@ class _LossMetrics:
         summed = distributed.all_reduce(torch.tensor(list(self.sums.values()), dtype=torch.float64)).tolist()
         out = {k: v / self.updates for k, v in (*zip(self.sums, summed), *self.shared.items())}
         if self.corrected:
-            total, count = distributed.all_reduce(torch.tensor([self.is_sum, self.is_count], dtype=torch.float64)).tolist()
-            out[IS_MEAN] = total / count if count else math.nan  # nan: no token needed a gradient
+            *totals, count = distributed.all_reduce(
+                torch.tensor([*self.counted.values(), self.is_count], dtype=torch.float64)).tolist()
+            for name, total in zip(self.corrected, totals):
+                out[name] = total / count if count else math.nan  # nan: no token needed a gradient
             top = distributed.all_reduce(torch.tensor(self.is_max, dtype=torch.float64), "max").item()
             out[IS_MAX] = top if count else math.nan
         return out

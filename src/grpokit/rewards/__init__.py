@@ -43,6 +43,7 @@ BUILTIN_REWARDS = {
     "math_accuracy": "grpokit.rewards.math_answer:math_accuracy",
     "format": "grpokit.rewards.math_answer:format_reward",
     "length": "grpokit.rewards.length:length",
+    "overlong": "grpokit.rewards.length:overlong",
     "reward_model": "grpokit.rewards.reward_model:reward_model",
     "exact_answer": "grpokit.rewards.exact_answer:exact_answer",
     "leading_number": "grpokit.rewards.exact_answer:leading_number",
@@ -119,7 +120,8 @@ class RewardSet:
             missing = sorted(needed - given - set(arguments))
             if missing:
                 raise ConfigError(f"reward function {name!r} needs {', '.join(map(repr, missing))}, which no column of "
-                                  f"the data provides (columns: {', '.join(sorted(columns)) or 'none'})")
+                                  f"the data provides (columns: {', '.join(sorted(columns)) or 'none'}); or set it in "
+                                  f"reward.functions: {{name: {name}, {': ..., '.join(missing)}: ...}}")
 
     def __call__(
         self, examples: list, completions: list, finish_reasons: list[str], completion_ids: list | None = None,

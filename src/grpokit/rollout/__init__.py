@@ -35,6 +35,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k filter
+    min_p: float = 0.0  # 0 means no min-p filter
 
 
 @dataclass
@@ -78,6 +79,30 @@ class RolloutBatch:
             else:
                 picked[f.name] = [value[i] for i in rows.tolist()] if isinstance(value, list) else value[rows.to(value.device)]
         return RolloutBatch(**picked)
+
+    @staticmethod
+    def concat(batches: Sequence[RolloutBatch]) -> RolloutBatch:
+        """The completions of `batches`, one after the other: prompts padded on the left and
+        completions on the right to the widest (masked positions, whose values nothing reads);
+        `prompt_index` as each batch had it."""
+        width = max(b.prompt_ids.shape[1] for b in batches)
+        length = max(b.completion_ids.shape[1] for b in batches)
+
+        def joined(name: str, left: bool):
+            values = [getattr(b, name) for b in batches]
+            if values[0] is None:
+                return None
+            if isinstance(values[0], list):
+                return [x for v in values for x in v]
+            if values[0].dim() == 1:
+                return torch.cat(values)
+            wide = width if left else length
+            padded = [torch.nn.functional.pad(v, (wide - v.shape[1], 0) if left else (0, wide - v.shape[1]))
+                      for v in values]  # zeros: masked out
+            return torch.cat(padded)
+
+        return RolloutBatch(**{f.name: joined(f.name, f.name in ("prompt_ids", "prompt_mask"))
+                               for f in fields(RolloutBatch)})
 
 
 class RolloutEngine(Protocol):

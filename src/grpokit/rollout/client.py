@@ -208,7 +208,7 @@ class ServerEngine:
         counts = [n] * len(prompts) if isinstance(n, int) else [int(k) for k in n]
         body = {"fingerprint": self.fingerprint, "prompts": prompts, "n": counts,
                 "sampling": {"max_tokens": params.max_tokens, "temperature": params.temperature,
-                             "top_p": params.top_p, "top_k": params.top_k},
+                             "top_p": params.top_p, "top_k": params.top_k, "min_p": params.min_p},
                 "seeds": None if seeds is None else [int(s) for s in seeds]}
         failures = []
         while len(failures) < 3:  # each wait inside is bounded by timeout_s

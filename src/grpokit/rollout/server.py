@@ -26,7 +26,7 @@ import uuid
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from grpokit.errors import StartupError
 from grpokit.rollout import STALE_WEIGHTS, TAKEN_OVER, SamplingParams
@@ -34,10 +34,15 @@ from grpokit.rollout.weights import WeightGroup, device_id, fingerprint_differen
 
 
 class Sampling(BaseModel):
+    # A parameter this server does not know is refused (422), never ignored: a newer trainer's
+    # sampling would otherwise silently not be what it asked for.
+    model_config = ConfigDict(extra="forbid")
+
     max_tokens: int = Field(ge=1)
     temperature: float = Field(ge=0)
     top_p: float = Field(gt=0, le=1)
     top_k: int = Field(ge=0)
+    min_p: float = Field(default=0.0, ge=0, lt=1)  # a default: trainers from before min-p do not send it
 
 
 class GenerateRequest(BaseModel):

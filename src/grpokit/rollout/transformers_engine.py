@@ -30,8 +30,9 @@ def sample_next(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draw one token per row from logits (B, V), by inverse CDF of one uniform (B,) per row.
 
-    Returns tokens (B,), their log-probs under the sampling distribution (B,), and the entropy of
-    the tempered, unfiltered distribution (B,) (the policy's, as the trainer sees it).
+    The sampling distribution: softmax(logits / temperature), then top-k, top-p and min-p (in
+    transformers' order), renormalised. Returns tokens (B,), their log-probs under it (B,), and the
+    entropy of the tempered, unfiltered distribution (B,) (the policy's, as the trainer sees it).
     """
     if params.temperature == 0:
         logprobs = torch.log_softmax(logits.float(), dim=-1)
@@ -48,6 +49,11 @@ def sample_next(
         drop_sorted = cum - torch.softmax(sorted_logits, dim=-1) >= params.top_p  # keep the top token
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    if params.min_p > 0:
+        # Last, as transformers' MinPLogitsWarper: drop p < min_p * max p. The bound is relative to
+        # the most likely token, so the renormalisation by top-k/top-p before does not move it.
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), float("-inf"))
     logprobs = torch.log_softmax(logits, dim=-1)  # (B, V)
     cdf = logprobs.exp().cumsum(-1)  # (B, V)
     total = cdf[:, -1:]  # (B, 1), ~1

@@ -7,7 +7,7 @@ with vLLM's offline `LLM` API. Needs a GPU and `pip install 'grpokit[vllm]'`.
   completions of a prompt in one request.
 - Log-probs: `SamplingParams(logprobs=0)` returns the sampled token's log-prob, and the engine is
   built with `logprobs_mode="processed_logprobs"`, so it is the log-prob under the distribution
-  actually sampled from (after temperature, top-k, top-p), the trainer's `sampling_logps`. vLLM's
+  actually sampled from (after temperature, min-p, top-k, top-p), the trainer's `sampling_logps`. vLLM's
   kernels differ from the trainer's, so these differ from the trainer's log-probs: the trainer
   corrects with truncated importance sampling (loss.py, `rollout.is_correction`).
 - Entropies are not measured by vLLM: the `entropy` metric is left out with this engine.
@@ -16,9 +16,12 @@ with vLLM's offline `LLM` API. Needs a GPU and `pip install 'grpokit[vllm]'`.
   gate/up themselves. `vllm_name` strips the wrappers a trainer's names can carry. The prefix
   cache is reset after each load. The checksum is that of the tensors as received (vLLM keeps
   them fused and cast), so for vLLM it proves the transfer, not vLLM's own copy.
-- Log-probs with `top_p < 1` or `top_k > 0`: vLLM's processed log-probs are renormalised over the
-  kept tokens, the trainer's are not (they are the tempered policy's, as TRL's), so the importance
-  weights sit at or below 1 by the filtering alone; keep the correction's cap in mind there.
+- Log-probs with `top_p < 1`, `top_k > 0` or `min_p > 0`: vLLM's processed log-probs are renormalised
+  over the kept tokens, the trainer's are not (they are the tempered policy's, as TRL's), so the
+  importance weights sit at or below 1 by the filtering alone; keep the correction's cap in mind there.
+- Min-p: vLLM applies it before top-k/top-p, the transformers engine after them (as transformers
+  does). With top-k alone the kept tokens are the same; with top-p too, vLLM's top-p measures its
+  mass over the tokens min-p kept, so it may keep fewer.
 - Sleep mode (`enable_sleep_mode=True`): in the training process, vLLM's weights and KV cache are
   released while the trainer updates (`sleep(level=2)`); before the next generation the weights
   are woken, loaded, then the KV cache (`wake_up(tags=...)`).
@@ -66,6 +69,7 @@ def sampling_params(vllm, params: SamplingParams, n: int, seed: int | None, stop
         temperature=params.temperature,
         top_p=params.top_p,
         top_k=params.top_k if params.top_k > 0 else -1,  # -1: off, in every vLLM version
+        min_p=params.min_p,
         max_tokens=params.max_tokens,
         logprobs=0,  # the sampled token's own log-prob
         seed=seed,
