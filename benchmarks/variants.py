@@ -7,8 +7,9 @@ Each run is `grpokit train` with the defaults plus its configuration's overrides
 --eval-every steps on the 100 held-out problems (greedy). A run stops (SIGTERM, after its step)
 once its exact accuracy reaches --target, or once its training time passes its cap: --cap-minutes
 for the default (which runs first), and for the others --cap-fraction (0.6) times the default's
-mean time to the target: a configuration that has not reached it by then misses the 60% target
-anyway, and the table gives the accuracy it had reached.
+mean time to the target (a default seed that never reached it counts with its whole training
+time): a configuration that has not reached the target by then misses the 60% goal anyway, and
+the table gives the accuracy it had reached.
 
 Training time is the sum of the run's `step_time`s (metrics.jsonl): generation, rewards and the
 update; evaluations and checkpoint writes are left out, since every configuration evaluates the
@@ -105,6 +106,11 @@ def run_pair(name: str, overrides: list[str], seeds: list[int], args, workdir: P
     return curves
 
 
+def reused(path: Path) -> dict:
+    rows = read_rows(path)
+    return {"points": curve(rows), "rows": [r for r in rows if "step_time" in r]}
+
+
 def time_to(points, target: float) -> tuple[int, float] | None:
     for step, seconds, accuracy in points:
         if accuracy >= target:
@@ -116,14 +122,19 @@ def minutes(seconds: float) -> str:
     return f"{int(seconds // 60)} min {int(round(seconds % 60)):02d} s"
 
 
-def table(results: dict, args) -> str:
+def accuracy_at(points, seconds: float) -> float:
+    """The accuracy of the last evaluation at or before `seconds` of training."""
+    return max(((s, a) for _, s, a in points if s <= seconds), default=(0.0, math.nan))[1]
+
+
+def table(results: dict, args, cap: float) -> str:
     lines = [f"Training time (and step) at which greedy exact accuracy on the 100 held-out problems first "
-             f"reached {args.target:.2f}, evaluated every {args.eval_every} steps; '>' a run stopped at its cap "
-             "before reaching it (best accuracy: the highest it reached). Ratio: the mean time over the "
-             "default's mean time.", "",
+             f"reached {args.target:.2f}, evaluated every {args.eval_every} steps; '>' a run stopped (at its cap) "
+             f"before reaching it. 'At {minutes(cap)}': the accuracy of each seed's last evaluation by that much "
+             "training time (the others' cap). Ratio: the mean time over the default's mean time.", "",
              "| configuration | overrides | " + " | ".join(f"seed {s}" for s in args.seeds) +
-             " | mean | ratio to default | best accuracy |",
-             "|---|---|" + "---|" * len(args.seeds) + "---|---|---|"]
+             f" | mean | ratio to default | at {minutes(cap)} | best accuracy |",
+             "|---|---|" + "---|" * len(args.seeds) + "---|---|---|---|"]
     base = None
     for name, curves in results.items():
         cells, times, best = [], [], 0.0
@@ -142,8 +153,9 @@ def table(results: dict, args) -> str:
         base = mean if name == "default" else base
         ratio = f"{mean / base:.2f}" if base and math.isfinite(mean) else "-"
         overrides = " ".join(f"`{o}`" for o in CONFIGS.get(name, [])) or "(none)"
+        at = " / ".join(f"{accuracy_at(curves[seed]['points'], cap):.2f}" for seed in args.seeds)
         lines.append(f"| {name} | {overrides} | " + " | ".join(cells) +
-                     f" | {minutes(mean) if math.isfinite(mean) else '-'} | {ratio} | {best:.2f} |")
+                     f" | {minutes(mean) if math.isfinite(mean) else '-'} | {ratio} | {at} | {best:.2f} |")
     return "\n".join(lines)
 
 
@@ -180,32 +192,39 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=140)
     parser.add_argument("--threads", type=int, default=1, help="threads per run (the seeds run side by side)")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--reuse", nargs="*", default=[],
+                        help="configurations not run again: their curves are read from --out's metrics files")
     args = parser.parse_args()
     results = {}
     start = time.monotonic()
+    cap = args.cap_minutes * 60
     with tempfile.TemporaryDirectory(prefix="grpokit-variants-") as tmp:
-        cap = args.cap_minutes * 60
         for spec in args.configs:
             name, _, extra = spec.partition("=")
             if extra:
                 CONFIGS[name] = extra.split(",")
             overrides = CONFIGS[name]
             t0 = time.monotonic()
-            results[name] = run_pair(name, overrides, args.seeds, args, Path(tmp), cap)
+            if name in args.reuse:  # measured by an earlier invocation: its metrics files in --out
+                results[name] = {seed: reused(args.out / f"variants-{name}-{seed}.metrics.jsonl") for seed in args.seeds}
+            else:
+                results[name] = run_pair(name, overrides, args.seeds, args, Path(tmp), cap)
             if name == "default":
-                hits = [time_to(results[name][seed]["points"], args.target) for seed in args.seeds]
-                if all(hits):
-                    cap = args.cap_fraction * sum(h[1] for h in hits) / len(hits)
-                    print(f"the others are stopped after {minutes(cap)} of training time", flush=True)
+                # A seed that never reached the target counts with its whole training time (a lower bound).
+                times = [hit[1] if hit else sum(r["step_time"] for r in results[name][seed]["rows"])
+                         for seed in args.seeds for hit in [time_to(results[name][seed]["points"], args.target)]]
+                cap = args.cap_fraction * sum(times) / len(times)
+                print(f"the others are stopped after {minutes(cap)} of training time", flush=True)
             print(f"{name}: {minutes(time.monotonic() - t0)} wall", flush=True)
             for seed in args.seeds:
                 print(f"  seed {seed}: " + ", ".join(f"step {s} {m / 60:.1f} min {a:.2f}"
                                                       for s, m, a in results[name][seed]["points"]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    text = table(results, args)
+    text = table(results, args, cap)
     command = "python benchmarks/variants.py " + " ".join(sys.argv[1:])
-    (args.out / "variants.md").write_text(f"`{command.strip()}` ({minutes(time.monotonic() - start)} wall in all)\n\n"
-                                          f"{text}\n")
+    ran = [name for name in results if name not in args.reuse]
+    how = (f"{minutes(time.monotonic() - start)} wall in all" if ran else "the table of earlier runs' metrics files")
+    (args.out / "variants.md").write_text(f"`{command.strip()}` ({how})\n\n{text}\n")
     (args.out / "variants.json").write_text(json.dumps(
         {name: {str(seed): c["points"] for seed, c in curves.items()} for name, curves in results.items()}, indent=1))
     plot(results, args, args.out / "variants.png")

@@ -256,6 +256,29 @@ def test_a_finished_run_with_more_steps_continues(small_run):
     assert [r["step"] for r in read_metrics(small_run / "metrics.jsonl") if "eval/reward" in r] == [0, 2, 3]
 
 
+def test_a_setting_added_since_the_run_started_resumes_at_its_default(small_run):
+    """A config.yaml written before a setting existed does not name it: the run had its default."""
+    import yaml
+
+    saved = yaml.safe_load((small_run / "config.yaml").read_text())
+    del saved["algorithm"]["sync_ref_model"], saved["rollout"]["dynamic_sampling"]
+    (small_run / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert main(["train", "--no-progress", *SMALL, f"train.output_dir={small_run}", "train.max_steps=3"]) == 0
+    assert main(["train", "--no-progress", *SMALL, f"train.output_dir={small_run}", "train.max_steps=4",
+                 "rollout.dynamic_sampling=true"]) == 2  # set to another value: refused
+
+
+def test_a_decaying_learning_rate_fixes_the_number_of_steps(small_run, capsys):
+    import yaml
+
+    saved = yaml.safe_load((small_run / "config.yaml").read_text())
+    saved["train"]["lr_scheduler"] = "linear"  # as if the run had been started with it
+    (small_run / "config.yaml").write_text(yaml.safe_dump(saved))
+    args = ["train", "--no-progress", *SMALL, f"train.output_dir={small_run}", "train.lr_scheduler=linear"]
+    assert main([*args, "train.max_steps=3"]) == 2
+    assert "train.max_steps: 2 in the run, 3 now" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("case", ["file-in-path", "read-only", "disk-full", "model", "data", "kl", "kl-alias"])
 def test_start_up_failures_say_what_and_exit_2(tmp_path, capsys, monkeypatch, case):
     out = tmp_path / "run"

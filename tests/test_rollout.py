@@ -248,3 +248,20 @@ def test_every_engine_implements_the_whole_protocol():
         missing = [m for m in members if not (hasattr(cls, m) or m in cls.__annotations__)]  # set per instance
         assert not missing, (name, missing)
         assert isinstance(cls.remote, bool) and (name == "server") == cls.remote
+
+
+def test_concat_pads_prompts_left_and_completions_right():
+    from grpokit.rollout import RolloutBatch
+
+    def batch(width, length, tag):
+        return RolloutBatch(torch.zeros(2, dtype=torch.long), torch.full((2, width), tag), torch.ones(2, width, dtype=torch.long),
+                            torch.full((2, length), tag), torch.ones(2, length, dtype=torch.long),
+                            torch.full((2, length), -1.0), torch.ones(2, length), ["stop", "length"])
+
+    joined = RolloutBatch.concat([batch(3, 5, 7), batch(4, 2, 8)])
+    assert joined.prompt_ids.shape == (4, 4) and joined.completion_ids.shape == (4, 5)
+    assert joined.prompt_mask.tolist() == [[0, 1, 1, 1]] * 2 + [[1, 1, 1, 1]] * 2
+    assert joined.completion_mask.tolist() == [[1] * 5] * 2 + [[1, 1, 0, 0, 0]] * 2
+    assert torch.equal(joined.trained_mask, joined.completion_mask) and joined.finish_reasons == ["stop", "length"] * 2
+    assert (joined.prompt_ids[:2, 1:] == 7).all() and (joined.completion_ids[2:, :2] == 8).all()
+    assert (joined.sampling_logps[2:, 2:] == 0).all() and (joined.entropies[2:, 2:] == 0).all()

@@ -9,7 +9,6 @@ import torch
 from test_loss import loss_of, random_batch
 
 from grpokit.advantages import advantages, normalized_sum, rloo_advantages
-from grpokit.dynamic_sampling import informative_groups
 from grpokit.loss import IS_MAX, IS_MEAN, IS_OUTSIDE
 from grpokit.schedule import lr_multiplier
 
@@ -284,11 +283,46 @@ def test_schedules_match_transformers(kind):
 # ---------------------------------------------------------------- dynamic sampling
 
 
-def test_informative_groups():
-    nan = math.nan
-    rewards = torch.tensor([1, 1, 1, 1, 0, 1, 0, 0, nan, 2, 2, nan, nan, 3, nan, nan, 1, nan, 0.5, 1], dtype=torch.float64)
-    # equal | differ | equal among the scored | one scored | differ among the scored
-    assert informative_groups(rewards, 4).tolist() == [False, True, False, False, True]
+def test_a_group_is_informative_by_its_advantages_not_its_summed_rewards():
+    """Two rewards whose weighted sum is the same for every member: sum_then_normalize gives the
+    group advantage 0 (dynamic sampling drops it), normalize_then_sum does not (it keeps it)."""
+    f1 = torch.tensor([0.0, 1.0, 0.0, 1.0], dtype=torch.float64)
+    per_function = torch.stack([f1, 2 * (1 - f1)], 1)  # (4, 2)
+    weights = torch.tensor([1.0, 0.5], dtype=torch.float64)
+    summed = per_function @ weights  # all 1
+    assert (advantages(summed, per_function, weights, 4) == 0).all()
+    assert (advantages(summed, per_function, weights, 4, aggregation="normalize_then_sum") != 0).all()
+
+
+def test_the_collector_keeps_informative_groups_in_order_then_fills():
+    from grpokit.dynamic_sampling import Collector, Round
+    from grpokit.rollout import RolloutBatch
+
+    G = 2
+
+    def round_of(tag: int, prompt_width: int):
+        n = 3 * G
+        batch = RolloutBatch(torch.arange(n) // G, torch.full((n, prompt_width), tag), torch.ones(n, prompt_width, dtype=torch.long),
+                             torch.full((n, 2), tag), torch.ones(n, 2, dtype=torch.long), torch.zeros(n, 2), None,
+                             ["stop"] * n)
+        rewards = torch.arange(n, dtype=torch.float64) + 10 * tag
+        return Round([f"r{tag}p{p}" for p in range(3)], batch, rewards, {"f": rewards}, [{"row": (tag, i)} for i in range(n)])
+
+    collector = Collector(prompts_per_step=3, group_size=G)
+    collector.add(round_of(1, 4), torch.tensor([False, True, False]))
+    assert not collector.full
+    collector.add(round_of(2, 6), torch.tensor([True, False, False]))
+    examples, batch, rewards, per_function, samples = collector.batch()
+    # The two informative groups in sampling order, then the first equal-reward group sampled.
+    assert examples == ["r1p1", "r2p0", "r1p0"]
+    assert rewards.tolist() == [12.0, 13.0, 20.0, 21.0, 10.0, 11.0] and torch.equal(per_function["f"], rewards)
+    assert [s["row"] for s in samples] == [(1, 2), (1, 3), (2, 0), (2, 1), (1, 0), (1, 1)]
+    assert batch.prompt_index.tolist() == [0, 0, 1, 1, 2, 2]
+    # Prompts left-padded to the widest round's (6), mask 0 on the padding.
+    assert batch.prompt_ids.shape == (6, 6) and batch.prompt_mask.sum(1).tolist() == [4, 4, 6, 6, 4, 4]
+    assert (batch.prompt_mask[:2, :2] == 0).all() and (batch.prompt_ids[2:4] == 2).all()
+    assert collector.metrics() == {"dynamic_sampling/rounds": 2.0, "dynamic_sampling/prompts_sampled": 6.0,
+                                   "dynamic_sampling/groups_found": 2.0, "dynamic_sampling/groups_kept": 2.0}
 
 
 def test_sync_ref_model_mixes_the_reference_towards_the_policy(tmp_path):

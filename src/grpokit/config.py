@@ -203,8 +203,8 @@ class AlgorithmConfig:
         "by the dapo normalizer; grpo and dr_grpo still count them among the sequences)"
     )
     top_entropy_quantile: float = _f(
-        1.0, "train the policy term only on the share of tokens with the highest sampling entropy (0.2 in 'Beyond the "
-        "80/20 rule'; the threshold is taken over the whole update batch); 1.0: every token"
+        1.0, "train the policy term only on the share of tokens with the highest entropy when sampled (0.2 in 'Beyond "
+        "the 80/20 rule'; the threshold is taken over the whole update batch); 1.0: every token"
     )
     sync_ref_model: bool = _f(
         False, "move the reference model towards the policy every ref_model_sync_steps optimizer updates "
@@ -231,8 +231,8 @@ class TrainConfig:
     learning_rate: float = _f(2e-5, "AdamW peak learning rate")
     warmup_steps: int = _f(0, "linear warm-up, in optimizer updates; train.lr_scheduler afterwards")
     lr_scheduler: str = _f(
-        "constant", "learning rate after the warm-up: constant | linear (down to 0 at the last update) | cosine "
-        "(half a cosine down to 0 at the last update)"
+        "constant", "learning rate after the warm-up: constant | linear | cosine, decaying to 0 at the end of the run's "
+        "max_steps (transformers' schedules)"
     )
     weight_decay: float = _f(0.0, "AdamW weight decay")
     max_steps: int = _f(140, "training steps (each: generate, score, update)")
@@ -467,6 +467,9 @@ def _check_variants(c: Config) -> list[str]:
     if a.importance_sampling_level == "sequence" and a.top_entropy_quantile < 1:
         errors.append(f"algorithm.importance_sampling_level=sequence gives every token of a completion one ratio, but "
                       f"algorithm.top_entropy_quantile={a.top_entropy_quantile} selects tokens: use one of them")
+    if a.top_entropy_quantile < 1 and c.rollout.engine == "vllm":
+        errors.append(f"algorithm.top_entropy_quantile={a.top_entropy_quantile} selects tokens by their sampling "
+                      "entropy, which rollout.engine=vllm does not measure: use another engine, or remove it")
     if a.reward_aggregation == "normalize_then_sum" and a.advantage_estimator != "grpo":
         errors.append(f"algorithm.reward_aggregation=normalize_then_sum makes the advantages itself, so "
                       f"algorithm.advantage_estimator={a.advantage_estimator} would be ignored: use one of them")

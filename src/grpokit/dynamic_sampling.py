@@ -10,7 +10,9 @@ groups sampled first, whose advantage is 0: they add no policy gradient, and the
 what it found.
 
 Everything here works on whole rounds (every process's completions, in global order), and what it
-keeps depends only on the rewards: the batch is the same on any number of processes. The prompts
+keeps depends only on the round's advantages (a group is informative when they are not all 0:
+with several reward functions aggregated by normalize_then_sum, that is not the same as "its
+summed rewards differ"): the batch is the same on any number of processes. The prompts
 drawn and the sampling seeds come from the trainer's data stream and seed stream, which the
 checkpoint holds, so a resumed run samples the same rounds.
 """
@@ -22,18 +24,6 @@ from dataclasses import dataclass, field
 import torch
 
 from grpokit.rollout import RolloutBatch
-
-
-def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(P,) bool: the groups with at least two scored members whose rewards are not all equal.
-
-    rewards: (P * G,) NaN where no reward function applied."""
-    grouped = rewards.view(-1, group_size)  # (P, G)
-    scored = ~torch.isnan(grouped)
-    values = torch.where(scored, grouped, torch.zeros_like(grouped))
-    first = values.gather(1, scored.long().argmax(dim=1, keepdim=True))  # (P, 1) a scored member's
-    differ = ((values != first) & scored).any(dim=1)
-    return differ & (scored.sum(dim=1) >= 2)
 
 
 @dataclass
@@ -59,8 +49,10 @@ class Collector:
     rounds: int = 0
     prompts: int = 0
 
-    def add(self, r: Round) -> None:
-        for group, useful in enumerate(informative_groups(r.rewards, self.group_size).tolist()):
+    def add(self, r: Round, informative: torch.Tensor) -> None:
+        """A round, and which of its groups are informative ((P,) bool: those whose advantages are
+        not all 0, however the run computes advantages)."""
+        for group, useful in enumerate(informative.tolist()):
             (self.kept if useful else self.spare).append((r, group))
         self.rounds += 1
         self.prompts += len(r.examples)

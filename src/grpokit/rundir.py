@@ -199,8 +199,12 @@ def config_changes(saved_config: Path, config: Config) -> list[tuple[str, object
     would change the run (see RESUMABLE_CHANGES for those that may)."""
     saved = flatten(yaml.safe_load(saved_config.read_text()) or {})
     now = flatten(config.to_dict())
-    return [(k, saved.get(k), now.get(k)) for k in sorted(saved.keys() | now.keys())
-            if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k)]
+    # A setting added since the run started is absent from its config.yaml: it ran with the default.
+    defaults = flatten(Config().to_dict())
+    was = {k: saved.get(k, defaults.get(k)) for k in saved.keys() | now.keys()}
+    # With a decaying learning rate, the number of steps sets every update's rate.
+    resumable = RESUMABLE_CHANGES - ({"train.max_steps"} if now.get("train.lr_scheduler") != "constant" else set())
+    return [(k, was[k], now.get(k)) for k in sorted(was) if k not in resumable and was[k] != now.get(k)]
 
 
 def check_resumable(saved_config: Path, config: Config) -> None:

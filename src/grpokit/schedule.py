@@ -6,7 +6,10 @@ and U updates in all:
     u < W      (u + 1) / W
     constant   1
     linear     (U - u) / (U - W)                          1 at the first update after the warm-up, 1/(U-W) at the last
-    cosine     (1 + cos(pi (u - W) / (U - W))) / 2          the same end points' shape, half a cosine
+    cosine     (1 + cos(pi (u - W) / (U - W))) / 2          half a cosine between the same end points
+
+(transformers' get_linear_schedule_with_warmup and get_cosine_schedule_with_warmup after the
+warm-up; their warm-up starts at 0, grpokit's at 1/W, so that no update is wasted.)
 """
 
 from __future__ import annotations

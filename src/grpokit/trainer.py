@@ -194,6 +194,8 @@ class Trainer:
             self.rows = distributed.shard_rows(config.completions_per_step, config.completions_per_update,
                                                distributed.world_size(), distributed.rank())
             needed = self.checkpoint_size = checkpoint_bytes(self.policy)  # counted while every process holds the whole model
+            if config.algorithm.sync_ref_model:  # and the moved reference
+                needed = self.checkpoint_size = needed + checkpoint_bytes(self.reference)
             if resume_from is not None:  # into whole weights, before sharding spreads them
                 load_weights(self.policy, resume_from)
             self.policy, self.reference = self.parallel.wrap(self.policy, self.reference)
@@ -454,14 +456,15 @@ class Trainer:
         per_function = {k: distributed.gather_rows(v, N, U) for k, v in local_per_function.items()}
         return rewards, per_function, samples
 
-    def advantages(self, batch: RolloutBatch, rewards: torch.Tensor, per_function: dict, samples: list[dict]) -> Scored:
-        """The step's advantages (advantages.py) from the whole step's `rewards` (N,), kept for this
-        process's completions `batch`, and which of them need a forward/backward pass."""
+    def advantages(self, batch: RolloutBatch, rewards: torch.Tensor, per_function: dict, samples: list[dict],
+                   rows: torch.Tensor | None = None) -> Scored:
+        """The step's advantages (advantages.py) from the whole step's `rewards` (N,), kept for the
+        completions `batch` (this process's rows, or `rows`), and which of them need a forward/backward pass."""
         a, G = self.config.algorithm, self.config.rollout.num_generations
         stacked = torch.stack(list(per_function.values()), 1)  # (N, K)
         weights = torch.tensor(self.rewards.weights, dtype=stacked.dtype)
         advantages = compute_advantages(rewards, stacked, weights, G, a.advantage_estimator, a.scale_rewards,
-                                        a.reward_aggregation)[self.rows]  # (n,)
+                                        a.reward_aggregation)[self.rows if rows is None else rows]  # (n,)
         # With no KL term, a completion with advantage exactly 0 adds exactly 0 to the loss, its
         # gradient and the clip metrics: it needs no forward/backward at all; a completion whose
         # tokens all leave the loss (a masked truncated one) adds 0 with any beta. Sharded weights
@@ -490,11 +493,16 @@ class Trainer:
             batch = self.sample(examples)
             rewards, per_function, samples = self.reward(examples, batch)
             if distributed.world_size() > 1:  # every process holds the whole round, in global order
-                batch = RolloutBatch.concat(distributed.gather_lists([batch])).select(order)
+                # (through CPU memory: a GPU tensor would be unpickled onto the GPU of the process that sent it)
+                parts = distributed.gather_lists([batch.to(torch.device("cpu"))])
+                batch = RolloutBatch.concat(parts).select(order).to(batch.completion_ids.device)
                 everyone = distributed.gather_lists(samples)
                 samples = [everyone[i] for i in order.tolist()]
-            batch.prompt_index = torch.arange(N) // r.num_generations
-            collector.add(Round(examples, batch, rewards, per_function, samples))
+            batch.prompt_index = torch.arange(N, device=batch.prompt_index.device) // r.num_generations
+            # Informative: a group the round's advantages do not set to 0 (whatever the estimator and aggregation).
+            advantages = self.advantages(batch, rewards, per_function, samples, rows=torch.arange(N)).advantages
+            informative = (advantages.view(-1, r.num_generations) != 0).any(1).cpu()  # (P,)
+            collector.add(Round(examples, batch, rewards, per_function, samples), informative)
             if collector.full or collector.rounds == r.max_sampling_rounds:
                 break
         examples, whole, rewards, per_function, samples = collector.batch()
@@ -630,8 +638,8 @@ class Trainer:
         values = torch.cat(distributed.gather_lists([entropies[rows][trained[rows]].double().cpu()]))
         out = torch.zeros_like(trained)
         if values.numel():
-            threshold = torch.quantile(values, 1 - self.config.algorithm.top_entropy_quantile)
-            out[rows] = (entropies[rows].double() >= threshold.to(mask.device)) & trained[rows]
+            threshold = quantile(values, 1 - self.config.algorithm.top_entropy_quantile)
+            out[rows] = (entropies[rows].double() >= threshold) & trained[rows]
         return out
 
     @torch.no_grad()
@@ -929,6 +937,15 @@ def _seed_everything(seed: int) -> torch.Generator:
     np.random.seed(seed % 2**32)  # reward functions may draw from any global RNG
     torch.manual_seed(seed)
     return torch.Generator().manual_seed(seed)
+
+
+def quantile(values: torch.Tensor, q: float) -> float:
+    """torch.quantile's (linear interpolation), without its limit of 2^24 values."""
+    ordered = values.sort().values
+    position = q * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return (ordered[low] + (ordered[high] - ordered[low]) * (position - low)).item()
 
 
 def _mean(values: torch.Tensor) -> float:

@@ -80,6 +80,11 @@ class RolloutBatch:
                 picked[f.name] = [value[i] for i in rows.tolist()] if isinstance(value, list) else value[rows.to(value.device)]
         return RolloutBatch(**picked)
 
+    def to(self, device: torch.device) -> RolloutBatch:
+        """The same completions with every tensor on `device`."""
+        return RolloutBatch(**{f.name: getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor)
+                               else getattr(self, f.name) for f in fields(self)})
+
     @staticmethod
     def concat(batches: Sequence[RolloutBatch]) -> RolloutBatch:
         """The completions of `batches`, one after the other: prompts padded on the left and
