@@ -51,7 +51,7 @@ def test_every_format_reads_the_same_rows(tmp_path, fmt):
     ('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": \n', r"d.jsonl:line 2: not valid JSON"),
     ('{"prompt": "a", "answer": "1"}\n\n{"question": "b", "answer": "2"}\n', r"d.jsonl:line 3: no column 'prompt'"),
     ('{"prompt": "  ", "answer": "1"}\n', r"d.jsonl:line 1: the prompt \(column 'prompt'\) is empty"),
-    ('{"prompt": "a"}\n', r"d.jsonl:line 1: no value in column 'answer'"),
+    ('{"prompt": "a", "answer": "1"}\n{"prompt": "b"}\n', r"d.jsonl:line 2: no value in column 'answer'"),
     ('[1, 2]\n', r"d.jsonl:line 1: expected a JSON object"),
     ('{"prompt": [{"role": "user"}], "answer": 1}\n', r"d.jsonl:line 1: the prompt .* must be a string or"),
 ])
@@ -163,7 +163,7 @@ def test_shipped_examples_run_two_steps(tmp_path, monkeypatch, example, override
     if example == "tldr.yaml":
         assert all(r["rewards/length/mean"] <= 0 for r in steps)  # the length reward is never positive
         for r in steps:
-            assert r["rewards/trl_reward.py:reward_len/mean"] == r["rewards/length/mean"]
+            assert r["rewards/reward_len/mean"] == r["rewards/length/mean"]
 
 
 def test_a_hub_id_that_cannot_load_is_a_clear_error(monkeypatch):

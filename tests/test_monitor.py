@@ -103,3 +103,32 @@ def test_wandb_missing_is_a_clear_startup_error(tmp_path, monkeypatch, capsys):
     assert main(["train", "--no-progress", "model.name=tiny-random", "train.max_steps=1", "monitor.wandb=true",
                  f"train.output_dir={tmp_path / 'run'}"]) == 2
     assert "monitor.wandb=true needs the wandb package: pip install wandb" in capsys.readouterr().err
+
+
+def test_trackio_logs_every_metric_locally(tmp_path):
+    """monitor.trackio=true: Trackio's local database holds what metrics.jsonl holds."""
+    pytest.importorskip("trackio", reason="trackio is in the test extra: pip install -e '.[test]'")
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio")}  # read when trackio is imported
+    out = tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "grpokit", "train", "--no-progress", "model.name=tiny-random",
+                    "train.prompts_per_step=2", "rollout.num_generations=3", "data.eval_size=2", "train.max_steps=3",
+                    "monitor.trackio=true", "monitor.trackio_project=tests", f"train.output_dir={out}"],
+                   env=env, check=True, capture_output=True)
+    read = ("import json, sys; from trackio.sqlite_storage import SQLiteStorage; "
+            "print(json.dumps(SQLiteStorage.get_logs('tests', sys.argv[1])))")
+    logged = json.loads(subprocess.run([sys.executable, "-c", read, "run"], env=env, check=True,
+                                       capture_output=True, text=True).stdout)
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    expected = {}
+    for row in metrics:
+        for key, value in row.items():
+            if key != "step" and isinstance(value, (int, float)):
+                expected[(row["step"], key)] = value
+    got = {(row["step"], key): value for row in logged for key, value in row.items()
+           if key not in ("step", "timestamp") and isinstance(value, (int, float))}
+    assert got == pytest.approx(expected)
+    assert {step for step, _ in got} == {0, 1, 2, 3} and any(key == "eval/reward" for _, key in got)

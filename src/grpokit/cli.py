@@ -15,18 +15,18 @@ def _train(args) -> int:
     if args.merge and not config.model.lora_rank:
         raise ConfigError("--merge merges LoRA adapters into the model, but model.lora_rank=0 trains every weight: "
                           "final/ already holds the whole model")
-    from grpokit import distributed  # the trainer's imports (transformers, accelerate) only when training
+    from grpokit import api, distributed  # the trainer's imports (transformers, accelerate) only when training
     from grpokit.allocator import keep_freed_memory
     from grpokit.checkpoint import CheckpointError
     from grpokit.rewards import RewardError
     from grpokit.rollout.client import RolloutServerError
     from grpokit.rollout.tools import EnvironmentFailed
     from grpokit.signals import StoppedWhileWaiting
-    from grpokit.trainer import Interrupted, NonFiniteError, train
+    from grpokit.trainer import Interrupted, NonFiniteError
 
     keep_freed_memory()  # every step allocates the same tensors again: reuse their pages (allocator.py)
     try:
-        result = train(config, progress=not args.no_progress)
+        result = api.train(config, progress=not args.no_progress)
     except Interrupted as stop:  # every process stopped after the same step
         main = distributed.is_main()
         distributed.finish()

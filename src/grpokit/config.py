@@ -25,6 +25,8 @@ from grpokit.errors import ConfigError, StartupError  # noqa: F401 - raised by t
 
 
 def _f(default, help: str):
+    if isinstance(default, dict):  # each config gets its own
+        return field(default_factory=lambda: dict(default), metadata={"help": help})
     return field(default=default, metadata={"help": help})
 
 
@@ -58,7 +60,10 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     task: str = _f("arithmetic", "built-in task (used when data.path is null): arithmetic (small sums and products, "
-                   "answered with the number) | calculator (three digits times two, with a calculator tool)")
+                   "answered with the number) | calculator (three digits times two, with a calculator tool) | "
+                   "reasoning_gym:<dataset name> (one of reasoning-gym's, e.g. reasoning_gym:letter_counting)")
+    task_args: dict = _f({}, "the task's generator arguments: for reasoning_gym:<name>, its dataset's config fields "
+                         "(e.g. {min_words: 3, max_words: 5})")
     path: str | None = _f(
         None,
         "your dataset: a .jsonl / .json / .csv / .parquet file, a datasets.save_to_disk folder, or a Hub id",
@@ -67,7 +72,8 @@ class DataConfig:
     eval_size: int = _f(100, "number of held-out prompts scored (greedy) at each evaluation; 0 turns evaluation off")
     prompt_column: str = _f("prompt", "column holding the prompt: a string or a list of {role, content} messages")
     answer_column: str | None = _f(
-        "answer", "column passed to reward functions as `answer` (every column is passed by its own name too); null if none"
+        "answer", "column passed to reward functions as `answer` (every column is passed by its own name too); null if none "
+        "(a dataset without an 'answer' column has none)"
     )
     system_prompt: str | None = _f(None, "system message put before every prompt")
     prompt_template: str | None = _f(
@@ -267,6 +273,11 @@ class MonitorConfig:
         "(upload later with `wandb sync`) when W&B cannot be reached or this machine is not logged in"
     )
     wandb_project: str = _f("grpokit", "the W&B project of monitor.wandb's runs")
+    trackio: bool = _f(
+        False, "also log metrics to Trackio, Hugging Face's local-first tracker (needs: pip install trackio), in its "
+        "local database (TRACKIO_DIR, by default ~/.cache/huggingface/trackio); view with `trackio show`"
+    )
+    trackio_project: str = _f("grpokit", "the Trackio project of monitor.trackio's runs")
 
 
 @dataclass
@@ -331,12 +342,10 @@ def choices() -> dict[str, tuple]:
     from grpokit.models import DTYPES
     from grpokit.rollout import ENGINES
     from grpokit.schedule import SCHEDULES
-    from grpokit.tasks import TASKS
     from grpokit.tasks.dataset import LONG_PROMPTS
 
     return {
         "model.dtype": tuple(DTYPES),
-        "data.task": tuple(TASKS),
         "data.long_prompts": LONG_PROMPTS,
         "rollout.engine": tuple(ENGINES),
         "rollout.is_level": LEVELS,
@@ -364,6 +373,11 @@ def _check_ranges(c: Config) -> list[str]:
         if not ok:
             errors.append(message)
 
+    from grpokit.tasks import check_task_name
+
+    need(check_task_name(c.data.task) is None, check_task_name(c.data.task))
+    need(not c.data.task_args or (c.data.path is None and c.data.task.startswith("reasoning_gym:")),
+         f"data.task_args={c.data.task_args!r} is only read by data.task=reasoning_gym:<name>, and data.path is null")
     r, a, t = c.rollout, c.algorithm, c.train
     need(r.num_generations >= 2, f"rollout.num_generations={r.num_generations}: must be >= 2, "
          "group-relative advantages compare several completions of the same prompt")
@@ -590,13 +604,14 @@ def _apply(config: Config, key: str, value: Any) -> None:
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """A nested mapping as {"section.field": value}."""
+    """A mapping of sections ({"train": {"max_steps": 5}}) or dotted keys ({"train.max_steps": 5})
+    as {"section.field": value}; a field's own value may be a mapping (data.task_args)."""
     if not isinstance(tree, dict):
         raise ConfigError(f"{prefix or 'the config file'} must be a mapping, got {tree!r}")
     flat = {}
     for k, v in tree.items():
         key = f"{prefix}{k}"
-        if isinstance(v, dict):
+        if isinstance(v, dict) and "." not in key:  # a section
             flat.update(flatten(v, key + "."))
         else:
             flat[key] = v
@@ -615,9 +630,10 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Defaults, then the YAML file, then `key=value` overrides; validated. Every problem is
-    reported at once: a key or value that cannot be set does not hide the others."""
+def load_config(path: str | Path | None = None, overrides: list[str] = (), values: dict | None = None) -> Config:
+    """Defaults, then the YAML file, then `key=value` overrides, then `values` (a mapping of sections
+    or dotted keys, as Python gives them); validated. Every problem is reported at once: a key or
+    value that cannot be set does not hide the others."""
     config = Config()
     settings = []
     if path is not None:
@@ -638,6 +654,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             settings.append(parse_override(text))
         except ConfigError as e:
             problems.append(str(e))
+    if values:
+        settings += flatten(values).items()
     for key, value in settings:
         try:
             _apply(config, key, value)
@@ -660,7 +678,8 @@ def describe() -> str:
     lines = []
     for section in dataclasses.fields(Config):
         lines.append(f"{section.name}:")
-        for f in dataclasses.fields(section.default_factory()):
-            default = yaml.safe_dump(f.default, default_flow_style=True).strip().removesuffix("...").strip()
+        defaults = section.default_factory()
+        for f in dataclasses.fields(defaults):
+            default = yaml.safe_dump(getattr(defaults, f.name), default_flow_style=True).strip().removesuffix("...").strip()
             lines.append(f"  {f.name}: {default}  # {f.metadata['help']}")
     return "\n".join(lines)

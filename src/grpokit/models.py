@@ -125,6 +125,10 @@ def load_tokenizer(name: str):
     with _loading(name):
         source = bundled_model_path() if name in (BUNDLED, TINY) else name
         tokenizer = AutoTokenizer.from_pretrained(source)
+    return with_pad_token(tokenizer)
+
+
+def with_pad_token(tokenizer):
     if tokenizer.pad_token_id is None:
         # Padding is always masked explicitly; the pad id's value never decides what is a token.
         tokenizer.pad_token = tokenizer.eos_token

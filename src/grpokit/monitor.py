@@ -7,6 +7,8 @@
   offline, to upload later with `wandb sync <run>/wandb/offline-run-*`. WANDB_MODE, when set,
   decides instead. Each `grpokit train` makes one W&B run, grouped by run folder: a resumed run
   is a second W&B run starting at its checkpoint's step (W&B cannot rewrite steps it was sent).
+- Trackio (monitor.trackio=true), Hugging Face's local-first tracker: every metric, in Trackio's
+  local database (TRACKIO_DIR); one Trackio run per `grpokit train`, named and grouped as for W&B.
 - `completions.jsonl`: every monitor.log_completions steps, the step's prompts, completions and
   rewards.
 - Live stability alerts (diagnose.py): each kind printed once, with the step and the evidence, and
@@ -69,6 +71,19 @@ def _start_wandb(run_dir: Path, config: dict, project: str, initial: int):
         f"; upload with: wandb sync {run_dir / 'wandb'}/offline-run-*" if mode == "offline" else "")
 
 
+def _start_trackio(run_dir: Path, config: dict, project: str, initial: int):
+    try:
+        import trackio
+    except ImportError:
+        raise StartupError("monitor.trackio=true needs the trackio package: pip install trackio") from None
+    name = run_dir.name if not initial else f"{run_dir.name}-from-step-{initial}"
+    run = trackio.init(project=project, name=name, group=run_dir.name, config=config, embed=False,
+                       auto_log_gpu=False, auto_log_cpu=False)
+    from trackio.utils import TRACKIO_DIR
+
+    return run, f"Trackio: project {project!r}, run {name!r}, in {TRACKIO_DIR}; view with: trackio show --project {project}"
+
+
 class Monitor:
     """Writes and shows a run; `run_dir=None` (a data-parallel process other than 0) stays silent.
 
@@ -77,8 +92,9 @@ class Monitor:
     """
 
     def __init__(self, run_dir: Path | None, total_steps: int, facts: RunFacts, tensorboard: bool = False,
-                 history: list[dict] = (), initial: int = 0, enabled: bool = True, wandb: dict | None = None):
-        """`wandb`: None, or {"config": the run's config as a dict, "project": monitor.wandb_project}."""
+                 history: list[dict] = (), initial: int = 0, enabled: bool = True, wandb: dict | None = None,
+                 trackio: dict | None = None):
+        """`wandb`, `trackio`: None, or {"config": the run's config as a dict, "project": the tracker's project}."""
         self.silent = run_dir is None
         self.run_dir = run_dir
         self.watch = Watch(facts)
@@ -94,13 +110,16 @@ class Monitor:
             # purge_step: a resumed run's TensorBoard forgets the steps after its checkpoint.
             self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"), purge_step=initial + 1 if initial else None)
         self.wandb, wandb_note = _start_wandb(run_dir, **wandb, initial=initial) if wandb and not self.silent else (None, "")
+        self.trackio, trackio_note = (_start_trackio(run_dir, **trackio, initial=initial) if trackio and not self.silent
+                                      else (None, ""))
         self.bar = tqdm(
             total=total_steps, initial=initial, desc="grpo", unit="step", dynamic_ncols=True,
             disable=self.silent or not enabled,
         )
         self._postfix: dict[str, str] = {}
-        if wandb_note:
-            self.write(wandb_note)
+        for note in (wandb_note, trackio_note):
+            if note:
+                self.write(note)
 
     def log(self, row: dict) -> None:
         if self.silent:
@@ -114,6 +133,9 @@ class Monitor:
         if self.wandb is not None:
             self.wandb.log({k: v.item() if hasattr(v, "item") else v for k, v in row.items() if k != "step"},
                            step=row["step"])
+        if self.trackio is not None:
+            self.trackio.log({k: _plain(v) for k, v in row.items() if k != "step" and isinstance(_plain(v), (int, float))},
+                             step=row["step"])
         for finding in self.watch.add(row):
             self.write(f"ALERT {finding.text()}")
             with (self.run_dir / "alerts.jsonl").open("a") as f:
@@ -153,3 +175,5 @@ class Monitor:
             self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
+        if self.trackio is not None:
+            self.trackio.finish()

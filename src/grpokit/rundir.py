@@ -41,6 +41,13 @@ RESUMABLE_CHANGES = frozenset({
 LOGS = ("metrics.jsonl", "alerts.jsonl", "completions.jsonl")
 
 
+def default_output_dir(config: Config, name: str | None = None) -> str:
+    """runs/<name>-<date>-<time>, named after the data unless `name` is given."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    name = name or (Path(config.data.path).stem if config.data.path else config.data.task.replace(":", "-"))
+    return f"runs/{name}-{stamp}"
+
+
 def open_run_dir(config: Config) -> tuple[Path, Path | None, list[str]]:
     """The run directory, checked writable; the checkpoint to resume from (None: a fresh run), the
     newest whole one; and a line for each newer one found damaged (set aside).
@@ -50,9 +57,7 @@ def open_run_dir(config: Config) -> tuple[Path, Path | None, list[str]]:
     """
     t = config.train
     if t.output_dir is None:
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        name = Path(config.data.path).stem if config.data.path else config.data.task
-        t.output_dir = f"runs/{name}-{stamp}"
+        t.output_dir = default_output_dir(config)
     run_dir = Path(t.output_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -56,6 +56,7 @@ import torch
 
 from grpokit import distributed, sharding, signals
 from grpokit.advantages import advantages as compute_advantages
+from grpokit.api import TrainResult
 from grpokit.checkpoint import (checkpoint_bytes, link_model_files, load_state, load_weights, rng_state, set_rng_state,
                                 write_checkpoint, write_state_files)
 from grpokit.config import Config, reward_specs
@@ -66,7 +67,8 @@ from grpokit.evaluate import score, summarize
 from grpokit.logprobs import check_chunkable, check_inputs_embeds, completion_logprobs
 from grpokit.loss import IS_MAX, IS_MEAN, IS_OUTSIDE, LossInputs, LossOutput, LossSettings, compute_loss, token_metric_names
 from grpokit.models import (apply_lora, enable_activation_checkpointing, eos_token_ids, load_model, load_tokenizer,
-                            save_model)
+                            save_model, with_pad_token)
+from grpokit.model_card import write_model_card
 from grpokit.monitor import Monitor
 from grpokit.rewards import RewardError, RewardSet
 from grpokit.rollout import (RolloutBatch, SamplingParams, decode_completions, encode_prompt, engine_class,
@@ -76,12 +78,6 @@ from grpokit.rollout.tools import Tools
 from grpokit.rundir import check_disk_space, open_run_dir, release_run_dir, start_run_dir
 from grpokit.schedule import lr_multiplier
 from grpokit.tasks import Example, make_task
-
-
-@dataclass
-class TrainResult:
-    run_dir: Path
-    eval_history: list[dict]  # one row per evaluation: {"step": ..., "eval/reward": ...}
 
 
 # Steps in a row in which no reward function scored any completion that stop a run.
@@ -140,7 +136,9 @@ class UpdateStats:
 
 
 class Trainer:
-    def __init__(self, config: Config, progress: bool = True):
+    def __init__(self, config: Config, progress: bool = True, model=None, tokenizer=None):
+        """model, tokenizer: objects to train (in place) and tokenize with instead of loading
+        model.name's; config.model.name then only says where they came from."""
         self.device = distributed.init()
         config.validate(world_size=distributed.world_size())
         self.config = config
@@ -149,7 +147,7 @@ class Trainer:
         # Start-up checks, cheapest first, before anything is written: the data and the reward
         # functions (a bad row or name fails here), the output folder, the model, then the disk
         # space a checkpoint of that model needs.
-        self.tokenizer = load_tokenizer(config.model.name)
+        self.tokenizer = load_tokenizer(config.model.name) if tokenizer is None else with_pad_token(tokenizer)
         self.tools = Tools.from_config(config, self.tokenizer)  # None: single-turn rollouts
         if self.tools is not None and self.parallel.lockstep:
             raise ConfigError("multi-turn rollouts (rollout.tools, rollout.environment) with sharded weights (FSDP2, "
@@ -181,7 +179,7 @@ class Trainer:
         with _removed_if_refused(self.run_dir, existed):  # a refused start leaves no empty folder behind
             config.train.output_dir = str(self.run_dir)
             self.seed_stream = _seed_everything(config.train.seed)
-            self.policy, self.reference = self._load_models()
+            self.policy, self.reference = self._load_models(model)
             self._check_context()
             # Log-prob passes call the whole model on token ids when only such a call gathers sharded
             # weights, or when the model uses the ids for more than the embedding lookup (logprobs.py).
@@ -220,10 +218,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ start-up, in order
 
-    def _load_models(self):
-        """The policy, and the reference model (None without a KL term, and with LoRA)."""
+    def _load_models(self, model=None):
+        """The policy (`model`, or model.name's), and the reference model (None without a KL term,
+        and with LoRA)."""
         m, t = self.config.model, self.config.train
-        policy = load_model(m.name, m.dtype).to(self.device)
+        policy = (load_model(m.name, m.dtype) if model is None else model.train()).to(self.device)
         distributed.broadcast_parameters(policy)
         # The reference model is the initial policy, so it is copied before a checkpoint's weights
         # are loaded. With LoRA it is the policy itself with its adapters switched off: no second
@@ -307,7 +306,8 @@ class Trainer:
         return Monitor(self.run_dir if distributed.is_main() else None, c.train.max_steps,
                        RunFacts.from_config(c.to_dict()), tensorboard=c.monitor.tensorboard,
                        history=self.resumed_rows, initial=self.progress.step, enabled=progress,
-                       wandb=c.monitor.wandb and {"config": c.to_dict(), "project": c.monitor.wandb_project})
+                       wandb=c.monitor.wandb and {"config": c.to_dict(), "project": c.monitor.wandb_project},
+                       trackio=c.monitor.trackio and {"config": c.to_dict(), "project": c.monitor.trackio_project})
 
     @property
     def remote(self) -> bool:
@@ -353,6 +353,7 @@ class Trainer:
             if distributed.is_main():
                 # final/: the last checkpoint's model files (hard links, not a second copy).
                 link_model_files(self.run_dir / "checkpoints" / f"step-{self.saved_step}", self.run_dir / "final")
+                write_model_card(self.run_dir, self.config.to_dict(), [h for h in history if h], self.rewards.names)
         except Exception as error:
             # One process only: with several, the others may be waiting in a collective. A
             # NonFiniteError keeps the checkpoints from before the streak.
@@ -368,7 +369,7 @@ class Trainer:
             release_run_dir(self.run_dir)
             if self.engine is not None:
                 self.engine.close()
-        return TrainResult(self.run_dir, [h for h in history if h])
+        return TrainResult(self.run_dir, [h for h in history if h], self.config.model.dtype)
 
     def train_step(self, step: int, examples: list[Example]) -> dict:
         """Step `step` on the prompts `examples` (the same on every process): its metrics row."""

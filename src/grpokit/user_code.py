@@ -17,13 +17,21 @@ from pathlib import Path
 from grpokit.errors import ConfigError
 
 
+# Objects a program hands grpokit (grpokit.train's tools and environment), by the name its config
+# records for them: found by that name in this process.
+OBJECTS: dict[str, object] = {}
+
+
 def find(what: str, name: str, noun: str = "function"):
-    """The object `name` ('package.module:attr' or 'path/to/file.py:attr') names; a ConfigError
-    that starts with `what` (e.g. "reward function 'x'") when it cannot be found, or when `noun`
-    is "function" and it is not callable."""
+    """The object `name` ('package.module:attr' or 'path/to/file.py:attr', or a name in OBJECTS)
+    names; a ConfigError that starts with `what` (e.g. "reward function 'x'") when it cannot be
+    found, or when `noun` is "function" and it is not callable."""
+    if name in OBJECTS:
+        return OBJECTS[name]
     where, sep, attr = name.rpartition(":")
     if not sep or not where or not attr:
-        raise ConfigError(f"{what}: name it 'package.module:name' or 'path/to/file.py:name'")
+        raise ConfigError(f"{what}: name it 'package.module:name' or 'path/to/file.py:name' (or, from Python, pass "
+                          "the object itself to grpokit.train)")
     module = _load_file(what, Path(where)) if where.endswith(".py") else _import(what, where)
     found = getattr(module, attr, None)
     if found is None or (noun == "function" and not callable(found)):

@@ -47,6 +47,7 @@ BUILTIN_REWARDS = {
     "reward_model": "grpokit.rewards.reward_model:reward_model",
     "exact_answer": "grpokit.rewards.exact_answer:exact_answer",
     "leading_number": "grpokit.rewards.exact_answer:leading_number",
+    "reasoning_gym": "grpokit.rewards.reasoning_gym:reasoning_gym",
 }
 # Functions a program registers by name (REWARD_FUNCTIONS["mine"] = fn), named in configs like
 # the built-ins; they win over a built-in of the same name.
@@ -89,8 +90,9 @@ class RewardSet:
         """specs: (name, weight, arguments) of the functions configured; extra: (name, function)
         of others the run brings (an environment's get_reward), weight 1."""
         self.timeout = timeout  # seconds one call may take (reward.timeout); None: no limit
-        # Metric keys (rewards/<name>/mean) name a file's function without its folders.
-        self.names = [name.rsplit("/", 1)[-1] for name, _, _ in specs] + [name for name, _ in extra]
+        # Metric keys (rewards/<name>/mean) name a function as TRL does, by its own name: without
+        # the module or file it comes from.
+        self.names = [name.rsplit(":", 1)[-1] for name, _, _ in specs] + [name for name, _ in extra]
         if len(set(self.names)) < len(self.names):
             raise ConfigError(f"reward.functions names a function twice: {self.names}")
         self.weights = [weight for _, weight, _ in specs] + [1.0] * len(extra)

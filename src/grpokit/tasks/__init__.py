@@ -2,7 +2,8 @@
 position), so a run resumes anywhere; a held-out split (`eval_examples`); and the reward functions
 that score it when reward.functions does not name others.
 
-Built-in tasks are in TASKS (data.task); a dataset file (data.path) becomes a task in dataset.py.
+Built-in tasks are in TASKS (data.task); `reasoning_gym:<name>` is one of reasoning-gym's datasets
+(reasoning_gym.py); a dataset file (data.path) becomes a task in dataset.py.
 """
 
 from __future__ import annotations
@@ -20,18 +21,29 @@ class Example:
 TASKS = {"arithmetic": "grpokit.tasks.arithmetic:ArithmeticTask", "calculator": "grpokit.tasks.calculator:CalculatorTask"}
 
 
+def check_task_name(name: str) -> str | None:
+    """What is wrong with data.task=`name`, or None."""
+    from grpokit.tasks.reasoning_gym import PREFIX
+
+    if name in TASKS or (name.startswith(PREFIX) and name != PREFIX):
+        return None
+    return f"data.task={name!r}: must be one of {', '.join(TASKS)}, or {PREFIX}<dataset name> (reasoning-gym)"
+
+
 def _task_class(name: str):
     import importlib
 
     if name not in TASKS:
-        raise ValueError(f"data.task={name!r} is not a built-in task; built-in tasks: {', '.join(TASKS)}")
+        raise ValueError(check_task_name(name))
     module, cls = TASKS[name].split(":")
     return getattr(importlib.import_module(module), cls)
 
 
 def task_tools(data) -> tuple[str, ...]:
     """The tools the task of `data` (a DataConfig) brings: a built-in task's own, none for a dataset."""
-    return () if data.path is not None else getattr(_task_class(data.task), "tools", ())
+    if data.path is not None or data.task not in TASKS:
+        return ()
+    return getattr(_task_class(data.task), "tools", ())
 
 
 def make_task(data, seed: int, prompt_length):
@@ -43,4 +55,8 @@ def make_task(data, seed: int, prompt_length):
         from grpokit.tasks.dataset import DatasetTask
 
         return DatasetTask(data, seed=seed, prompt_length=prompt_length)
+    from grpokit.tasks.reasoning_gym import PREFIX, ReasoningGymTask
+
+    if data.task.startswith(PREFIX):
+        return ReasoningGymTask(data.task.removeprefix(PREFIX), data.task_args, seed=seed, eval_size=data.eval_size)
     return _task_class(data.task)(seed=seed, eval_size=data.eval_size)

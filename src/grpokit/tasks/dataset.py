@@ -13,6 +13,7 @@ template (`data.chat_template=true`, the default) or as plain text (false, TRL's
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import random
 from collections.abc import Callable, Iterator
@@ -199,6 +200,10 @@ class DatasetTask:
         if cfg.answer_column not in (None, "answer") and "answer" in columns:
             raise DataError(f"{path}: has its own 'answer' column, which data.answer_column={cfg.answer_column!r} "
                             "would overwrite; rename one, or set data.answer_column=answer")
+        if cfg.answer_column == "answer" and "answer" not in columns:
+            # The default name, and no row has it (TRL's datasets name their columns freely): no
+            # `answer` argument; a reward function that needs one says so at start-up.
+            cfg = dataclasses.replace(cfg, answer_column=None)
         examples = [to_example({k: row.get(k) for k in columns}, where, cfg) for where, row in rows]
         if not examples:
             raise DataError(f"{path}: no rows")

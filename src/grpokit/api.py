@@ -1,0 +1,281 @@
+"""grpokit from Python: `grpokit.train(...)`, the entry point the CLI is a thin layer over.
+
+    import grpokit
+    result = grpokit.train(model="smollm2-135m-instruct", dataset=rows, reward_functions=[my_reward],
+                           train={"max_steps": 20}, **{"rollout.max_completion_length": 16})
+    result.model.generate(...)
+
+What a config file names by text, the API also takes as Python objects: a loaded model and its
+tokenizer, a `datasets.Dataset` or a list of dicts, reward functions, tools and an environment
+class. The run folder is the one the CLI writes, config.yaml included, so that a run started from
+Python can be resumed, evaluated and reported from the command line:
+- an in-memory dataset is written to <run>/data/train.jsonl (and eval.jsonl), and data.path names it;
+- a function, class or object importable by `module:name` is recorded by that name; any other
+  (a closure, a lambda, a callable object, a function of a notebook) is recorded by its own name,
+  registered for this process: resuming such a run takes the same objects again, through the API.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from grpokit import user_code
+from grpokit.config import Config, ConfigError, flatten, load_config
+from grpokit.rewards import REWARD_FUNCTIONS
+
+
+@dataclass
+class TrainResult:
+    """What a run leaves: its folder, its evaluations, and the trained model (loaded from final/ on
+    first use, on the CPU; a LoRA run's comes with its adapters merged in)."""
+
+    run_dir: Path
+    eval_history: list[dict]  # one row per evaluation: {"step": ..., "eval/reward": ...}
+    dtype: str = "float32"
+    _loaded: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def model(self):
+        if "model" not in self._loaded:
+            from grpokit.models import load_model
+
+            self._loaded["model"] = load_model(str(self.run_dir / "final"), self.dtype).eval()
+        return self._loaded["model"]
+
+    @property
+    def tokenizer(self):
+        if "tokenizer" not in self._loaded:
+            from grpokit.models import load_tokenizer
+
+            self._loaded["tokenizer"] = load_tokenizer(str(self.run_dir / "final"))
+        return self._loaded["tokenizer"]
+
+
+def train(
+    config: str | Path | dict | Config | None = None,
+    *,
+    model: Any = None,
+    tokenizer: Any = None,
+    dataset: Any = None,
+    eval_dataset: Any = None,
+    reward_functions: Iterable | None = None,
+    tools: Iterable[Callable] | None = None,
+    environment: Any = None,
+    progress: bool = True,
+    **overrides,
+) -> TrainResult:
+    """Train with GRPO; every argument but `config` is optional.
+
+    config: a YAML file, a mapping (of sections or dotted keys, e.g. from_trl's), or a Config.
+    model: a name (model.name), or a loaded causal LM (`PreTrainedModel`, trained in place), given
+      with its `tokenizer`.
+    dataset / eval_dataset: a path (data.path / data.eval_path), a `datasets.Dataset` (or a
+      DatasetDict's train split), or a list of dicts; rows as in a data file.
+    reward_functions: callables with TRL's shape `f(completions, **kwargs) -> list[float | None]`
+      (functions, closures, callable objects, async functions), names, or {name: <callable or
+      name>, weight: w, **arguments} entries, as reward.functions takes.
+    tools: functions the model may call (rollout.tools); environment: a class or factory
+      (rollout.environment, TRL's environment_factory).
+    overrides: config settings, as sections (`train={"max_steps": 5}`) or dotted keys
+      (`**{"train.max_steps": 5}`); they win over `config`.
+    """
+    from grpokit.trainer import Trainer
+
+    config = _config(config, overrides)
+    _take_model(config, model, tokenizer)
+    if reward_functions is not None:
+        if config.reward.functions is not None:
+            raise ConfigError("reward_functions= and reward.functions both name reward functions: give one")
+        config.reward.functions = _reward_entries(list(reward_functions))
+    if tools is not None:
+        if config.rollout.tools is not None:
+            raise ConfigError("tools= and rollout.tools both name tools: give one")
+        config.rollout.tools = [_register(fn, f"tools[{i}]", callable_needed=True) for i, fn in enumerate(tools)]
+    if environment is not None:
+        if config.rollout.environment is not None:
+            raise ConfigError("environment= and rollout.environment both name an environment: give one")
+        config.rollout.environment = _register(environment, "environment", callable_needed=True)
+    existed = config.train.output_dir is not None and Path(config.train.output_dir).exists()
+    _take_datasets(config, dataset, eval_dataset)
+    try:
+        trainer = Trainer(config, progress=progress, model=model if not isinstance(model, (str, Path)) else None,
+                          tokenizer=tokenizer)
+    except BaseException:
+        folder = Path(config.train.output_dir or "")
+        if not existed and folder.is_dir() and {p.name for p in folder.iterdir()} <= {"data"}:
+            shutil.rmtree(folder)  # a refused start leaves no folder behind, as from the CLI
+        raise
+    return trainer.train()
+
+
+def _config(config, overrides: dict) -> Config:
+    if isinstance(config, Config):
+        if not overrides:
+            return config  # as given: the caller sees train.output_dir set, as the CLI needs
+        config = config.to_dict()
+    if isinstance(config, dict):
+        return load_config(values={**flatten(config), **flatten(overrides)})
+    if config is not None and not isinstance(config, (str, Path)):
+        raise ConfigError(f"config must be a YAML file's path, a mapping or a grpokit Config, got {type(config).__name__}")
+    return load_config(config, values=overrides)
+
+
+# ---------------------------------------------------------------- the model
+
+
+def _take_model(config: Config, model, tokenizer) -> None:
+    """model.name (and model.dtype) for `model`; ConfigError for what cannot be used."""
+    if model is None:
+        return
+    if isinstance(model, (str, Path)):
+        config.model.name = str(model)
+        return
+    import torch
+
+    if not isinstance(model, torch.nn.Module) or not callable(getattr(model, "generate", None)):
+        raise ConfigError(f"model= must be a model name, a folder, or a loaded causal LM (a transformers "
+                          f"PreTrainedModel), got {type(model).__name__}")
+    if tokenizer is None:
+        raise ConfigError(f"model= is a loaded {type(model).__name__} but tokenizer= is missing: pass the tokenizer "
+                          "it was trained with (grpokit renders prompts with its chat template)")
+    from grpokit.models import DTYPES
+
+    dtype = next((name for name, d in DTYPES.items() if d == model.dtype), None)
+    if dtype is None:
+        raise ConfigError(f"model= holds weights in {model.dtype}; grpokit trains in {', '.join(DTYPES)}")
+    config.model.dtype = dtype
+    # Where it came from: recorded in config.yaml and the model card (a resumed run loads its own
+    # weights from the checkpoint over it).
+    config.model.name = getattr(model, "name_or_path", "") or getattr(tokenizer, "name_or_path", "") or "python-object"
+
+
+# ---------------------------------------------------------------- reward functions, tools, environments
+
+
+def _reward_entries(functions: list) -> list:
+    entries, used = [], set()
+    for i, entry in enumerate(functions):
+        spec = dict(entry) if isinstance(entry, dict) else {"name": entry}
+        if "name" not in spec:
+            raise ConfigError(f"reward_functions[{i}]={entry!r}: a mapping needs a 'name' (a callable or a name)")
+        if not isinstance(spec["name"], str):
+            name = _register(spec["name"], f"reward_functions[{i}]", callable_needed=True, taken=used,
+                             registry=REWARD_FUNCTIONS)
+            spec["name"] = name
+        used.add(spec["name"].rsplit(":", 1)[-1])
+        entries.append(spec if set(spec) != {"name"} else spec["name"])
+    return entries
+
+
+def _register(obj, what: str, callable_needed: bool, taken: set = frozenset(), registry: dict | None = None) -> str:
+    """The name `obj` is recorded by in the config: `module:name` when importing that gives `obj`
+    back, else its own name (made unique among `taken`), registered for this process."""
+    if isinstance(obj, str):
+        return obj
+    if callable_needed and not callable(obj):
+        raise ConfigError(f"{what}={obj!r} is not callable: give a function (or a callable object)")
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if module and qualname and module != "__main__" and "." not in qualname and "<" not in qualname:
+        try:
+            if user_code.find(what, f"{module}:{qualname}") is obj:
+                return f"{module}:{qualname}"
+        except ConfigError:
+            pass
+    base = _own_name(obj)
+    name, n = base, 2
+    while name in taken:
+        name, n = f"{base}_{n}", n + 1
+    (registry if registry is not None else user_code.OBJECTS)[name] = obj
+    return name
+
+
+def _own_name(obj) -> str:
+    if isinstance(obj, functools.partial):
+        return _own_name(obj.func)
+    name = getattr(obj, "__name__", None) or type(obj).__name__  # a callable object: its class's name
+    return "lambda" if name == "<lambda>" else name
+
+
+# ---------------------------------------------------------------- datasets
+
+
+def _take_datasets(config: Config, dataset, eval_dataset) -> None:
+    """data.path / data.eval_path for datasets given as objects: written to the run folder as JSONL."""
+    given = {"train": dataset, "eval": eval_dataset}
+    rows = {split: _rows(d, "dataset" if split == "train" else "eval_dataset", config.data.prompt_column)
+            for split, d in given.items() if d is not None}
+    for split, d in given.items():
+        if isinstance(d, (str, Path)):
+            setattr(config.data, "path" if split == "train" else "eval_path", str(d))
+    in_memory = {split: r for split, r in rows.items() if r is not None}
+    if not in_memory:
+        return
+    if config.train.output_dir is None:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each process would stamp its own folder name
+            raise ConfigError("a dataset object on several processes needs train.output_dir (the run folder it is "
+                              "written to)")
+        from grpokit.rundir import default_output_dir
+
+        config.train.output_dir = default_output_dir(config, "dataset")
+    folder = Path(config.train.output_dir) / "data"
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, r in in_memory.items():
+        path = folder / f"{split}.jsonl"
+        text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in r)
+        if path.is_file() and path.read_text() != text and (path.parent.parent / "checkpoints").is_dir():
+            raise ConfigError(f"{'dataset' if split == 'train' else 'eval_dataset'} differs from the one the run in "
+                              f"{config.train.output_dir} was trained on ({path}): resuming it would not continue that "
+                              "run; choose another train.output_dir")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+        setattr(config.data, "path" if split == "train" else "eval_path", str(path))
+
+
+def _rows(dataset, what: str, prompt_column: str) -> list[dict] | None:
+    """The rows of a dataset object (None for a path), each JSON-serializable."""
+    if isinstance(dataset, (str, Path)):
+        return None
+    try:
+        import datasets
+    except ImportError:
+        datasets = None
+    if datasets is not None and isinstance(dataset, datasets.DatasetDict):
+        if "train" not in dataset:
+            raise ConfigError(f"{what} is a DatasetDict with splits {list(dataset)} but no 'train' split: pass one Dataset")
+        dataset = dataset["train"]
+    if datasets is not None and isinstance(dataset, (datasets.IterableDataset, datasets.IterableDatasetDict)):
+        raise ConfigError(f"{what} is a streaming IterableDataset: grpokit reads every row before training (to check "
+                          "them and to hold out eval rows); pass a Dataset (dataset.take(n) and Dataset.from_list)")
+    if datasets is not None and isinstance(dataset, datasets.Dataset):
+        if prompt_column not in dataset.column_names:
+            raise ConfigError(f"{what} has no column {prompt_column!r} (data.prompt_column); its columns: "
+                              f"{dataset.column_names}")
+        dataset = dataset.to_list()
+    if not isinstance(dataset, (list, tuple)):
+        raise ConfigError(f"{what} must be a path, a datasets.Dataset or a list of dicts, got {type(dataset).__name__}")
+    for i, row in enumerate(dataset):
+        if not isinstance(row, dict):
+            raise ConfigError(f"{what}[{i}] is a {type(row).__name__}, not a dict of columns")
+        try:
+            json.dumps(row)
+        except (TypeError, ValueError) as e:
+            bad = next((k for k, v in row.items() if not _serializable(v)), None)
+            raise ConfigError(f"{what}[{i}]: column {bad!r} holds a value that cannot be written to the run folder as "
+                              f"JSON ({e})") from None
+    return list(dataset)
+
+
+def _serializable(value) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True

@@ -1,0 +1,144 @@
+"""grpokit.train from Python: in-memory data, callables, a loaded model; the same run as the CLI's."""
+
+import json
+
+import pytest
+import torch
+
+import grpokit
+from grpokit.cli import main
+from grpokit.config import ConfigError
+from grpokit.rundir import read_metrics
+
+ROWS = [{"prompt": f"What is {a} + {b}? Answer with just the number.", "answer": str(a + b)}
+        for a in range(4) for b in range(5)]
+# The same run's settings, as the API and the CLI take them.
+SETTINGS = {"model": {"name": "tiny-random"}, "data": {"eval_size": 4},
+            "rollout": {"num_generations": 3, "max_completion_length": 4},
+            "train": {"prompts_per_step": 2, "max_steps": 2, "eval_every": 1, "learning_rate": 1e-3}}
+
+
+def closure_reward(target):
+    def near_length(completions, **kwargs):  # a closure: its config name is its own, registered
+        return [-abs(len(c[0]["content"]) - target) / 10 for c in completions]
+    return near_length
+
+
+class AnswerReward:
+    """A callable object, as TRL accepts: scores the completions that contain the answer."""
+
+    __name__ = "answer_reward"
+
+    def __call__(self, completions, answer, **kwargs):
+        return [float(a in c[0]["content"]) for c, a in zip(completions, answer)]
+
+
+def test_the_api_trains_from_objects_and_gives_the_cli_s_run(tmp_path):
+    from datasets import Dataset
+
+    result = grpokit.train(SETTINGS, dataset=Dataset.from_list(ROWS),
+                           reward_functions=[closure_reward(5), {"name": AnswerReward(), "weight": 0.5}],
+                           progress=False, **{"train.output_dir": str(tmp_path / "api")})
+    run = result.run_dir
+    for name in ("config.yaml", "metrics.jsonl", "final/config.json", "final/README.md", "data/train.jsonl"):
+        assert (run / name).is_file(), name
+    assert [row["step"] for row in result.eval_history] == [0, 1, 2]
+    # final/README.md is a model card: metadata, and the eval table at each evaluation.
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(run / "final" / "README.md")
+    assert card.data.library_name == "grpokit" and "grpo" in card.data.tags and card.data.base_model is None
+    table = [line for line in card.text.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| step | eval/reward | eval/rewards/near_length/mean | eval/rewards/answer_reward/mean")
+    assert [line.split(" | ")[0] for line in table[1:]] == ["| 0", "| 1", "| 2"]
+    assert f"| 2 | {result.eval_history[-1]['eval/reward']:.4f} |" in card.text
+    assert (run / "final" / "reward.png").is_file() and "![reward per step](reward.png)" in card.text
+    assert "near_length" in card.text and "answer_reward" in card.text
+    # The trained model generates.
+    ids = result.tokenizer("What is 1 + 2?", return_tensors="pt").input_ids
+    out = result.model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, ids.shape[1] + 3)
+
+    # The CLI, on the same rows from a file and the same callables registered by name: the same run.
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    grpokit.rewards.REWARD_FUNCTIONS.update(near_length=closure_reward(5), answer_reward=AnswerReward())
+    overrides = [f"{section}.{k}={v}" for section, fields in SETTINGS.items() for k, v in fields.items()]
+    assert main(["train", "--no-progress", *overrides, f"data.path={data}", f"train.output_dir={tmp_path / 'cli'}",
+                 "reward.functions=[near_length, {name: answer_reward, weight: 0.5}]"]) == 0
+    api_rows, cli_rows = read_metrics(run / "metrics.jsonl"), read_metrics(tmp_path / "cli" / "metrics.jsonl")
+    assert len(api_rows) == 5
+    drop = ("step_time", "time/")
+    assert ([{k: v for k, v in r.items() if not k.startswith(drop)} for r in api_rows]
+            == [{k: v for k, v in r.items() if not k.startswith(drop)} for r in cli_rows])
+
+
+def test_a_loaded_model_is_trained_in_place_and_async_rewards_run(tmp_path):
+    from grpokit.models import load_model, load_tokenizer
+
+    model, tokenizer = load_model("tiny-random"), load_tokenizer("tiny-random")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    async def answered(completions, answer, **kwargs):
+        return [float(a in c[0]["content"]) - 0.1 * len(c[0]["content"]) for c, a in zip(completions, answer)]
+
+    result = grpokit.train(model=model, tokenizer=tokenizer, dataset=ROWS[:12], eval_dataset=ROWS[12:],
+                           reward_functions=[answered], progress=False,
+                           **{**{f"{s}.{k}": v for s, f in SETTINGS.items() for k, v in f.items() if s != "model"},
+                              "train.output_dir": str(tmp_path / "run"), "data.eval_size": 3})
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())  # trained in place
+    final = load_model(str(result.run_dir / "final"))
+    assert all(torch.equal(p, dict(model.named_parameters())[n]) for n, p in final.named_parameters())
+    saved = (result.run_dir / "config.yaml").read_text()
+    assert "answered" in saved and "data/eval.jsonl" in saved
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(reward_functions=["exact_answer", 3]), "reward_functions[1]=3 is not callable"),
+    (dict(reward_functions=[lambda prompts: [0.0]]), "reward function 'lambda' takes no argument 'answer', 'completion_ids', 'completions'"),
+    (dict(dataset=[{"question": "1 + 1?"}]), "no column 'prompt'"),
+    (dict(dataset="missing.jsonl"), "does not exist"),
+    (dict(dataset=42), "dataset must be a path, a datasets.Dataset or a list of dicts, got int"),
+    (dict(model=torch.nn.Linear(2, 2)), "model= must be a model name"),
+    (dict(tools=[print, "x"]), "tool"),
+])
+def test_bad_input_is_named_before_anything_is_trained(tmp_path, kwargs, message):
+    kwargs = {"model": "tiny-random", "dataset": ROWS, "reward_functions": ["exact_answer"], **kwargs}
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        grpokit.train(progress=False, data={"eval_size": 4},
+                      **{"train.output_dir": str(tmp_path / "run")}, **kwargs)
+    assert not (tmp_path / "run").exists()  # nothing left behind
+
+
+def test_a_dataset_object_without_the_prompt_column_and_a_model_without_tokenizer(tmp_path, tiny):
+    from datasets import Dataset
+
+    with pytest.raises(ConfigError, match=r"dataset has no column 'prompt' \(data.prompt_column\); its columns: \['q'\]"):
+        grpokit.train(dataset=Dataset.from_list([{"q": "x"}]), progress=False)
+    with pytest.raises(ConfigError, match="tokenizer= is missing"):
+        grpokit.train(model=tiny[0], dataset=ROWS, progress=False)
+    with pytest.raises(ConfigError, match="reward_functions= and reward.functions both"):
+        grpokit.train({"reward": {"functions": ["exact_answer"]}}, reward_functions=[AnswerReward()], progress=False)
+
+
+def test_overrides_as_sections_and_dotted_keys_win_over_the_config(tmp_path):
+    from grpokit.api import _config
+
+    config = _config({"train": {"max_steps": 7, "seed": 3}, "data.task_args": {}},
+                     {"train": {"max_steps": 2}, "rollout.num_generations": 4})
+    assert (config.train.max_steps, config.train.seed, config.rollout.num_generations) == (2, 3, 4)
+    with pytest.raises(ConfigError, match="unknown config key 'train.max_step'"):
+        _config(None, {"train.max_step": 2})
+
+
+def test_the_model_card_names_the_hub_model_and_dataset():
+    from huggingface_hub import ModelCard
+
+    from grpokit.config import Config
+    from grpokit.model_card import model_card
+
+    config = Config()
+    config.data.path, config.model.lora_rank = "trl-lib/DeepMath-103K", 8
+    card = ModelCard(model_card(config.to_dict(), [], ["accuracy_reward"], "run-1", None))
+    assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct" and card.data.base_model_relation == "adapter"
+    assert card.data.datasets == ["trl-lib/DeepMath-103K"] and "peft" in card.data.tags
