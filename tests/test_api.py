@@ -142,3 +142,81 @@ def test_the_model_card_names_the_hub_model_and_dataset():
     card = ModelCard(model_card(config.to_dict(), [], ["accuracy_reward"], "run-1", None))
     assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct" and card.data.base_model_relation == "adapter"
     assert card.data.datasets == ["trl-lib/DeepMath-103K"] and "peft" in card.data.tags
+
+
+def test_the_readme_example_runs(tmp_path, monkeypatch):
+    """The README's example of grpokit.train, with tiny-random for the bundled model and 1 step."""
+    from pathlib import Path
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme[readme.index("## From Python"):]
+    code = section[section.index("```python\n") + 10:section.index("```\n", section.index("```python"))]
+    assert '"smollm2-135m-instruct"' in code and '"max_steps": 20' in code
+    code = code.replace('"smollm2-135m-instruct"', '"tiny-random"').replace('"max_steps": 20', '"max_steps": 1')
+    monkeypatch.chdir(tmp_path)
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - the README's own example
+    assert namespace["result"].eval_history[-1]["step"] == 1 and namespace["model"] is not None
+
+
+def test_tools_and_an_environment_as_python_objects(tmp_path, monkeypatch):
+    """Tools and an environment class given as objects (a closure among them): registered, named in
+    config.yaml, and called by the model's tool calls (the scripted engine writes them)."""
+    import scripted_engine
+    from grpokit.rollout import ENGINES
+
+    monkeypatch.setitem(ENGINES, "scripted", "scripted_engine:ScriptedEngine")
+    offset = 10
+
+    def add(a: int, b: int) -> int:
+        """Add two integers, plus an offset held by a closure.
+
+        Args:
+            a: The first.
+            b: The second.
+        """
+        return a + b + offset
+
+    class Counter:
+        def reset(self, **row):
+            self.calls = 0
+
+        def bump(self) -> str:
+            """Count a call."""
+            self.calls += 1
+            return str(self.calls)
+
+        def get_reward(self) -> float:
+            return float(self.calls)
+
+    monkeypatch.setattr(scripted_engine, "SCRIPT", [
+        '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>',
+        '<tool_call>\n{"name": "bump", "arguments": {}}\n</tool_call>', "13"])
+    result = grpokit.train(model="tiny-random", dataset=ROWS, tools=[add], environment=Counter, progress=False,
+                           reward_functions=["exact_answer"],
+                           rollout={"engine": "scripted", "num_generations": 2, "max_completion_length": 200},
+                           train={"prompts_per_step": 2, "max_steps": 1, "output_dir": str(tmp_path / "run")},
+                           data={"eval_size": 0}, monitor={"log_completions": 1})
+    config = (result.run_dir / "config.yaml").read_text()
+    assert "- add\n" in config and "environment: Counter" in config
+    step = read_metrics(result.run_dir / "metrics.jsonl")[-1]
+    assert step["tools/calls_per_rollout"] == 2 and step["tools/failures"] == 0
+    assert step["rewards/Counter/mean"] == 1.0
+    record = json.loads((result.run_dir / "completions.jsonl").read_text().splitlines()[0])
+    assert any(m.get("role") == "tool" and m["content"] == "13" for m in record["completion"])  # the closure's sum
+
+
+def test_a_callable_never_takes_a_built_in_s_name_or_one_registered_by_hand(monkeypatch):
+    from grpokit.api import _reward_entries
+    from grpokit.rewards import REWARD_FUNCTIONS
+
+    def length(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    def mine(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    monkeypatch.setitem(REWARD_FUNCTIONS, "mine", lambda completions, **kwargs: [2.0] * len(completions))
+    entries = _reward_entries([length, mine, {"name": mine, "weight": 2}])
+    assert entries == ["length_2", "mine_2", {"name": "mine_3", "weight": 2}]
+    assert REWARD_FUNCTIONS["length_2"] is length and REWARD_FUNCTIONS["mine"] is not mine

@@ -3,6 +3,7 @@ long prompts are dropped or truncated with a count, and the shipped examples run
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -140,6 +141,7 @@ def reward_len(completions, **kwargs):  # TRL's quick start, verbatim: plain-tex
     ("math.yaml", []),
     ("tldr.yaml", ["data.path=examples/data/tldr.jsonl", "data.eval_size=2"]),
     ("calculator.yaml", ["data.eval_size=2", "train.prompts_per_step=1"]),
+    ("reasoning_gym.yaml", ["data.eval_size=2", "train.prompts_per_step=1"]),
 ])
 def test_shipped_examples_run_two_steps(tmp_path, monkeypatch, example, overrides):
     from grpokit.cli import main
@@ -155,7 +157,8 @@ def test_shipped_examples_run_two_steps(tmp_path, monkeypatch, example, override
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
-    names = {"math.yaml": ("format", "math_accuracy"), "tldr.yaml": ("length",), "calculator.yaml": ("exact_answer",)}[example]
+    names = {"math.yaml": ("format", "math_accuracy"), "tldr.yaml": ("length",), "calculator.yaml": ("exact_answer",),
+             "reasoning_gym.yaml": ("reasoning_gym",)}[example]
     for name in names:
         assert f"rewards/{name}/mean" in steps[0] and f"eval/rewards/{name}/mean" in rows[0]
     if example == "calculator.yaml":  # conversations with the calculator tool
@@ -163,7 +166,7 @@ def test_shipped_examples_run_two_steps(tmp_path, monkeypatch, example, override
     if example == "tldr.yaml":
         assert all(r["rewards/length/mean"] <= 0 for r in steps)  # the length reward is never positive
         for r in steps:
-            assert r["rewards/reward_len/mean"] == r["rewards/length/mean"]
+            assert r["rewards/trl_reward.py:reward_len/mean"] == r["rewards/length/mean"]
 
 
 def test_a_hub_id_that_cannot_load_is_a_clear_error(monkeypatch):
@@ -207,3 +210,47 @@ def test_a_folder_with_several_splits_uses_train(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:3]),
                           "test": datasets.Dataset.from_list(ROWS[3:])}).save_to_disk(str(tmp_path / "dd"))
     assert [r["prompt"] for _, r in read_rows(str(tmp_path / "dd"))] == [r["prompt"] for r in ROWS[:3]]
+
+
+def test_reasoning_gym_tasks_are_streams_scored_by_the_library(tmp_path):
+    pytest.importorskip("reasoning_gym", reason="reasoning-gym is in the test extra: pip install -e '.[test]'")
+    import reasoning_gym
+
+    from grpokit.config import load_config
+    from grpokit.rewards.reasoning_gym import reasoning_gym as score
+    from grpokit.tasks import make_task
+
+    data = load_config(overrides=["data.task=reasoning_gym:chain_sum", "data.eval_size=20",
+                                  "data.task_args={min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}"]).data
+    task, again = make_task(data, 3, len), make_task(data, 3, len)
+    stream = task.train_stream()
+    first = [next(stream) for _ in range(40)]
+    # A pure function of (seed, position): a stream restarted at 25 goes on identically.
+    resumed = again.train_stream(25)
+    assert [next(resumed).prompt for _ in range(15)] == [e.prompt for e in first[25:]]
+    # The library's own entries: entry i of chain_sum with seed 3, shown after one worked example.
+    entry = reasoning_gym.create_dataset("chain_sum", seed=3, size=40, min_terms=2, max_terms=2, min_digits=1,
+                                         max_digits=1)[7]
+    assert first[7].prompt[-1]["content"] == entry["question"] and first[7].columns["answer"] == entry["answer"]
+    assert [m["role"] for m in first[7].prompt] == ["system", "user", "assistant", "user"]
+    assert first[7].prompt[2]["content"].startswith("<answer>") and first[7].prompt[1] != first[7].prompt[3]
+    assert len(task.eval_examples) == 20
+    # Scored by score_answer on what the <answer> tags hold; a completion without them has no answer.
+    right, wrong = f"<answer>{entry['answer']}</answer>", f"<answer>{int(entry['answer']) + 1}</answer>"
+    completions = [[{"role": "assistant", "content": c}] for c in (right, wrong, entry["answer"])]
+    assert score(completions, entry=[entry] * 3) == [1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("overrides,problem", [
+    (["data.task=reasoning_gym:chain_summ"], "reasoning-gym has no dataset 'chain_summ' \\(did you mean chain_sum"),
+    (["data.task=reasoning_gym:chain_sum", "data.task_args={min_termz: 2}"], "data.task_args=.*min_termz"),
+    (["data.task_args={min_terms: 2}"], "data.task_args=.* is only read by data.task=reasoning_gym"),
+    (["data.task=reasoning"], "data.task='reasoning': must be one of arithmetic, calculator, or reasoning_gym:"),
+])
+def test_reasoning_gym_mistakes_are_named_at_start_up(tmp_path, overrides, problem, capsys):
+    pytest.importorskip("reasoning_gym", reason="reasoning-gym is in the test extra: pip install -e '.[test]'")
+    from grpokit.cli import main
+
+    assert main(["train", "model.name=tiny-random", f"train.output_dir={tmp_path / 'run'}", *overrides]) == 2
+    assert re.search(problem, capsys.readouterr().err)
+    assert not (tmp_path / "run").exists()

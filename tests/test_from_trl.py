@@ -33,6 +33,14 @@ def test_every_grpo_config_field_is_mapped_with_trl_s_default():
     assert len(rows) == len(FIELDS) + 2 and all(f"`{name}`" in table() for name in FIELDS)
 
 
+def test_the_readme_table_is_from_trl_s():
+    from pathlib import Path
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    start = readme.index("<!-- from_trl table -->\n") + len("<!-- from_trl table -->\n")
+    assert readme[start:readme.index("<!-- end from_trl table -->")] == table() + "\n"
+
+
 def test_the_quick_start_config_carries_over_and_loads():
     config, not_carried = from_trl(quick_start())
     # TRL's batch: 1 completion per device x 8 accumulation steps = one update of 8 completions, generated
@@ -44,6 +52,8 @@ def test_the_quick_start_config_carries_over_and_loads():
         "loss_type": "dapo", "scale_rewards": "group", "beta": 0.0, "epsilon": 0.2, "is_level": "sequence",
         "is_mode": "mask", "is_cap": 3.0, "eval_every": 0, "save_every": 500, "output_dir": "Qwen2-0.5B-GRPO"}.items()
     assert [(n.field, n.value) for n in not_carried] == [("max_steps", -1)]  # epochs need the dataset's size
+    _, on_a_gpu = from_trl({"bf16": True, "max_steps": 8})
+    assert [(n.field, n.value) for n in on_a_gpu] == [("bf16", True)]
     loaded = load_config(values={**config, "train": {**config["train"], "max_steps": 10}})
     assert loaded.algorithm.loss_type == "dapo" and loaded.completions_per_update == 8
 
@@ -113,10 +123,11 @@ def test_trl_reward_functions_give_trl_s_values_in_a_grpokit_run(tmp_path, monke
             "soft_overlong_punishment_reward": overlong(completion_ids=ids)[0],
             "cosine_scaled_reward": cosine([completion], solution=["$4$"], completion_ids=ids)[0],
         }
-        got = {k.removeprefix("rewards/"): v for k, v in r.items() if k.startswith("rewards/")}
+        # Keys name an importable function by its module path, a factory's product by its own name.
+        got = {k.removeprefix("rewards/").rsplit(":", 1)[-1]: v for k, v in r.items() if k.startswith("rewards/")}
         assert got == pytest.approx(expected), completion
-    assert {r["rewards/accuracy_reward"] for r in records} == {0.0, 1.0}
-    assert {r["rewards/think_format_reward"] for r in records} == {0.0, 1.0}
+    assert {r["rewards/trl.rewards.accuracy_rewards:accuracy_reward"] for r in records} == {0.0, 1.0}
+    assert {r["rewards/trl.rewards.format_rewards:think_format_reward"] for r in records} == {0.0, 1.0}
     assert len({r["rewards/soft_overlong_punishment_reward"] for r in records}) > 2  # lengths in the punished zone
 
 
@@ -131,4 +142,4 @@ def test_trl_reward_functions_by_name_in_yaml(tmp_path):
                  f"train.output_dir={tmp_path / 'run'}",
                  "reward.functions=[trl.rewards:accuracy_reward, trl.rewards:think_format_reward]"]) == 0
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[1])
-    assert "rewards/think_format_reward/mean" in row
+    assert "rewards/trl.rewards:think_format_reward/mean" in row

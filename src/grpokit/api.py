@@ -28,7 +28,7 @@ from typing import Any
 
 from grpokit import user_code
 from grpokit.config import Config, ConfigError, flatten, load_config
-from grpokit.rewards import REWARD_FUNCTIONS
+from grpokit.rewards import BUILTIN_REWARDS, REWARD_FUNCTIONS
 
 
 @dataclass
@@ -188,12 +188,24 @@ def _register(obj, what: str, callable_needed: bool, taken: set = frozenset(), r
                 return f"{module}:{qualname}"
         except ConfigError:
             pass
+    registry = registry if registry is not None else user_code.OBJECTS
+    reserved = BUILTIN_REWARDS if registry is REWARD_FUNCTIONS else {}
+
+    def free(name: str) -> bool:  # not a built-in, nor an object registered by hand
+        return (name not in taken and name not in reserved
+                and (name not in registry or (id(registry), name) in _REGISTERED or registry[name] is obj))
+
     base = _own_name(obj)
     name, n = base, 2
-    while name in taken:
+    while not free(name):
         name, n = f"{base}_{n}", n + 1
-    (registry if registry is not None else user_code.OBJECTS)[name] = obj
+    registry[name] = obj
+    _REGISTERED.add((id(registry), name))
     return name
+
+
+# The names this module registered (a later run may register another object under one of them).
+_REGISTERED: set[tuple[int, str]] = set()
 
 
 def _own_name(obj) -> str:

@@ -299,7 +299,7 @@ FIELDS: dict[str, Field] = {
 }
 
 # Fields TRL's __post_init__ fills in whatever the user gave: their value says nothing about a choice.
-FILLED_IN = {"bf16", "activation_checkpointing", "disable_tqdm", "report_to", "use_cpu", "accelerator_config",
+FILLED_IN = {"activation_checkpointing", "disable_tqdm", "report_to", "use_cpu", "accelerator_config",
              "dataloader_pin_memory", "debug", "pad_to_multiple_of", "generation_batch_size", "steps_per_generation"}
 
 
@@ -471,10 +471,12 @@ def from_trl(trl_config, num_processes: int = 1) -> tuple[dict, list[NotCarried]
 
     # Everything else that was set and is not carried.
     handled = {n for n, f in FIELDS.items() if f.key is not None} | FILLED_IN | {"model_init_kwargs", "num_train_epochs",
-                                                                                 "optim"}
+                                                                                 "optim", "bf16"}
     for name, v in given.items():
         if name not in handled and v != FIELDS[name].default:
             notes.append(NotCarried(name, v, FIELDS[name].why))
+    if value["bf16"]:  # TRL's default on a GPU (GRPOConfig fills it in); False is float32, as grpokit's default
+        notes.append(NotCarried("bf16", True, FIELDS["bf16"].why))
     extra = {k: v for k, v in (value["model_init_kwargs"] or {}).items() if k not in ("dtype", "torch_dtype")}
     if extra:
         notes.append(NotCarried("model_init_kwargs", extra, FIELDS["model_init_kwargs"].why))

@@ -81,6 +81,10 @@ def write_model_card(run_dir: Path, config: dict, eval_history: list[dict], rewa
     from grpokit.rundir import read_metrics
 
     final = run_dir / "final"
+    for name in ("README.md", "reward.png"):
+        # final/'s files are hard links to the checkpoint's (peft writes a README.md there): a new
+        # file, not a write through the link, which would change the checkpoint.
+        (final / name).unlink(missing_ok=True)
     rows = read_metrics(run_dir / "metrics.jsonl")
     drawn = plot(next(p for p in PANELS if p.name == "reward"), rows, [], final / "reward.png")
     card = final / "README.md"

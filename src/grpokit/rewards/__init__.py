@@ -90,9 +90,8 @@ class RewardSet:
         """specs: (name, weight, arguments) of the functions configured; extra: (name, function)
         of others the run brings (an environment's get_reward), weight 1."""
         self.timeout = timeout  # seconds one call may take (reward.timeout); None: no limit
-        # Metric keys (rewards/<name>/mean) name a function as TRL does, by its own name: without
-        # the module or file it comes from.
-        self.names = [name.rsplit(":", 1)[-1] for name, _, _ in specs] + [name for name, _ in extra]
+        # Metric keys (rewards/<name>/mean) name a file's function without its folders.
+        self.names = [name.rsplit("/", 1)[-1] for name, _, _ in specs] + [name for name, _ in extra]
         if len(set(self.names)) < len(self.names):
             raise ConfigError(f"reward.functions names a function twice: {self.names}")
         self.weights = [weight for _, weight, _ in specs] + [1.0] * len(extra)
@@ -256,6 +255,7 @@ def get_reward_function(name: str) -> Callable[..., list[float | None]]:
     if ":" not in name:
         raise ConfigError(
             f"unknown reward function {name!r}: built-in ones are {', '.join(sorted(BUILTIN_REWARDS.keys() | REWARD_FUNCTIONS.keys()))}; "
-            "your own are named 'package.module:function' or 'path/to/file.py:function'"
+            "your own are named 'package.module:function' or 'path/to/file.py:function' (a function given to "
+            "grpokit.train as a Python object is known by its name only to the process that ran it: pass it again)"
         )
     return user_code.find(f"reward function {name!r}", name)
