@@ -375,7 +375,8 @@ def _check_ranges(c: Config) -> list[str]:
 
     from grpokit.tasks import check_task_name
 
-    need(check_task_name(c.data.task) is None, check_task_name(c.data.task))
+    task_problem = check_task_name(c.data.task)
+    need(task_problem is None, task_problem)
     need(not c.data.task_args or (c.data.path is None and c.data.task.startswith("reasoning_gym:")),
          f"data.task_args={c.data.task_args!r} is only read by data.task=reasoning_gym:<name>, and data.path is null")
     r, a, t = c.rollout, c.algorithm, c.train

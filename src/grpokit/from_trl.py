@@ -53,7 +53,7 @@ def _scale(value):
 
 
 def _loss(value):
-    if value == "bnpo":  # carried as dapo, and said so in the notes (see _notes)
+    if value == "bnpo":  # carried as dapo, and listed among the settings not carried (from_trl)
         return "dapo"
     if value in ("grpo", "dapo", "dr_grpo", "cispo", "sapo"):
         return value

@@ -59,13 +59,18 @@ def wandb_mode() -> tuple[str, str]:
     return "online", f"logged in to {host}"
 
 
+def _run_name(run_dir: Path, initial: int) -> str:
+    """A tracker's run name: the folder's, and a resumed run's is a second run from its step."""
+    return run_dir.name if not initial else f"{run_dir.name}-from-step-{initial}"
+
+
 def _start_wandb(run_dir: Path, config: dict, project: str, initial: int):
     try:
         import wandb
     except ImportError:
         raise StartupError("monitor.wandb=true needs the wandb package: pip install wandb") from None
     mode, why = wandb_mode()
-    name = run_dir.name if not initial else f"{run_dir.name}-from-step-{initial}"
+    name = _run_name(run_dir, initial)
     run = wandb.init(project=project, name=name, group=run_dir.name, dir=str(run_dir), config=config, mode=mode)
     return run, f"W&B: {mode} ({why}); files in {run_dir / 'wandb'}" + (
         f"; upload with: wandb sync {run_dir / 'wandb'}/offline-run-*" if mode == "offline" else "")
@@ -76,7 +81,7 @@ def _start_trackio(run_dir: Path, config: dict, project: str, initial: int):
         import trackio
     except ImportError:
         raise StartupError("monitor.trackio=true needs the trackio package: pip install trackio") from None
-    name = run_dir.name if not initial else f"{run_dir.name}-from-step-{initial}"
+    name = _run_name(run_dir, initial)
     run = trackio.init(project=project, name=name, group=run_dir.name, config=config, embed=False,
                        auto_log_gpu=False, auto_log_cpu=False)
     from trackio.utils import TRACKIO_DIR
@@ -124,18 +129,19 @@ class Monitor:
     def log(self, row: dict) -> None:
         if self.silent:
             return
-        self._file.write(json.dumps({k: _plain(v) for k, v in row.items()}) + "\n")
+        plain = {k: _plain(v) for k, v in row.items()}
+        self._file.write(json.dumps(plain) + "\n")
         self._file.flush()
+        # The numbers (non-finite ones are strings in `plain`), for the trackers that take scalars.
+        scalars = {k: v for k, v in plain.items() if k != "step" and isinstance(v, (int, float))}
         if self.tensorboard is not None:
-            for key, value in row.items():
-                if key != "step" and isinstance(_plain(value), (int, float)):
-                    self.tensorboard.add_scalar(key, _plain(value), row["step"])
+            for key, value in scalars.items():
+                self.tensorboard.add_scalar(key, value, row["step"])
         if self.wandb is not None:
             self.wandb.log({k: v.item() if hasattr(v, "item") else v for k, v in row.items() if k != "step"},
                            step=row["step"])
         if self.trackio is not None:
-            self.trackio.log({k: _plain(v) for k, v in row.items() if k != "step" and isinstance(_plain(v), (int, float))},
-                             step=row["step"])
+            self.trackio.log(scalars, step=row["step"])
         for finding in self.watch.add(row):
             self.write(f"ALERT {finding.text()}")
             with (self.run_dir / "alerts.jsonl").open("a") as f:
