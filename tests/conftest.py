@@ -1,4 +1,11 @@
+import os
+
 import pytest
+import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2` (make test): one core for each worker
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"  # and for the processes the tests start
 
 
 @pytest.fixture(scope="session")

@@ -33,6 +33,25 @@ class AnswerReward:
         return [float(a in c[0]["content"]) for c, a in zip(completions, answer)]
 
 
+class AsyncLength:
+    """A callable object whose __call__ is a coroutine function: awaited like an async function."""
+
+    async def __call__(self, completions, **kwargs):
+        return [-0.01 * len(c[0]["content"]) for c in completions]
+
+
+def adder(offset):
+    def add(a: int, b: int) -> int:
+        """Add two integers and an offset.
+
+        Args:
+            a: The first.
+            b: The second.
+        """
+        return a + b + offset
+    return add
+
+
 def test_the_api_trains_from_objects_and_gives_the_cli_s_run(tmp_path):
     from datasets import Dataset
 
@@ -73,8 +92,14 @@ def test_the_api_trains_from_objects_and_gives_the_cli_s_run(tmp_path):
             == [{k: v for k, v in r.items() if not k.startswith(drop)} for r in cli_rows])
 
 
-def test_a_loaded_model_is_trained_in_place_and_async_rewards_run(tmp_path):
+def test_a_loaded_model_is_trained_in_place_and_async_rewards_run(tmp_path, monkeypatch, capsys):
+    import grpokit.trainer
     from grpokit.models import load_model, load_tokenizer
+
+    def broken_card(*args):
+        raise OSError("no plotting today")
+
+    monkeypatch.setattr(grpokit.trainer, "write_model_card", broken_card)  # the run is done all the same
 
     model, tokenizer = load_model("tiny-random"), load_tokenizer("tiny-random")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -83,7 +108,7 @@ def test_a_loaded_model_is_trained_in_place_and_async_rewards_run(tmp_path):
         return [float(a in c[0]["content"]) - 0.1 * len(c[0]["content"]) for c, a in zip(completions, answer)]
 
     result = grpokit.train(model=model, tokenizer=tokenizer, dataset=ROWS[:12], eval_dataset=ROWS[12:],
-                           reward_functions=[answered], progress=False,
+                           reward_functions=[answered, AsyncLength()], progress=False,
                            **{**{f"{s}.{k}": v for s, f in SETTINGS.items() for k, v in f.items() if s != "model"},
                               "train.output_dir": str(tmp_path / "run"), "data.eval_size": 3})
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())  # trained in place
@@ -91,6 +116,10 @@ def test_a_loaded_model_is_trained_in_place_and_async_rewards_run(tmp_path):
     assert all(torch.equal(p, dict(model.named_parameters())[n]) for n, p in final.named_parameters())
     saved = (result.run_dir / "config.yaml").read_text()
     assert "answered" in saved and "data/eval.jsonl" in saved
+    steps = [r for r in read_metrics(result.run_dir / "metrics.jsonl") if "rewards/AsyncLength/mean" in r]
+    assert len(steps) == 2 and all(r["rewards/AsyncLength/mean"] < 0 for r in steps)  # awaited, scored
+    assert "model card (final/README.md) was not written: OSError: no plotting today" in capsys.readouterr().out
+    assert not (result.run_dir / "final" / "README.md").exists()
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -101,6 +130,7 @@ def test_a_loaded_model_is_trained_in_place_and_async_rewards_run(tmp_path):
     (dict(dataset=42), "dataset must be a path, a datasets.Dataset or a list of dicts, got int"),
     (dict(model=torch.nn.Linear(2, 2)), "model= must be a model name"),
     (dict(tools=[print, "x"]), "tool"),
+    (dict(tools=[adder(1), adder(2)]), "rollout.tools names two tools called 'add'"),
 ])
 def test_bad_input_is_named_before_anything_is_trained(tmp_path, kwargs, message):
     kwargs = {"model": "tiny-random", "dataset": ROWS, "reward_functions": ["exact_answer"], **kwargs}
@@ -108,6 +138,43 @@ def test_bad_input_is_named_before_anything_is_trained(tmp_path, kwargs, message
         grpokit.train(progress=False, data={"eval_size": 4},
                       **{"train.output_dir": str(tmp_path / "run")}, **kwargs)
     assert not (tmp_path / "run").exists()  # nothing left behind
+
+
+def test_a_refused_start_removes_only_the_folder_it_made(tmp_path, monkeypatch):
+    # No train.output_dir, a dataset by path: the refusal comes before any run folder is named, and
+    # the working directory's own data/ stays.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    with pytest.raises(ConfigError, match="takes no argument"):
+        grpokit.train(model="tiny-random", dataset="data/rows.jsonl", reward_functions=[lambda x: [0.0]], progress=False,
+                      data={"eval_size": 4})
+    assert (tmp_path / "data" / "rows.jsonl").is_file() and not (tmp_path / "runs").exists()
+    # A folder that is not a run's keeps its own data/train.jsonl: the dataset is not written over it.
+    mine = tmp_path / "project"
+    (mine / "data").mkdir(parents=True)
+    (mine / "data" / "train.jsonl").write_text("my notes\n")
+    with pytest.raises(ConfigError, match=r"would be written to .*project/data/train.jsonl, which holds another file"):
+        grpokit.train(model="tiny-random", dataset=ROWS, reward_functions=["exact_answer"], progress=False,
+                      **{"train.output_dir": str(mine)})
+    assert (mine / "data" / "train.jsonl").read_text() == "my notes\n"
+    # A folder that existed before the call is left as it was, with what the call wrote.
+    (mine / "data" / "train.jsonl").unlink()
+    with pytest.raises(ConfigError, match="takes no argument"):
+        grpokit.train(model="tiny-random", dataset=ROWS, reward_functions=[lambda x: [0.0]], progress=False, data={"eval_size": 4},
+                      **{"train.output_dir": str(mine)})
+    assert mine.is_dir()
+
+
+def test_a_dataset_dict_gives_its_train_split_to_train_and_its_test_split_to_evaluate():
+    from datasets import Dataset, DatasetDict
+
+    from grpokit.api import _rows
+
+    splits = DatasetDict({"train": Dataset.from_list(ROWS[:3]), "test": Dataset.from_list(ROWS[3:5])})
+    assert _rows(splits, "dataset", "prompt") == ROWS[:3] and _rows(splits, "eval_dataset", "prompt") == ROWS[3:5]
+    with pytest.raises(ConfigError, match="eval_dataset is a DatasetDict with splits \\['train'\\] but no 'test' or 'validation'"):
+        _rows(DatasetDict({"train": splits["train"]}), "eval_dataset", "prompt")
 
 
 def test_a_dataset_object_without_the_prompt_column_and_a_model_without_tokenizer(tmp_path, tiny):
@@ -119,6 +186,35 @@ def test_a_dataset_object_without_the_prompt_column_and_a_model_without_tokenize
         grpokit.train(model=tiny[0], dataset=ROWS, progress=False)
     with pytest.raises(ConfigError, match="reward_functions= and reward.functions both"):
         grpokit.train({"reward": {"functions": ["exact_answer"]}}, reward_functions=[AnswerReward()], progress=False)
+
+
+def test_a_loaded_model_the_api_cannot_use_is_named(tiny):
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    model, tokenizer = tiny
+    with pytest.raises(ConfigError, match="model.dtype=float64 but model= holds float32 weights"):
+        grpokit.train(model=model, tokenizer=tokenizer, dataset=ROWS, progress=False, **{"model.dtype": "float64"})
+    config = copy.deepcopy(model.config)
+    config._name_or_path = ""
+    unnamed, bare_tokenizer = AutoModelForCausalLM.from_config(config), copy.deepcopy(tokenizer)
+    bare_tokenizer.name_or_path = ""
+    with pytest.raises(ConfigError, match="no name_or_path .* and model.lora_rank loads the model by that name"):
+        grpokit.train(model=unnamed, tokenizer=bare_tokenizer, dataset=ROWS, progress=False, **{"model.lora_rank": 4})
+    unnamed.hf_device_map = {"": "cpu"}
+    with pytest.raises(ConfigError, match="loaded with device_map= or quantized"):
+        grpokit.train(model=unnamed, tokenizer=tokenizer, dataset=ROWS, progress=False)
+
+
+def test_a_config_given_is_never_changed(tmp_path):
+    from grpokit.config import load_config
+
+    config = load_config(values={"model.name": "tiny-random"})
+    for _ in range(2):  # the same call twice: the same refusal, not one left over from the first call
+        with pytest.raises(ConfigError, match="no column 'prompt'"):
+            grpokit.train(config, dataset=[{"q": "x"}], reward_functions=[AnswerReward()], progress=False)
+    assert config.reward.functions is None and config.train.output_dir is None and config.data.path is None
 
 
 def test_overrides_as_sections_and_dotted_keys_win_over_the_config(tmp_path):

@@ -198,6 +198,12 @@ def test_columns_that_would_be_overwritten_are_refused(tmp_path, content, proble
         DatasetTask(cfg, 0, lambda e: 1)
 
 
+def test_held_out_rows_without_the_answer_the_train_rows_have_are_refused(tmp_path):
+    (tmp_path / "e.jsonl").write_text('{"prompt": "a"}\n')
+    with pytest.raises(DataError, match=r"e.jsonl: no column 'answer' \(data.answer_column\), which .*d.jsonl has"):
+        DatasetTask(DataConfig(path=write(tmp_path, "jsonl"), eval_path=str(tmp_path / "e.jsonl")), 0, lambda e: 1)
+
+
 def test_csv_rows_are_numbered_and_checked(tmp_path):
     (tmp_path / "d.csv").write_text('prompt,answer\n"two\nlines",1\nb,2,extra\n')
     with pytest.raises(DataError, match=r"d.csv:row 2: more fields than the header"):
@@ -234,11 +240,37 @@ def test_reasoning_gym_tasks_are_streams_scored_by_the_library(tmp_path):
     assert first[7].prompt[-1]["content"] == entry["question"] and first[7].columns["answer"] == entry["answer"]
     assert [m["role"] for m in first[7].prompt] == ["system", "user", "assistant", "user"]
     assert first[7].prompt[2]["content"].startswith("<answer>") and first[7].prompt[1] != first[7].prompt[3]
+    # Past the first block of BLOCK entries: still chain_sum's entry of that index (it draws entry i
+    # from Random(seed + i)), and a stream resumed there goes on identically.
+    from grpokit.tasks.reasoning_gym import BLOCK
+
+    far = reasoning_gym.create_dataset("chain_sum", seed=3, size=BLOCK + 8, min_terms=2, max_terms=2, min_digits=1,
+                                       max_digits=1)[BLOCK + 7]
+    assert task.train_example(BLOCK + 7).prompt[-1]["content"] == far["question"]
+    assert next(again.train_stream(BLOCK + 7)).prompt == task.train_example(BLOCK + 7).prompt
     assert len(task.eval_examples) == 20
     # Scored by score_answer on what the <answer> tags hold; a completion without them has no answer.
     right, wrong = f"<answer>{entry['answer']}</answer>", f"<answer>{int(entry['answer']) + 1}</answer>"
     completions = [[{"role": "assistant", "content": c}] for c in (right, wrong, entry["answer"])]
     assert score(completions, entry=[entry] * 3) == [1.0, 0.0, 0.0]
+    # Scored by the dataset made with the task's generator arguments: decimal_arithmetic's
+    # score_answer accepts an error up to its max_num_decimal_places (3 by default).
+    coarse = load_config(overrides=["data.task=reasoning_gym:decimal_arithmetic", "data.eval_size=1",
+                                    "data.task_args={min_num_decimal_places: 1, max_num_decimal_places: 1}"]).data
+    example = make_task(coarse, 0, len).train_example(0)
+    near = [[{"role": "assistant", "content": f"<answer>{float(example.columns['answer']) + 0.05}</answer>"}]]
+    assert score(near, entry=[example.columns["entry"]], task_args=[example.columns["task_args"]]) == [1.0]
+    assert score(near, entry=[example.columns["entry"]]) == [0.0]  # the default precision's tolerance
+
+
+def test_reasoning_gym_missing_is_named_with_its_install_command(monkeypatch):
+    import sys
+
+    from grpokit.tasks.reasoning_gym import ReasoningGymTask
+
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # as if not installed: importing it fails
+    with pytest.raises(ConfigError, match=r"needs reasoning-gym: pip install 'grpokit\[reasoning-gym\]'"):
+        ReasoningGymTask("chain_sum", {}, eval_size=1)
 
 
 @pytest.mark.parametrize("overrides,problem", [

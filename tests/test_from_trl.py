@@ -9,7 +9,7 @@ import pytest
 import grpokit
 import scripted_engine
 from grpokit.config import load_config
-from grpokit.from_trl import FIELDS, FILLED_IN, FromTRLError, from_trl, table
+from grpokit.trl_config import FIELDS, FILLED_IN, FromTRLError, from_trl, table
 from grpokit.rollout import ENGINES, from_completions
 
 trl = pytest.importorskip("trl", reason="TRL is in the test extra: pip install -e '.[test]'")
@@ -51,6 +51,7 @@ def test_the_quick_start_config_carries_over_and_loads():
         "max_completion_length": 512, "learning_rate": 1e-6, "lr_scheduler": "linear", "seed": 42,
         "loss_type": "dapo", "scale_rewards": "group", "beta": 0.0, "epsilon": 0.2, "is_level": "sequence",
         "is_mode": "mask", "is_cap": 3.0, "eval_every": 0, "save_every": 500, "output_dir": "Qwen2-0.5B-GRPO"}.items()
+    assert config["data"] == {"eval_size": 0}  # eval_strategy="no": no evaluation, nothing held out of the data
     assert [(n.field, n.value) for n in not_carried] == [("max_steps", -1)]  # epochs need the dataset's size
     _, on_a_gpu = from_trl({"bf16": True, "max_steps": 8})
     assert [(n.field, n.value) for n in on_a_gpu] == [("bf16", True)]
@@ -69,7 +70,7 @@ def test_settings_grpokit_lacks_are_errors_when_they_change_the_math_and_listed_
                                     "steps_per_generation": 4, "per_device_train_batch_size": 4, "num_iterations": 2,
                                     "save_steps": 5, "report_to": ["trackio"], "vllm_importance_sampling_mode":
                                     "token_truncate", "max_tool_calling_iterations": 3})
-    assert {n.field for n in not_carried} == {"logging_steps", "push_to_hub", "loss_type", "save_steps"}
+    assert {n.field for n in not_carried} == {"logging_steps", "push_to_hub", "loss_type", "save_steps", "bf16"}
     assert config["algorithm"]["loss_type"] == "dapo"
     # 4 per update x 4 generation steps: 16 completions per step feed 4 updates, twice: 8 TRL steps per grpokit step.
     assert (config["train"]["updates_per_step"], config["train"]["max_steps"], config["train"]["save_every"]) == (4, 2, 1)
@@ -77,6 +78,58 @@ def test_settings_grpokit_lacks_are_errors_when_they_change_the_math_and_listed_
     assert (config["rollout"]["is_level"], config["rollout"]["is_mode"]) == ("token", "truncate")
     cispo, _ = from_trl({"loss_type": "cispo", "epsilon_high": 5.0, "max_steps": 1})
     assert cispo["algorithm"]["epsilon_high"] == 4.0  # TRL's cap, grpokit's offset
+
+
+@pytest.mark.parametrize("fields,problem", [
+    ({"beta": 0.04}, "use_bias_correction_kl=True .TRL's default. with beta=0.04: TRL multiplies the KL term"),
+    ({"loss_type": "cispo"}, "loss_type='cispo' with epsilon_high=None: TRL caps CISPO's weight at epsilon_high .at "
+                             "epsilon=0.2 without it."),
+    ({"loss_type": "cispo", "epsilon_high": 1.0}, "loss_type='cispo' with epsilon_high=1.0"),
+    ({"use_vllm": True, "vllm_importance_sampling_clip_max": None}, "vllm_importance_sampling_clip_max=None"),
+])
+def test_trl_defaults_that_would_change_the_math_are_errors(fields, problem):
+    with pytest.raises(FromTRLError, match=problem):
+        from_trl({"max_steps": 8, **fields})
+
+
+def test_settings_carried_with_trl_s_meaning():
+    # beta > 0 with the ratio-free KL term: carried, and nothing to say about it.
+    config, notes = from_trl({"max_steps": 8, "beta": 0.04, "use_bias_correction_kl": False, "bf16": False})
+    assert config["algorithm"]["beta"] == 0.04 and notes == []
+    # transformers' constant schedule ignores warmup_steps; grpokit's would warm up.
+    config, notes = from_trl({"max_steps": 8, "lr_scheduler_type": "constant", "warmup_steps": 5, "bf16": False})
+    assert config["train"]["warmup_steps"] == 0 and [(n.field, n.value) for n in notes] == [("warmup_steps", 5)]
+    config, notes = from_trl({"max_steps": 8, "lr_scheduler_type": "constant_with_warmup", "warmup_steps": 5,
+                              "bf16": False})
+    assert (config["train"]["lr_scheduler"], config["train"]["warmup_steps"]) == ("constant", 5)
+    assert [n.field for n in notes] == ["warmup_steps"] and "(u + 1) / W, transformers' x u / W" in notes[0].reason
+    # save_steps and eval_steps below 1 are shares of max_steps (TRL's optimizer steps), as in transformers.
+    config, notes = from_trl({"max_steps": 40, "num_iterations": 2, "save_steps": 0.25, "eval_strategy": "steps",
+                              "eval_steps": 0.5, "bf16": False})
+    assert (config["train"]["save_every"], config["train"]["eval_every"]) == (5, 10) and notes == []
+    _, notes = from_trl({"save_steps": 0.25, "bf16": False})
+    assert ("save_steps", 0.25) in [(n.field, n.value) for n in notes]
+    # report_to="all" turns on every installed tracker in TRL; grpokit only those named.
+    _, notes = from_trl({"max_steps": 8, "report_to": "all", "bf16": False})
+    assert [(n.field, n.value) for n in notes] == [("report_to", "all")]
+    # Normalizers and masks decided at another granularity than TRL's are listed.
+    _, notes = from_trl({"max_steps": 8, "steps_per_generation": 2, "top_entropy_quantile": 0.2, "bf16": False})
+    assert [n.field for n in notes] == ["loss_type", "top_entropy_quantile"]
+    assert "each of the 2 updates per generation batch is normalized by its own tokens" in notes[0].reason
+    # A GRPOConfig names its output folder "trainer_output" when not given one: not carried.
+    config, _ = from_trl(trl.GRPOConfig(max_steps=8, use_cpu=True, bf16=False))
+    assert "output_dir" not in config["train"]
+    # TRL sized a GRPOConfig's generation batch for the processes that built it: a dict says what was set.
+    with pytest.raises(grpokit.config.ConfigError, match=r"num_processes=2\) of a GRPOConfig built in a run of 1"):
+        from_trl(trl.GRPOConfig(max_steps=8, per_device_train_batch_size=8, num_generations=8, use_cpu=True), 2)
+    config, _ = from_trl({"max_steps": 8, "per_device_train_batch_size": 8, "num_generations": 8}, num_processes=2)
+    assert (config["train"]["prompts_per_step"], config["train"]["micro_batch_size"]) == (2, 8)
+
+
+def test_grpokit_from_trl_is_the_function_every_time():
+    import grpokit.trl_config
+
+    assert grpokit.from_trl is grpokit.trl_config.from_trl and grpokit.from_trl is grpokit.from_trl
 
 
 # Completions of known shapes (answers right and wrong, with and without <think>, of several

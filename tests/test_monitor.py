@@ -132,3 +132,18 @@ def test_trackio_logs_every_metric_locally(tmp_path):
            if key not in ("step", "timestamp") and isinstance(value, (int, float))}
     assert got == pytest.approx(expected)
     assert {step for step, _ in got} == {0, 1, 2, 3} and any(key == "eval/reward" for _, key in got)
+
+
+def test_a_tracker_switched_on_or_off_on_resume_is_the_same_run(tmp_path):
+    import yaml
+
+    from grpokit.config import ConfigError, load_config
+    from grpokit.rundir import check_resumable
+
+    saved = tmp_path / "config.yaml"
+    saved.write_text(yaml.safe_dump(load_config(values={"train.output_dir": str(tmp_path)}).to_dict()))
+    for tracker in ("trackio", "wandb", "tensorboard"):
+        check_resumable(saved, load_config(values={"train.output_dir": str(tmp_path), f"monitor.{tracker}": True}))
+    check_resumable(saved, load_config(values={"train.output_dir": str(tmp_path), "monitor.trackio_project": "p"}))
+    with pytest.raises(ConfigError, match="algorithm.beta: 0.0 in the run, 0.1 now"):
+        check_resumable(saved, load_config(values={"train.output_dir": str(tmp_path), "algorithm.beta": 0.1}))

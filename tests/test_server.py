@@ -27,6 +27,8 @@ from grpokit.rollout.weights import checksum, named_weights
 pytest.importorskip("fastapi", reason="the server needs: pip install 'grpokit[server]'")
 
 TESTS = Path(__file__).parent
+# The server and trainer processes use this process's thread count: their runs equal in-process ones bit for bit.
+THREADS = str(torch.get_num_threads())
 RUN = ["--no-progress", "model.name=tiny-random", "reward.functions=[length]", "train.prompts_per_step=2",
        "rollout.num_generations=4", "data.eval_size=4", "train.eval_every=2"]
 
@@ -57,7 +59,7 @@ class Server:
     def start(self):
         self.process = subprocess.Popen(
             [sys.executable, "-m", "grpokit", "serve", "--model", "tiny-random", "--port", str(self.port), *self.args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": THREADS})
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
@@ -164,7 +166,7 @@ def test_a_server_killed_and_restarted_mid_run_is_survived(server, tmp_path):
     trainer = subprocess.Popen(
         [sys.executable, "-m", "grpokit", "train", *RUN, *steps, "rollout.engine=server",
          f"rollout.server_url={s.url}", "rollout.server_timeout=60", f"train.output_dir={tmp_path / 'served'}"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": THREADS})
     log = tmp_path / "served" / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while not (log.exists() and len(log.read_text().splitlines()) >= 3):
@@ -298,7 +300,7 @@ def test_a_server_that_dies_for_good_stops_the_run_with_the_command_that_resumes
     trainer = subprocess.Popen(
         [sys.executable, "-m", "grpokit", "train", *RUN, *steps, "rollout.engine=server",
          f"rollout.server_url={s.url}", "rollout.server_timeout=1", f"train.output_dir={served}"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": THREADS})
     log, deadline = served / "metrics.jsonl", time.monotonic() + 120
     while not (log.exists() and len(log.read_text().splitlines()) >= 2):
         assert time.monotonic() < deadline and trainer.poll() is None, trainer.communicate()

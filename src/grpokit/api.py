@@ -1,4 +1,4 @@
-"""grpokit from Python: `grpokit.train(...)`, the entry point the CLI is a thin layer over.
+"""grpokit from Python: `grpokit.train(...)`, and `run(config)` under it, which the CLI calls.
 
     import grpokit
     result = grpokit.train(model="smollm2-135m-instruct", dataset=rows, reward_functions=[my_reward],
@@ -17,6 +17,7 @@ Python can be resumed, evaluated and reported from the command line:
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -76,8 +77,9 @@ def train(
     config: a YAML file, a mapping (of sections or dotted keys, e.g. from_trl's), or a Config.
     model: a name (model.name), or a loaded causal LM (`PreTrainedModel`, trained in place), given
       with its `tokenizer`.
-    dataset / eval_dataset: a path (data.path / data.eval_path), a `datasets.Dataset` (or a
-      DatasetDict's train split), or a list of dicts; rows as in a data file.
+    dataset / eval_dataset: a path (data.path / data.eval_path), a `datasets.Dataset` (of a
+      DatasetDict, the train split for `dataset`, the test or validation split for `eval_dataset`),
+      or a list of dicts; rows as in a data file.
     reward_functions: callables with TRL's shape `f(completions, **kwargs) -> list[float | None]`
       (functions, closures, callable objects, async functions), names, or {name: <callable or
       name>, weight: w, **arguments} entries, as reward.functions takes.
@@ -85,9 +87,9 @@ def train(
       (rollout.environment, TRL's environment_factory).
     overrides: config settings, as sections (`train={"max_steps": 5}`) or dotted keys
       (`**{"train.max_steps": 5}`); they win over `config`.
-    """
-    from grpokit.trainer import Trainer
 
+    A Config given is copied, never changed: calling train again with it starts a new run.
+    """
     config = _config(config, overrides)
     _take_model(config, model, tokenizer)
     if reward_functions is not None:
@@ -97,28 +99,41 @@ def train(
     if tools is not None:
         if config.rollout.tools is not None:
             raise ConfigError("tools= and rollout.tools both name tools: give one")
-        config.rollout.tools = [_register(fn, f"tools[{i}]", callable_needed=True) for i, fn in enumerate(tools)]
+        names: set = set()
+        config.rollout.tools = [_register(fn, f"tools[{i}]", callable_needed=True, taken=names) for i, fn in enumerate(tools)]
     if environment is not None:
         if config.rollout.environment is not None:
             raise ConfigError("environment= and rollout.environment both name an environment: give one")
         config.rollout.environment = _register(environment, "environment", callable_needed=True)
-    existed = config.train.output_dir is not None and Path(config.train.output_dir).exists()
-    _take_datasets(config, dataset, eval_dataset)
+    created = _take_datasets(config, dataset, eval_dataset)
     try:
-        trainer = Trainer(config, progress=progress, model=model if not isinstance(model, (str, Path)) else None,
-                          tokenizer=tokenizer)
+        return run(config, model=model if not isinstance(model, (str, Path)) else None, tokenizer=tokenizer,
+                   progress=progress)
     except BaseException:
-        folder = Path(config.train.output_dir or "")
-        if not existed and folder.is_dir() and {p.name for p in folder.iterdir()} <= {"data"}:
-            shutil.rmtree(folder)  # a refused start leaves no folder behind, as from the CLI
+        # A refused start leaves no folder behind, as from the CLI: the run folder this call made
+        # for its datasets goes while it holds nothing else.
+        if (created is not None and os.environ.get("RANK", "0") == "0" and created.is_dir()
+                and {p.name for p in created.iterdir()} <= {"data"}):
+            from grpokit.rundir import release_run_dir
+
+            release_run_dir(created)
+            shutil.rmtree(created, ignore_errors=True)
         raise
-    return trainer.train()
+
+
+def run(config: Config, *, model=None, tokenizer=None, progress: bool = True) -> TrainResult:
+    """Train with `config` as it is (every name in it resolvable; `model` a loaded model, trained in
+    place, with its `tokenizer`). It sets config.train.output_dir to the run folder: the CLI's
+    entry, which names that folder when a run stops."""
+    from grpokit.trainer import Trainer
+
+    return Trainer(config, progress=progress, model=model, tokenizer=tokenizer).train()
 
 
 def _config(config, overrides: dict) -> Config:
     if isinstance(config, Config):
         if not overrides:
-            return config  # as given: the caller sees train.output_dir set, as the CLI needs
+            return copy.deepcopy(config)
         config = config.to_dict()
     if isinstance(config, dict):
         return load_config(values={**flatten(config), **flatten(overrides)})
@@ -145,15 +160,27 @@ def _take_model(config: Config, model, tokenizer) -> None:
     if tokenizer is None:
         raise ConfigError(f"model= is a loaded {type(model).__name__} but tokenizer= is missing: pass the tokenizer "
                           "it was trained with (grpokit renders prompts with its chat template)")
+    if getattr(model, "hf_device_map", None) or getattr(model, "hf_quantizer", None):
+        raise ConfigError(f"model= is a {type(model).__name__} loaded with device_map= or quantized: grpokit places "
+                          "the model itself and trains its weights in model.dtype: load it without them")
     from grpokit.models import DTYPES
 
     dtype = next((name for name, d in DTYPES.items() if d == model.dtype), None)
     if dtype is None:
         raise ConfigError(f"model= holds weights in {model.dtype}; grpokit trains in {', '.join(DTYPES)}")
+    if config.model.dtype not in (dtype, type(config.model)().dtype):
+        raise ConfigError(f"model.dtype={config.model.dtype} but model= holds {dtype} weights: cast the model "
+                          f"(model.to(torch.{config.model.dtype})) or leave model.dtype out")
     config.model.dtype = dtype
     # Where it came from: recorded in config.yaml and the model card (a resumed run loads its own
     # weights from the checkpoint over it).
-    config.model.name = getattr(model, "name_or_path", "") or getattr(tokenizer, "name_or_path", "") or "python-object"
+    name = getattr(model, "name_or_path", "") or getattr(tokenizer, "name_or_path", "")
+    if not name and (config.rollout.engine != "transformers" or config.model.lora_rank):
+        raise ConfigError(f"model= is a {type(model).__name__} with no name_or_path (the folder or Hub id it was "
+                          f"loaded from), and {'model.lora_rank' if config.model.lora_rank else 'rollout.engine=' + config.rollout.engine} "
+                          "loads the model by that name: save it (model.save_pretrained(folder), with the tokenizer) "
+                          "and pass the folder")
+    config.model.name = name or "python-object"
 
 
 # ---------------------------------------------------------------- reward functions, tools, environments
@@ -218,8 +245,9 @@ def _own_name(obj) -> str:
 # ---------------------------------------------------------------- datasets
 
 
-def _take_datasets(config: Config, dataset, eval_dataset) -> None:
-    """data.path / data.eval_path for datasets given as objects: written to the run folder as JSONL."""
+def _take_datasets(config: Config, dataset, eval_dataset) -> Path | None:
+    """data.path / data.eval_path for datasets given as objects: written to the run folder as JSONL.
+    Returns the run folder when this call created it."""
     given = {"train": dataset, "eval": eval_dataset}
     rows = {split: _rows(d, "dataset" if split == "train" else "eval_dataset", config.data.prompt_column)
             for split, d in given.items() if d is not None}
@@ -228,7 +256,7 @@ def _take_datasets(config: Config, dataset, eval_dataset) -> None:
             setattr(config.data, "path" if split == "train" else "eval_path", str(d))
     in_memory = {split: r for split, r in rows.items() if r is not None}
     if not in_memory:
-        return
+        return None
     if config.train.output_dir is None:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each process would stamp its own folder name
             raise ConfigError("a dataset object on several processes needs train.output_dir (the run folder it is "
@@ -236,19 +264,28 @@ def _take_datasets(config: Config, dataset, eval_dataset) -> None:
         from grpokit.rundir import default_output_dir
 
         config.train.output_dir = default_output_dir(config, "dataset")
-    folder = Path(config.train.output_dir) / "data"
+    run_dir = Path(config.train.output_dir)
+    created = None if run_dir.exists() else run_dir
+    texts = {split: "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in r) for split, r in in_memory.items()}
+    for split, text in texts.items():  # every check before anything is written
+        path, what = run_dir / "data" / f"{split}.jsonl", "dataset" if split == "train" else "eval_dataset"
+        if not path.is_file() or path.read_text() == text:
+            continue
+        if (run_dir / "checkpoints").is_dir():
+            raise ConfigError(f"{what} differs from the one the run in {run_dir} was trained on ({path}): resuming it "
+                              "would not continue that run; choose another train.output_dir")
+        if not (run_dir / "config.yaml").is_file():  # not a run's folder: the file is someone's own
+            raise ConfigError(f"{what} would be written to {path}, which holds another file and is not a grpokit run's: "
+                              "choose another train.output_dir")
+    folder = run_dir / "data"
     folder.mkdir(parents=True, exist_ok=True)
-    for split, r in in_memory.items():
+    for split, text in texts.items():
         path = folder / f"{split}.jsonl"
-        text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in r)
-        if path.is_file() and path.read_text() != text and (path.parent.parent / "checkpoints").is_dir():
-            raise ConfigError(f"{'dataset' if split == 'train' else 'eval_dataset'} differs from the one the run in "
-                              f"{config.train.output_dir} was trained on ({path}): resuming it would not continue that "
-                              "run; choose another train.output_dir")
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(text)
         os.replace(tmp, path)
         setattr(config.data, "path" if split == "train" else "eval_path", str(path))
+    return created
 
 
 def _rows(dataset, what: str, prompt_column: str) -> list[dict] | None:
@@ -260,9 +297,12 @@ def _rows(dataset, what: str, prompt_column: str) -> list[dict] | None:
     except ImportError:
         datasets = None
     if datasets is not None and isinstance(dataset, datasets.DatasetDict):
-        if "train" not in dataset:
-            raise ConfigError(f"{what} is a DatasetDict with splits {list(dataset)} but no 'train' split: pass one Dataset")
-        dataset = dataset["train"]
+        wanted = ("train",) if what == "dataset" else ("test", "validation")
+        split = next((name for name in wanted if name in dataset), None)
+        if split is None:
+            raise ConfigError(f"{what} is a DatasetDict with splits {list(dataset)} but no {' or '.join(map(repr, wanted))} "
+                              "split: pass one Dataset")
+        dataset = dataset[split]
     if datasets is not None and isinstance(dataset, (datasets.IterableDataset, datasets.IterableDatasetDict)):
         raise ConfigError(f"{what} is a streaming IterableDataset: grpokit reads every row before training (to check "
                           "them and to hold out eval rows); pass a Dataset (dataset.take(n) and Dataset.from_list)")
@@ -276,6 +316,8 @@ def _rows(dataset, what: str, prompt_column: str) -> list[dict] | None:
     for i, row in enumerate(dataset):
         if not isinstance(row, dict):
             raise ConfigError(f"{what}[{i}] is a {type(row).__name__}, not a dict of columns")
+        if prompt_column not in row:
+            raise ConfigError(f"{what}[{i}] has no column {prompt_column!r} (data.prompt_column); its columns: {list(row)}")
         try:
             json.dumps(row)
         except (TypeError, ValueError) as e:

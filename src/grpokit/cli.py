@@ -26,7 +26,7 @@ def _train(args) -> int:
 
     keep_freed_memory()  # every step allocates the same tensors again: reuse their pages (allocator.py)
     try:
-        result = api.train(config, progress=not args.no_progress)
+        result = api.run(config, progress=not args.no_progress)
     except Interrupted as stop:  # every process stopped after the same step
         main = distributed.is_main()
         distributed.finish()

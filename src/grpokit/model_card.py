@@ -70,7 +70,8 @@ def model_card(config: dict, eval_history: list[dict], reward_names: list[str], 
         lines.append("")
     if plot:
         lines += [f"![reward per step]({plot})", ""]
-    lines += ["## Config", "", "The resolved config (`grpokit train --config` takes it as it is):", "", "```yaml",
+    lines += ["## Config", "", "The resolved config (`grpokit train --config` takes it as it is where every reward function, "
+              "tool and environment is a built-in or named by `module:name` or a file):", "", "```yaml",
               yaml.safe_dump(config, sort_keys=False).strip(), "```", ""]
     return "\n".join(lines)
 

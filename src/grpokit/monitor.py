@@ -86,7 +86,10 @@ def _start_trackio(run_dir: Path, config: dict, project: str, initial: int):
                        auto_log_gpu=False, auto_log_cpu=False)
     from trackio.utils import TRACKIO_DIR
 
-    return run, f"Trackio: project {project!r}, run {name!r}, in {TRACKIO_DIR}; view with: trackio show --project {project}"
+    # Trackio sends to a Space or a server named in the environment, where one is.
+    remote = next((f" (and {v}, from {k})" for k in ("TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL") if (v := os.environ.get(k))), "")
+    return run, (f"Trackio: project {project!r}, run {name!r}, in {TRACKIO_DIR}{remote}; view with: trackio show "
+                 f"--project {project}")
 
 
 class Monitor:

@@ -33,7 +33,8 @@ from grpokit.errors import ConfigError, StartupError
 RESUMABLE_CHANGES = frozenset({
     "train.max_steps", "train.eval_every", "train.save_every", "train.keep_checkpoints", "train.resume",
     "train.micro_batch_size", "train.max_skipped_steps", "train.output_dir", "monitor.tensorboard",
-    "monitor.log_completions", "monitor.wandb", "monitor.wandb_project", "rollout.server_url", "rollout.server_timeout",
+    "monitor.log_completions", "monitor.wandb", "monitor.wandb_project", "monitor.trackio", "monitor.trackio_project",
+    "rollout.server_url", "rollout.server_timeout",
     "train.logprob_chunk_size", "model.gradient_checkpointing",  # memory knobs: the same math
     "reward.timeout",  # set to end a hang: a call that returns in time returns the same
 })

@@ -353,7 +353,11 @@ class Trainer:
             if distributed.is_main():
                 # final/: the last checkpoint's model files (hard links, not a second copy).
                 link_model_files(self.run_dir / "checkpoints" / f"step-{self.saved_step}", self.run_dir / "final")
-                write_model_card(self.run_dir, self.config.to_dict(), [h for h in history if h], self.rewards.names)
+                try:  # the run is trained and saved: a card that cannot be written is a warning, not a failure
+                    write_model_card(self.run_dir, self.config.to_dict(), [h for h in history if h], self.rewards.names)
+                except Exception as e:
+                    self.monitor.write(f"warning: the model card (final/README.md) was not written: "
+                                       f"{type(e).__name__}: {e}")
         except Exception as error:
             # One process only: with several, the others may be waiting in a collective. A
             # NonFiniteError keeps the checkpoints from before the streak.
@@ -960,6 +964,3 @@ def _std(values: torch.Tensor) -> torch.Tensor:
     scored = values[~torch.isnan(values)]
     return scored.std() if scored.numel() > 1 else values.new_zeros(())
 
-
-def train(config: Config, progress: bool = True) -> TrainResult:
-    return Trainer(config, progress=progress).train()

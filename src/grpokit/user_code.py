@@ -8,6 +8,7 @@ import concurrent.futures
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 import threading
@@ -78,6 +79,12 @@ def _load_file(what: str, path: Path):
 
 
 _loop: asyncio.AbstractEventLoop | None = None
+
+
+def is_async(fn) -> bool:
+    """Whether calling `fn` gives a coroutine: an `async def` function, or an object whose
+    `__call__` is one (asyncio.iscoroutinefunction looks at the object itself only)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
 def submit(coroutine) -> concurrent.futures.Future:

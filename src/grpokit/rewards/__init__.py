@@ -139,7 +139,7 @@ class RewardSet:
         values: dict[str, list] = {}
         pending = []  # the async functions, awaited together
         for name, fn in zip(self.names, self.functions):
-            if inspect.iscoroutinefunction(fn):
+            if user_code.is_async(fn):
                 pending.append((name, fn))
             else:
                 values[name] = self._call(name, fn, kwargs)
@@ -236,7 +236,7 @@ def _bind(name: str, fn, arguments: dict):
     if unknown:
         raise ConfigError(f"reward function {name!r} has no argument {', '.join(map(repr, unknown))} "
                           f"(its arguments: {', '.join(sorted(named))})")
-    if inspect.iscoroutinefunction(fn):
+    if user_code.is_async(fn):
         async def bound(**kwargs):
             return await fn(**{**kwargs, **arguments})
     else:

@@ -84,7 +84,7 @@ class Tools:
                 raise ConfigError(f"{e} (rollout.environment)") from None
             methods = environment_tools(probe)
             self.has_reward = callable(getattr(probe, "get_reward", None))
-            self._async_reward = inspect.iscoroutinefunction(getattr(probe, "get_reward", None))
+            self._async_reward = user_code.is_async(getattr(probe, "get_reward", None))
             clash = sorted(set(methods) & set(self.functions))
             if clash:
                 raise ConfigError(f"environment {environment!r} has methods named like rollout.tools' functions: {clash}")
@@ -151,7 +151,7 @@ class Tools:
         future = None
         try:  # a stop request (SIGTERM) and rollout.tool_timeout end a call that never returns
             with signals.waiting_on(what, self.timeout):
-                if inspect.iscoroutinefunction(fn):  # on the long-lived loop; the wait here is what times out
+                if user_code.is_async(fn):  # on the long-lived loop; the wait here is what times out
                     future = user_code.submit(fn(**call.arguments))
                     result = future.result()
                 else:

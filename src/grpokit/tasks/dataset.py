@@ -176,8 +176,11 @@ class DatasetTask:
         self.notes: list[str] = []  # what loading did that the user should know (shown at start)
         examples = self._load(cfg.path, cfg, prompt_length)
         if cfg.eval_path:
-            self.eval_examples = self._load(cfg.eval_path, cfg, prompt_length)[: cfg.eval_size]
-            self.train_examples = examples
+            held_out = self._load(cfg.eval_path, cfg, prompt_length)
+            self.eval_examples, self.train_examples = held_out[: cfg.eval_size], examples
+            if "answer" in examples[0].columns and "answer" not in held_out[0].columns:
+                raise DataError(f"{cfg.eval_path}: no column {cfg.answer_column!r} (data.answer_column), which "
+                                f"{cfg.path} has: the reward functions would get no answer to score held-out prompts by")
         else:
             order = list(range(len(examples)))
             random.Random(f"data-split-{seed}").shuffle(order)

@@ -1,9 +1,12 @@
 """reasoning-gym's procedural tasks (`pip install 'grpokit[reasoning-gym]'`):
 `data.task=reasoning_gym:<dataset name>`, with the generator's arguments in `data.task_args`.
 
-reasoning-gym entry i of a dataset with seed s is drawn from Random(s + i), so entry `index` of the
-train stream is a pure function of (seed, index) and a run resumes anywhere. The held-out split is
-a dataset of its own seed, 10^9 further on, so its entries never repeat the first 10^9 train ones.
+A stream is cut into blocks of BLOCK entries, block k being reasoning-gym's dataset of size BLOCK
+and seed s + k * BLOCK: entry `index` of the train stream is a pure function of (seed, index), so a
+run resumes anywhere, and no dataset is ever larger than a block (some datasets generate all their
+entries up front). Most datasets draw entry i from Random(seed + i): for them the stream is the one
+dataset of seed s, whatever the block size. The held-out prompts come from seed s + 10^9, so they
+never repeat the first 10^9 train entries.
 
 Each prompt is reasoning-gym's "direct" system prompt (answer between <answer> tags, no reasoning),
 one worked example (another entry's question, answered `<answer>...</answer>`, from a third seed)
@@ -19,10 +22,12 @@ from grpokit.errors import ConfigError
 from grpokit.tasks import Example
 
 PREFIX = "reasoning_gym:"
-# Train entries are indices 0 .. TRAIN_SIZE - 1 of the train dataset, in order, then again.
-TRAIN_SIZE = 10**9
+BLOCK = 1000
+# Seeds from the run's seed s: s for the train prompts, s + EVAL_OFFSET for the held-out ones, and
+# two more streams for their worked examples.
 EVAL_OFFSET = 10**9
-SHOTS_OFFSET = 2 * 10**9  # the worked examples' dataset; the held-out prompts' come from its second half
+SHOTS_OFFSET = 2 * 10**9
+EVAL_SHOTS_OFFSET = 3 * 10**9
 
 
 def _library():
@@ -61,30 +66,45 @@ def create(name: str, seed: int, size: int, arguments: dict):
         raise ConfigError(f"data.task_args={arguments!r} for reasoning-gym's {name!r}: {type(e).__name__}: {e}") from None
 
 
+class _Stream:
+    """Entries 0, 1, ... of reasoning-gym's dataset `name` from `seed` on, a block at a time."""
+
+    def __init__(self, name: str, seed: int, arguments: dict):
+        self.name, self.seed, self.arguments = name, seed, arguments
+        self.block, self.dataset = 0, create(name, seed, BLOCK, arguments)
+
+    def __getitem__(self, index: int) -> dict:
+        block = index // BLOCK
+        if block != self.block:
+            self.block, self.dataset = block, create(self.name, self.seed + block * BLOCK, BLOCK, self.arguments)
+        return self.dataset[index % BLOCK]
+
+
 class ReasoningGymTask:
     reward_functions = (("reasoning_gym", 1.0),)
 
     def __init__(self, name: str, arguments: dict, seed: int = 0, eval_size: int = 100):
+        self.name, self.arguments = name, arguments
+        self.train = _Stream(name, seed, arguments)  # first: names a missing library or a bad name or argument
         from reasoning_gym.utils import SYSTEM_PROMPTS
 
-        self.name = name
         self.system_prompt = SYSTEM_PROMPTS["direct"]
-        self.train = create(name, seed, TRAIN_SIZE, arguments)
-        self.shots = create(name, seed + SHOTS_OFFSET, 2 * TRAIN_SIZE, arguments)
-        held_out = create(name, seed + EVAL_OFFSET, max(eval_size, 1), arguments)
-        self.eval_examples = [self._example(held_out[i], self.shots[TRAIN_SIZE + i]) for i in range(eval_size)]
+        self.shots = _Stream(name, seed + SHOTS_OFFSET, arguments)
+        held_out, held_out_shots = _Stream(name, seed + EVAL_OFFSET, arguments), _Stream(name, seed + EVAL_SHOTS_OFFSET, arguments)
+        self.eval_examples = [self._example(held_out[i], held_out_shots[i]) for i in range(eval_size)]
 
     def _example(self, entry: dict, shot: dict) -> Example:
         prompt = [{"role": "system", "content": self.system_prompt},
                   {"role": "user", "content": shot["question"]},
                   {"role": "assistant", "content": f"<answer>{shot['answer']}</answer>"},
                   {"role": "user", "content": entry["question"]}]
-        # `entry` is what score_answer reads; `answer` is there for exact_answer and the report.
-        return Example(prompt=prompt, columns={"answer": entry["answer"], "entry": entry})
+        # `entry` is what score_answer reads, `task_args` the generator's arguments (some datasets'
+        # score_answer reads them); `answer` is there for exact_answer and the report.
+        return Example(prompt=prompt, columns={"answer": entry["answer"], "entry": entry, "task_args": self.arguments})
 
     def train_example(self, index: int) -> Example:
         """Example `index` of the train stream (a pure function of seed and index)."""
-        return self._example(self.train[index % TRAIN_SIZE], self.shots[index % TRAIN_SIZE])
+        return self._example(self.train[index], self.shots[index])
 
     def train_stream(self, start: int = 0) -> Iterator[Example]:
         index = start

@@ -130,7 +130,8 @@ FIELDS: dict[str, Field] = {
     "vllm_importance_sampling_correction": Field("rollout.is_correction", True),
     "vllm_importance_sampling_mode": Field("rollout.is_level", "sequence_mask", "token_/sequence_ -> rollout.is_level, "
                                            "_truncate/_mask -> rollout.is_mode"),
-    "vllm_importance_sampling_clip_max": Field("rollout.is_cap", 3.0),
+    "vllm_importance_sampling_clip_max": Field("rollout.is_cap", 3.0, "None (no upper bound) is an error: grpokit's "
+                                               "weight always has one"),
     "vllm_importance_sampling_clip_min": Field("rollout.is_min", None),
     "vllm_importance_sampling_cap": Field("rollout.is_cap", None, "TRL's older name for vllm_importance_sampling_clip_max"),
     "off_policy_mask_threshold": Field(None, None, "grpokit has no off-policy sequence mask (rollout.is_mode=mask bounds "
@@ -140,7 +141,7 @@ FIELDS: dict[str, Field] = {
     "num_iterations": Field("algorithm.num_iterations", 1),
     "epsilon": Field("algorithm.epsilon", 0.2),
     "epsilon_high": Field("algorithm.epsilon_high", None, "with loss_type=cispo, TRL's is the cap itself and grpokit's "
-                          "the cap minus 1"),
+                          "the cap minus 1 (and TRL's cap without it, epsilon, is an error)"),
     "delta": Field("algorithm.delta", None),
     "sapo_temperature_pos": Field("algorithm.sapo_temperature_pos", 1.0),
     "sapo_temperature_neg": Field("algorithm.sapo_temperature_neg", 1.05),
@@ -153,25 +154,31 @@ FIELDS: dict[str, Field] = {
                             "reward_functions=[{'name': f, 'weight': w}, ...]", math=True),
     "multi_objective_aggregation": Field("algorithm.reward_aggregation", "sum_then_normalize"),
     "scale_rewards": Field("algorithm.scale_rewards", "group", convert=_scale),
-    "loss_type": Field("algorithm.loss_type", "dapo", "bnpo is carried as dapo (see the notes)", convert=_loss),
+    "loss_type": Field("algorithm.loss_type", "dapo", "bnpo is carried as dapo, with a note; so is dapo or cispo with "
+                       "several updates per generation batch (each update's own tokens normalize it)", convert=_loss),
     "mask_truncated_completions": Field("algorithm.mask_truncated_completions", False),
     "sync_ref_model": Field("algorithm.sync_ref_model", False),
     "ref_model_mixup_alpha": Field("algorithm.ref_model_mixup_alpha", 0.6),
     "ref_model_sync_steps": Field("algorithm.ref_model_sync_steps", 512),
-    "top_entropy_quantile": Field("algorithm.top_entropy_quantile", 1.0),
+    "top_entropy_quantile": Field("algorithm.top_entropy_quantile", 1.0, "below 1, listed: grpokit picks the tokens "
+                                  "once per update from the sampler's entropies, TRL per micro-batch from the "
+                                  "policy's"),
     "entropy_coef": Field(None, 0.0, "grpokit adds no entropy bonus to the loss", math=True),
     "use_adaptive_entropy": Field(None, False, "grpokit adds no entropy bonus to the loss", math=True),
     "entropy_coef_min": Field(None, 0.0, "read only with use_adaptive_entropy"),
     "entropy_coef_max": Field(None, 1.0, "read only with use_adaptive_entropy"),
     "entropy_coef_delta": Field(None, 0.005, "read only with use_adaptive_entropy"),
     "entropy_target": Field(None, 0.2, "read only with use_adaptive_entropy"),
-    "use_bias_correction_kl": Field(None, True, "grpokit weights the KL term by the rollout importance weight, as "
-                                    "every term: TRL's True is its behaviour, and False cannot be had", math=True),
+    "use_bias_correction_kl": Field(None, True, "TRL's True multiplies the KL term by the policy ratio (with its "
+                                    "gradient); grpokit's KL term is not: with beta > 0, True is an error and False "
+                                    "is carried"),
     # -------- the optimizer and the schedule
     "learning_rate": Field("train.learning_rate", 1e-6),
-    "lr_scheduler_type": Field("train.lr_scheduler", "linear", convert=_scheduler),
+    "lr_scheduler_type": Field("train.lr_scheduler", "linear", "transformers' constant ignores warmup_steps: carried "
+                               "with train.warmup_steps=0", convert=_scheduler),
     "lr_scheduler_kwargs": Field(None, None, "grpokit's schedules take no arguments", math=True),
-    "warmup_steps": Field("train.warmup_steps", 0, "a value below 1 is a share of the updates, as in transformers"),
+    "warmup_steps": Field("train.warmup_steps", 0, "a value below 1 is a share of the updates, as in transformers; "
+                          "listed when set: grpokit's warm-up starts at 1/W of the learning rate, transformers' at 0"),
     "weight_decay": Field("train.weight_decay", 0.0),
     "max_grad_norm": Field("train.max_grad_norm", 1.0),
     "adam_beta1": Field(None, 0.9, "grpokit's AdamW uses torch's betas (0.9, 0.999)", math=True),
@@ -200,7 +207,8 @@ FIELDS: dict[str, Field] = {
     # -------- saving, evaluating, resuming
     "output_dir": Field("train.output_dir", None),
     "save_strategy": Field("train.save_every", "steps", "no: train.save_every=0; epoch is not carried"),
-    "save_steps": Field("train.save_every", 500, "divided by updates_per_step x num_iterations"),
+    "save_steps": Field("train.save_every", 500, "divided by updates_per_step x num_iterations; below 1, a share of "
+                        "max_steps, as in transformers"),
     "save_total_limit": Field("train.keep_checkpoints", None),
     "save_only_model": Field(None, False, "a grpokit checkpoint always holds the optimizer, RNGs and data position "
                              "(exact resume)"),
@@ -209,9 +217,10 @@ FIELDS: dict[str, Field] = {
     "restore_callback_states_from_checkpoint": Field(None, False, TA),
     "ignore_data_skip": Field(None, False, "the data position is in the checkpoint; resuming never replays data"),
     "enable_jit_checkpoint": Field(None, False, "grpokit saves on SIGTERM / Ctrl-C, always"),
-    "eval_strategy": Field("train.eval_every", "no", "no: train.eval_every=0 (grpokit still evaluates before and after "
-                           "training when data.eval_size > 0)"),
-    "eval_steps": Field("train.eval_every", None, "divided by updates_per_step x num_iterations"),
+    "eval_strategy": Field("train.eval_every", "no", "no: train.eval_every=0 and data.eval_size=0 (no evaluation, and "
+                           "no prompts held out of the training data)"),
+    "eval_steps": Field("train.eval_every", None, "divided by updates_per_step x num_iterations; below 1, a share of "
+                        "max_steps, as in transformers"),
     "eval_delay": Field(None, 0, EVAL),
     "eval_on_start": Field(None, False, "grpokit evaluates before training, always (data.eval_size=0 turns evaluation off)"),
     "per_device_eval_batch_size": Field(None, 8, EVAL),
@@ -298,6 +307,12 @@ FIELDS: dict[str, Field] = {
     "dataloader_multiprocessing_context": Field(None, None, DATALOADER),
 }
 
+# Fields with a grpokit key that from_trl carries with the fields they depend on, not one to one.
+CARRIED_BELOW = {"use_vllm", "vllm_mode", "vllm_server_base_url", "vllm_server_host", "vllm_server_port",
+                 "vllm_importance_sampling_mode", "vllm_importance_sampling_cap", "vllm_importance_sampling_clip_max",
+                 "max_tool_calling_iterations", "max_steps", "save_strategy", "save_steps", "eval_strategy",
+                 "eval_steps", "warmup_steps", "epsilon_high", "log_completions", "output_dir", "activation_checkpointing"}
+
 # Fields TRL's __post_init__ fills in whatever the user gave: their value says nothing about a choice.
 FILLED_IN = {"activation_checkpointing", "disable_tqdm", "report_to", "use_cpu", "accelerator_config",
              "dataloader_pin_memory", "debug", "pad_to_multiple_of", "generation_batch_size", "steps_per_generation"}
@@ -332,6 +347,8 @@ def _given(trl_config) -> dict[str, Any]:
         declared = (f.default if f.default is not dataclasses.MISSING
                     else f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
         value = _plain(getattr(trl_config, f.name))
+        if f.name == "output_dir" and value == "trainer_output":
+            continue  # transformers' stand-in for "not given"; a run folder of grpokit's own is named after the run
         if f.name not in FIELDS:
             raise ConfigError(f"from_trl: GRPOConfig field {f.name!r} is newer than the TRL (1.16) grpokit knows: "
                               "convert it by hand")
@@ -345,6 +362,11 @@ def from_trl(trl_config, num_processes: int = 1) -> tuple[dict, list[NotCarried]
     GRPOConfig (or a dict of its fields) run on `num_processes` processes. FromTRLError when a
     setting that changes what is trained cannot be carried."""
     given = _given(trl_config)
+    world = getattr(trl_config, "world_size", num_processes)
+    if world != num_processes:
+        raise ConfigError(f"from_trl(num_processes={num_processes}) of a GRPOConfig built in a run of {world} "
+                          f"process(es): TRL sized its generation batch for {world} (generation_batch_size="
+                          f"{given.get('generation_batch_size')}); pass the fields you set as a dict instead")
     value = {name: given.get(name, field.default) for name, field in FIELDS.items()}
     out: dict[str, dict] = {}
     notes: list[NotCarried] = []
@@ -359,22 +381,27 @@ def from_trl(trl_config, num_processes: int = 1) -> tuple[dict, list[NotCarried]
         errors.append(f"optim={value['optim']!r}: {FIELDS['optim'].why}")
     if value["loss_type"] == "vespo" or value["loss_type"] == "luspo":
         errors.append(f"loss_type={value['loss_type']!r}: grpokit has grpo, dapo, dr_grpo, cispo and sapo")
+    if value["beta"] and value["use_bias_correction_kl"]:
+        errors.append(f"use_bias_correction_kl=True (TRL's default) with beta={value['beta']}: TRL multiplies the KL "
+                      "term by the policy ratio, grpokit does not; use_bias_correction_kl=False is grpokit's KL term")
+    if value["loss_type"] == "cispo" and (value["epsilon_high"] is None or value["epsilon_high"] <= 1):
+        errors.append(f"loss_type='cispo' with epsilon_high={value['epsilon_high']!r}: TRL caps CISPO's weight at "
+                      f"epsilon_high (at epsilon={value['epsilon']} without it), grpokit at 1 + algorithm.epsilon_high "
+                      "with epsilon_high > 0: set epsilon_high above 1 (the CISPO paper's cap is 5)")
+    clip_max = value["vllm_importance_sampling_cap"] or value["vllm_importance_sampling_clip_max"]
+    if value["use_vllm"] and value["vllm_importance_sampling_correction"] and clip_max is None:
+        errors.append("vllm_importance_sampling_clip_max=None: an importance weight without an upper bound; grpokit's "
+                      "rollout.is_cap always bounds it: give a number")
     if errors:
         raise FromTRLError("these TRL settings change what is trained and grpokit cannot carry them over:\n"
                            + "\n".join(f"  - {e}" for e in errors))
 
     # Straight and converted fields.
     for name, field in FIELDS.items():
-        if field.key is None or field.key in ("batch", "monitor") or "." not in field.key:
-            continue
-        if name in ("use_vllm", "vllm_mode", "vllm_server_base_url", "vllm_server_host", "vllm_server_port",
-                    "vllm_importance_sampling_mode", "vllm_importance_sampling_cap", "max_tool_calling_iterations",
-                    "max_steps", "save_strategy", "save_steps", "eval_strategy", "eval_steps", "warmup_steps",
-                    "epsilon_high", "log_completions", "output_dir", "activation_checkpointing"):
-            continue  # below, with the fields they depend on
-        v = value[name]
-        put(field.key, field.convert(v) if field.convert else v)
-    put("rollout.is_cap", value["vllm_importance_sampling_cap"] or value["vllm_importance_sampling_clip_max"])
+        if field.key is not None and "." in field.key and name not in CARRIED_BELOW:
+            put(field.key, field.convert(value[name]) if field.convert else value[name])
+    if clip_max is not None:  # None without vLLM: TRL reads none of these, and grpokit's default stands
+        put("rollout.is_cap", clip_max)
     level, _, mode = value["vllm_importance_sampling_mode"].partition("_")
     put("rollout.is_level", level)
     put("rollout.is_mode", mode)
@@ -408,9 +435,20 @@ def from_trl(trl_config, num_processes: int = 1) -> tuple[dict, list[NotCarried]
     put("train.prompts_per_step", generation // G)
     put("train.updates_per_step", generation // update)
     put("train.micro_batch_size", per_device)
+    if generation > update and value["loss_type"] in ("dapo", "cispo"):
+        notes.append(NotCarried("loss_type", value["loss_type"], f"each of the {generation // update} updates per "
+                                "generation batch is normalized by its own tokens; TRL's by the generation batch's "
+                                "tokens divided by the number of updates"))
+    if value["top_entropy_quantile"] < 1:
+        notes.append(NotCarried("top_entropy_quantile", value["top_entropy_quantile"], FIELDS["top_entropy_quantile"].why))
     per_step = generation // update * value["num_iterations"]  # TRL's optimizer steps per grpokit step
 
-    def steps(name: str, v) -> int:
+    def steps(name: str, v) -> int | None:
+        if 0 < v < 1:  # transformers: a share of max_steps (its optimizer steps)
+            if value["max_steps"] is None or value["max_steps"] <= 0:
+                notes.append(NotCarried(name, v, "a share of max_steps needs max_steps: set it in grpokit steps"))
+                return None
+            v = math.ceil(v * value["max_steps"])
         n = math.ceil(v / per_step)
         if n * per_step != v:
             notes.append(NotCarried(name, v, f"rounded up to {n} grpokit steps of {per_step} optimizer updates each"))
@@ -431,18 +469,25 @@ def from_trl(trl_config, num_processes: int = 1) -> tuple[dict, list[NotCarried]
             put("train.warmup_steps", math.ceil(warmup * total_updates))
     else:
         put("train.warmup_steps", int(warmup))
+    if str(value["lr_scheduler_type"]) == "constant" and warmup:  # not constant_with_warmup
+        put("train.warmup_steps", 0)
+        notes.append(NotCarried("warmup_steps", warmup, FIELDS["lr_scheduler_type"].why))
+    elif warmup:
+        notes.append(NotCarried("warmup_steps", warmup, "carried, but grpokit's warm-up gives update u (from 0) the "
+                                "learning rate x (u + 1) / W, transformers' x u / W: its first update is not wasted"))
     save = str(value["save_strategy"])
     if save == "no":
         put("train.save_every", 0)
-    elif save == "steps":
-        put("train.save_every", steps("save_steps", value["save_steps"]))
+    elif save == "steps" and (every := steps("save_steps", value["save_steps"])) is not None:
+        put("train.save_every", every)
     else:
         notes.append(NotCarried("save_strategy", save, "grpokit saves every train.save_every steps"))
     evaluation = str(value["eval_strategy"])
     if evaluation == "no":
         put("train.eval_every", 0)
-    elif evaluation == "steps":
-        put("train.eval_every", steps("eval_steps", value["eval_steps"] or value["logging_steps"]))
+        put("data.eval_size", 0)
+    elif evaluation == "steps" and (every := steps("eval_steps", value["eval_steps"] or value["logging_steps"])) is not None:
+        put("train.eval_every", every)
     else:
         notes.append(NotCarried("eval_strategy", evaluation, "grpokit evaluates every train.eval_every steps"))
 
@@ -466,16 +511,19 @@ def from_trl(trl_config, num_processes: int = 1) -> tuple[dict, list[NotCarried]
             put(f"monitor.{tracker}", True)
             if tracker != "tensorboard" and value["project"] != FIELDS["project"].default:
                 put(f"monitor.{tracker}_project", value["project"])
-        elif tracker not in ("none", "all"):
+        elif tracker == "all":  # transformers: every tracker installed
+            notes.append(NotCarried("report_to", tracker, "grpokit turns on only the trackers named: monitor.trackio, "
+                                    "monitor.wandb, monitor.tensorboard"))
+        elif tracker != "none":
             notes.append(NotCarried("report_to", tracker, "grpokit logs to trackio, wandb and tensorboard"))
 
     # Everything else that was set and is not carried.
-    handled = {n for n, f in FIELDS.items() if f.key is not None} | FILLED_IN | {"model_init_kwargs", "num_train_epochs",
-                                                                                 "optim", "bf16"}
+    handled = {n for n, f in FIELDS.items() if f.key is not None} | FILLED_IN | {
+        "model_init_kwargs", "num_train_epochs", "optim", "bf16", "use_bias_correction_kl"}
     for name, v in given.items():
         if name not in handled and v != FIELDS[name].default:
             notes.append(NotCarried(name, v, FIELDS[name].why))
-    if value["bf16"]:  # TRL's default on a GPU (GRPOConfig fills it in); False is float32, as grpokit's default
+    if value["bf16"] is not False and not value["fp16"]:  # TRL turns None into True: bf16 unless told otherwise
         notes.append(NotCarried("bf16", True, FIELDS["bf16"].why))
     extra = {k: v for k, v in (value["model_init_kwargs"] or {}).items() if k not in ("dtype", "torch_dtype")}
     if extra:
