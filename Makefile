@@ -20,10 +20,11 @@ $(VENV)/.installed: pyproject.toml
 train: install
 	$(BIN)/grpokit train $(ARGS)
 
-# Two pytest workers (pytest-xdist), one thread each (tests/conftest.py): the suite's processes,
-# servers and file I/O leave a core idle when one worker waits.
+# Two pytest workers (pytest-xdist; an idle one takes tests from the other), one thread each
+# (tests/conftest.py): the suite's processes, servers and file I/O leave a core idle when one
+# worker waits.
 test: install chromium
-	$(BIN)/python -m pytest -q -n 2 $(ARGS)
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal $(ARGS)
 
 # Headless Chromium opens `grpokit report`'s page in tests/test_report.py. Installed where this user
 # can (root with apt-get, as in CI; a failed install there fails the target); elsewhere that one
