@@ -245,16 +245,19 @@ def _own_name(obj) -> str:
 # ---------------------------------------------------------------- datasets
 
 
+# Each dataset argument: its file in <run>/data/ and the setting that names the data.
+_DATASETS = {"dataset": ("train.jsonl", "path"), "eval_dataset": ("eval.jsonl", "eval_path")}
+
+
 def _take_datasets(config: Config, dataset, eval_dataset) -> Path | None:
     """data.path / data.eval_path for datasets given as objects: written to the run folder as JSONL.
     Returns the run folder when this call created it."""
-    given = {"train": dataset, "eval": eval_dataset}
-    rows = {split: _rows(d, "dataset" if split == "train" else "eval_dataset", config.data.prompt_column)
-            for split, d in given.items() if d is not None}
-    for split, d in given.items():
+    given = {"dataset": dataset, "eval_dataset": eval_dataset}
+    rows = {what: _rows(d, what, config.data.prompt_column) for what, d in given.items() if d is not None}
+    for what, d in given.items():
         if isinstance(d, (str, Path)):
-            setattr(config.data, "path" if split == "train" else "eval_path", str(d))
-    in_memory = {split: r for split, r in rows.items() if r is not None}
+            setattr(config.data, _DATASETS[what][1], str(d))
+    in_memory = {what: r for what, r in rows.items() if r is not None}
     if not in_memory:
         return None
     if config.train.output_dir is None:
@@ -266,9 +269,10 @@ def _take_datasets(config: Config, dataset, eval_dataset) -> Path | None:
         config.train.output_dir = default_output_dir(config, "dataset")
     run_dir = Path(config.train.output_dir)
     created = None if run_dir.exists() else run_dir
-    texts = {split: "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in r) for split, r in in_memory.items()}
-    for split, text in texts.items():  # every check before anything is written
-        path, what = run_dir / "data" / f"{split}.jsonl", "dataset" if split == "train" else "eval_dataset"
+    folder = run_dir / "data"
+    texts = {what: "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in r) for what, r in in_memory.items()}
+    for what, text in texts.items():  # every check before anything is written
+        path = folder / _DATASETS[what][0]
         if not path.is_file() or path.read_text() == text:
             continue
         if (run_dir / "checkpoints").is_dir():
@@ -277,14 +281,13 @@ def _take_datasets(config: Config, dataset, eval_dataset) -> Path | None:
         if not (run_dir / "config.yaml").is_file():  # not a run's folder: the file is someone's own
             raise ConfigError(f"{what} would be written to {path}, which holds another file and is not a grpokit run's: "
                               "choose another train.output_dir")
-    folder = run_dir / "data"
     folder.mkdir(parents=True, exist_ok=True)
-    for split, text in texts.items():
-        path = folder / f"{split}.jsonl"
+    for what, text in texts.items():
+        path = folder / _DATASETS[what][0]
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(text)
         os.replace(tmp, path)
-        setattr(config.data, "path" if split == "train" else "eval_path", str(path))
+        setattr(config.data, _DATASETS[what][1], str(path))
     return created
 
 
