@@ -355,3 +355,78 @@ def test_a_multi_turn_server_run_equals_the_in_process_run(server, tmp_path):
     assert metrics(tmp_path / "served") == local
     a, b = final_weights(tmp_path / "local"), final_weights(tmp_path / "served")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def completions_log(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+
+
+def assert_same_but_entropy(a: list[dict], b: list[dict]) -> None:
+    """Equal rows, bit for bit, but for `entropy`: the engine measures it from its own logits, whose
+    last bits depend on how many completions share a batch (the CPU's matrix kernels), so a step
+    split over two servers measures it to float rounding only."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert {k: v for k, v in x.items() if k != "entropy"} == {k: v for k, v in y.items() if k != "entropy"}
+        assert ("entropy" in x) == ("entropy" in y) and x.get("entropy", 0) == pytest.approx(y.get("entropy", 0), rel=1e-6)
+
+
+def test_two_servers_give_the_run_of_one(server, tmp_path):
+    """Each step's prompt groups split over two servers, the weights pushed to both: every completion
+    samples from its own seed, so the run is the one-server run: the same completions, the same
+    weights bit for bit."""
+    first, second = server(), server()
+    run = [*RUN, "train.prompts_per_step=3", "train.max_steps=3", "rollout.engine=server", "monitor.log_completions=1"]
+    assert main(["train", *run, f"rollout.server_url={first.url}", f"train.output_dir={tmp_path / 'one'}"]) == 0
+    assert main(["train", *run, f"rollout.server_url=[{first.url},{second.url}]", f"train.output_dir={tmp_path / 'two'}"]) == 0
+    assert completions_log(tmp_path / "two") == completions_log(tmp_path / "one")
+    assert_same_but_entropy(metrics(tmp_path / "two"), metrics(tmp_path / "one"))
+    one, two = final_weights(tmp_path / "one"), final_weights(tmp_path / "two")
+    assert all(torch.equal(one[k], two[k]) for k in one)
+    # Both generated, each with every push verified: before the step-0 evaluation, then after each update.
+    assert get(first.url)["weights_version"] == get(second.url)["weights_version"] == 4
+
+
+def test_a_server_killed_mid_run_leaves_its_share_to_the_other(server, tmp_path):
+    first, second = server(), server()
+    run = [*RUN, "train.prompts_per_step=3", "train.max_steps=8", "data.eval_size=0", "rollout.engine=server",
+           "monitor.log_completions=1"]
+    out = tmp_path / "two"
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "grpokit", "train", *run, f"rollout.server_url=[{first.url},{second.url}]",
+         "rollout.server_timeout=3", f"train.output_dir={out}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": THREADS})
+    log, deadline = out / "metrics.jsonl", time.monotonic() + 120
+    while not (log.exists() and len(log.read_text().splitlines()) >= 2):
+        assert time.monotonic() < deadline and trainer.poll() is None, trainer.communicate()
+        time.sleep(0.05)
+    second.kill()
+    _, err = trainer.communicate(timeout=180)
+    assert trainer.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert f"the rollout server at {second.url} cannot be reached" in err
+    assert f"leaving the rollout server at {second.url} out for the rest of the run: its share moves to the other 1" in err
+    # The other server generated the rest: the same completions and weights as a one-server run.
+    assert main(["train", *run, f"rollout.server_url={first.url}", f"train.output_dir={tmp_path / 'one'}"]) == 0
+    assert completions_log(out) == completions_log(tmp_path / "one")
+    assert_same_but_entropy(metrics(out), metrics(tmp_path / "one"))
+    one, two = final_weights(tmp_path / "one"), final_weights(out)
+    assert all(torch.equal(one[k], two[k]) for k in one)
+
+
+def test_a_server_of_the_list_that_is_down_at_start_is_named(server, tmp_path, capsys):
+    first = server()
+    down = f"http://127.0.0.1:{free_port()}"
+    code = main(["train", *RUN, "train.max_steps=1", "rollout.engine=server", f"rollout.server_url=[{first.url},{down}]",
+                 "rollout.server_timeout=1", f"train.output_dir={tmp_path / 'run'}"])
+    assert code == 2 and f"the rollout server at {down} cannot be reached" in capsys.readouterr().err  # checked at start
+
+
+def test_prompt_groups_are_split_by_expected_tokens():
+    from grpokit.rollout.client import split_groups
+
+    assert split_groups([10, 10, 10, 10], 2) == [[0, 2], [1, 3]]
+    assert split_groups([40, 10, 10, 10, 10], 2) == [[0], [1, 2, 3, 4]]  # the costly group alone
+    assert split_groups([5, 7], 3) == [[1], [0], []]
+    shares = split_groups(list(range(1, 30)), 4)
+    loads = [sum(i + 1 for i in s) for s in shares]
+    assert sorted(i for s in shares for i in s) == list(range(29)) and max(loads) - min(loads) <= 29

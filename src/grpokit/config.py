@@ -113,9 +113,17 @@ class RolloutConfig:
     temperature: float = _f(1.0, "sampling temperature (> 0); log-probs are computed at the same temperature")
     top_p: float = _f(1.0, "nucleus sampling: keep the smallest set of tokens with this much probability")
     top_k: int = _f(0, "keep only the k most likely tokens; 0 turns the filter off")
-    server_url: str | None = _f(None, "the rollout server of rollout.engine=server, e.g. http://127.0.0.1:8000")
+    server_url: list[str] | None = _f(
+        None, "the rollout server(s) of rollout.engine=server, e.g. http://127.0.0.1:8000, or a list: each step's "
+        "prompt groups are split among them, weights pushed to each; one that fails for good is left out"
+    )
     server_timeout: float = _f(
         300.0, "seconds to wait for the rollout server: for one answer, and in all while retrying one it cannot reach"
+    )
+    max_staleness: int = _f(
+        0, "0: each step samples with the newest weights (synchronous). k >= 1: step n's completions are generated, "
+        "by the rollout server(s), while the steps before it train, with the weights after step max(0, n-1-k): at "
+        "most k updates stale; old log-probs are then the trainer's and rollout.is_correction covers the lag"
     )
     min_p: float = _f(0.0, "min-p sampling: drop tokens less likely than min_p times the most likely one; 0 turns it off")
     is_correction: bool = _f(
@@ -306,8 +314,9 @@ class Config:
 
     @property
     def needs_old_logps(self) -> bool:
-        """Samples are off-policy from the second update on: keep the sampling policy's log-probs."""
-        return self.algorithm.num_iterations > 1 or self.train.updates_per_step > 1
+        """Samples are off-policy from the second update on (from the first, when generated ahead):
+        keep the log-probs of the policy before the step's first update."""
+        return self.algorithm.num_iterations > 1 or self.train.updates_per_step > 1 or self.rollout.max_staleness > 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -404,14 +413,24 @@ def _check_ranges(c: Config) -> list[str]:
     need(a.kl_estimator is None or a.beta > 0,
          f"algorithm.kl_estimator={a.kl_estimator} is set but algorithm.beta=0 turns the KL term off (and "
          "no reference model is loaded): set algorithm.beta > 0 (e.g. 0.001) or remove algorithm.kl_estimator")
-    need(r.engine != "server" or r.server_url is not None,
+    need(r.engine != "server" or bool(r.server_url),
          "rollout.engine=server needs rollout.server_url (start a server with: grpokit serve --model <model.name>)")
     need(r.server_url is None or r.engine == "server",
          f"rollout.server_url is set but rollout.engine={r.engine} does not use it: set rollout.engine=server or "
          "remove rollout.server_url")
-    url = urlparse(r.server_url or "")
-    need(r.server_url is None or (url.scheme in ("http", "https") and bool(url.hostname)),
-         f"rollout.server_url={r.server_url}: must be a URL with its scheme and host, e.g. http://127.0.0.1:8000")
+    for address in r.server_url or ():
+        url = urlparse(address)
+        need(url.scheme in ("http", "https") and bool(url.hostname),
+             f"rollout.server_url={address}: must be a URL with its scheme and host, e.g. http://127.0.0.1:8000")
+    need(len({u.rstrip("/") for u in r.server_url or ()}) == len(r.server_url or ()),
+         f"rollout.server_url={r.server_url} names a server twice: one trainer, one weight group per server")
+    need(r.max_staleness >= 0, f"rollout.max_staleness={r.max_staleness}: must be >= 0 (0: synchronous steps)")
+    if r.max_staleness > 0:
+        need(r.engine == "server", f"rollout.max_staleness={r.max_staleness} generates the next steps while this one "
+             f"trains, in another process: it needs rollout.engine=server (rollout.engine={r.engine} generates in the "
+             "trainer's own process); start one with: grpokit serve --model <model.name>")
+        need(not r.dynamic_sampling, f"rollout.max_staleness={r.max_staleness} with rollout.dynamic_sampling is not "
+             "supported: which prompts a step draws depends on the rewards of the step before; turn one of them off")
     need(r.server_timeout > 0, f"rollout.server_timeout={r.server_timeout}: must be > 0")
     need(r.is_cap >= 1, f"rollout.is_cap={r.is_cap}: must be >= 1 (a cap below 1 shrinks every weight)")
     need(r.is_min is None or 0 < r.is_min <= 1, f"rollout.is_min={r.is_min}: must be in (0, 1], or null")

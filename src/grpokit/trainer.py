@@ -74,6 +74,8 @@ from grpokit.rewards import RewardError, RewardSet
 from grpokit.rollout import (RolloutBatch, SamplingParams, decode_completions, encode_prompt, engine_class,
                              make_engine)
 from grpokit.rollout.conversation import MultiTurn
+from grpokit.rollout.pipeline import Pipeline, Queued
+from grpokit.rollout.weights import named_weights
 from grpokit.rollout.tools import Tools
 from grpokit.rundir import check_disk_space, open_run_dir, release_run_dir, start_run_dir
 from grpokit.schedule import lr_multiplier
@@ -84,6 +86,8 @@ from grpokit.tasks import Example, make_task
 UNSCORED_STEPS = 3
 # A checkpoint's reference model weights, with algorithm.sync_ref_model (it drifts towards the policy).
 REFERENCE_FILE = "reference.pt"
+# A checkpoint's completions of the steps generated ahead of it, with rollout.max_staleness > 0.
+AHEAD_FILE = "rollouts_ahead.pt"
 
 
 class NonFiniteError(RuntimeError):
@@ -152,6 +156,12 @@ class Trainer:
         if self.tools is not None and self.parallel.lockstep:
             raise ConfigError("multi-turn rollouts (rollout.tools, rollout.environment) with sharded weights (FSDP2, "
                               "ZeRO-3) are not supported: the processes would take different numbers of turns")
+        if self.tools is not None and config.rollout.max_staleness:
+            raise ConfigError(f"rollout.max_staleness={config.rollout.max_staleness} with multi-turn rollouts (tools, "
+                              "an environment) is not supported yet: use rollout.max_staleness=0")
+        if config.rollout.max_staleness and self.parallel.lockstep:
+            raise ConfigError(f"rollout.max_staleness={config.rollout.max_staleness} with sharded weights (FSDP2, ZeRO-3) "
+                              "is not supported yet: use data parallelism, or rollout.max_staleness=0")
         if self.tools is not None and self.tools.environment is not None and distributed.world_size() > 1:
             if self.remote:
                 raise ConfigError("rollout.environment with rollout.engine=server on several processes is not supported: "
@@ -185,6 +195,9 @@ class Trainer:
             # weights, or when the model uses the ids for more than the embedding lookup (logprobs.py).
             self.whole_model = self.parallel.lockstep or not check_inputs_embeds(self.policy)
             self.engine, self.is_correction = self._connect_engine()
+            # rollout.max_staleness > 0: the next steps are generated while this one trains (pipeline.py).
+            self.ahead = Pipeline(self.engine, config.rollout.max_staleness, self.generate_ahead) \
+                if config.rollout.max_staleness else None
             self.multi_turn = None if self.tools is None else MultiTurn(
                 self.tokenizer, self.tools, config.rollout.max_turns, eos_token_ids(self.policy, self.tokenizer),
                 config.data.max_prompt_length)
@@ -281,7 +294,8 @@ class Trainer:
 
         # A server that cannot be used stops every process (on_main hands process 0's error to all).
         exact = distributed.on_main(connect) if self.remote else connect()
-        return engine, c.rollout.is_correction and not exact
+        # Completions generated ahead come from older weights than the trainer's: corrected, whatever the kernels.
+        return engine, c.rollout.is_correction and (not exact or c.rollout.max_staleness > 0)
 
     def _make_optimizer(self):
         """AdamW (fused: one kernel over all weights, where the strategy allows it) and its
@@ -329,10 +343,16 @@ class Trainer:
         try:
             with signals.StopSignals(distributed.is_main()):
                 for step in range(self.progress.step + 1, t.max_steps + 1):
-                    examples = [next(self.stream) for _ in range(t.prompts_per_step)]  # the same on every process
+                    if self.ahead is None:
+                        examples = [next(self.stream) for _ in range(t.prompts_per_step)]  # the same on every process
                     if distributed.world_size() == 1:  # (capturing is a collective: never after a failure)
                         in_step = self.capture(), updates_begun[0]
-                    row = self.train_step(step, examples)
+                    queued = None
+                    if self.ahead is not None:  # queue up to step + k, then take this step's
+                        self.ahead.fill(step, t.max_steps, self.progress.step, self.draw_ahead, self.weights_snapshot)
+                        queued = self.ahead.take(step)
+                        examples = queued.examples
+                    row = self.train_step(step, examples, queued)
                     in_step = None
                     self.monitor.step(row)
                     if self.progress.skipped_in_a_row > t.max_skipped_steps:
@@ -369,18 +389,26 @@ class Trainer:
             raise
         finally:
             hook.remove()
+            if self.ahead is not None:
+                self.ahead.close()
             self.monitor.close()
             release_run_dir(self.run_dir)
             if self.engine is not None:
                 self.engine.close()
         return TrainResult(self.run_dir, [h for h in history if h], self.config.model.dtype)
 
-    def train_step(self, step: int, examples: list[Example]) -> dict:
-        """Step `step` on the prompts `examples` (the same on every process): its metrics row."""
+    def train_step(self, step: int, examples: list[Example], queued: Queued | None = None) -> dict:
+        """Step `step` on the prompts `examples` (the same on every process): its metrics row.
+        `queued`: the step as generated ahead (rollout.max_staleness > 0)."""
         a = self.config.algorithm
         start = time.perf_counter()
         if self.config.rollout.dynamic_sampling:
             examples, batch, scored, sampling = self.sample_informative(step, examples)
+        elif queued is not None:  # (waiting for it, when it is not generated yet)
+            batch = distributed.on_main(queued.result)
+            batch = batch if distributed.world_size() == 1 else batch.select(self.rows)
+            scored = self.score(examples, batch)
+            sampling = {"staleness": step - 1 - queued.weights_step}
         else:
             batch = self.sample(examples)  # this process's completions
             scored = self.score(examples, batch)
@@ -394,7 +422,7 @@ class Trainer:
         t_logprobs = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        if self.engine is not None:
+        if self.engine is not None and self.ahead is None:
             self.engine.sleep()  # vLLM in this process: free its memory for the update
         stats = self.optimize(batch, scored, old_logps, ref_logps)
         t_update = time.perf_counter() - t0 - stats.time_optimizer  # forward and backward passes
@@ -436,6 +464,20 @@ class Trainer:
         if self.multi_turn is not None:
             return self.multi_turn.generate(self.engine, examples, counts, params, seeds)
         return self.engine.generate([self.encode(e) for e in examples], counts, params, seeds)
+
+    def draw_ahead(self) -> tuple[list[Example], list[int]]:
+        """The prompts and sampling seeds of the next step queued ahead (the same on every process)."""
+        examples = [next(self.stream) for _ in range(self.config.train.prompts_per_step)]
+        seeds = torch.randint(0, 2**62, (self.config.completions_per_step,), generator=self.seed_stream)  # (N,)
+        return examples, seeds.tolist()
+
+    def generate_ahead(self, examples: list[Example], seeds: list[int]) -> RolloutBatch:
+        """A whole step's completions, generated ahead (in the pipeline's thread)."""
+        return self.generate(examples, [self.config.rollout.num_generations] * len(examples), self.sampling, seeds)
+
+    def weights_snapshot(self) -> list[tuple[str, torch.Tensor]]:
+        """A copy of the policy's weights as they are now, to push while the trainer changes its own."""
+        return [(name, tensor.detach().clone()) for name, tensor in named_weights(self.policy)]
 
     def score(self, examples: list[Example], batch: RolloutBatch) -> Scored:
         """Rewards of this process's completions `batch`, gathered into the whole step's, and
@@ -613,7 +655,7 @@ class Trainer:
                 metrics.add_update(update_loss, grad_norm, learning_rate)
                 if applied:
                     self.scheduler.step()
-                    if self.engine is not None:
+                    if self.engine is not None and self.ahead is None:  # (ahead: copies are pushed, pipeline.py)
                         self.engine.weights_updated()
                     if a.sync_ref_model and self.scheduler.last_epoch % a.ref_model_sync_steps == 0:
                         self.sync_reference()
@@ -739,9 +781,9 @@ class Trainer:
         first, last = rank * len(examples) // W, (rank + 1) * len(examples) // W
         rng = rng_state()
 
-        def scored(first: int, last: int) -> list[dict]:
+        def scored(first: int, last: int, engine=None) -> list[dict]:
             chunk = [examples[min(i, len(examples) - 1)] for i in range(first, last)]  # padding repeats the last
-            return score(self.engine, self.tokenizer, self.rewards, chunk, self.greedy,
+            return score(engine or self.engine, self.tokenizer, self.rewards, chunk, self.greedy,
                          first_index=first, max_prompt_length=self.config.data.max_prompt_length,
                          multi_turn=self.multi_turn)
 
@@ -749,7 +791,10 @@ class Trainer:
             share = -(-len(examples) // W)
             first, last = rank * share, rank * share + share
         try:
-            if self.remote:  # process 0 alone talks to the server: it scores them all, and shares
+            if self.ahead is not None:  # the weights after `step` through the pipeline, in turn
+                self.ahead.publish(step, self.weights_snapshot)
+                records = distributed.on_main(lambda: scored(0, len(examples), self.ahead.through()))
+            elif self.remote:  # process 0 alone talks to the server: it scores them all, and shares
                 self.hand_weights_to_server()
                 records = distributed.on_main(lambda: scored(0, len(examples)))
             else:
@@ -762,8 +807,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def capture(self) -> tuple[dict, dict]:
-        """(RNG states, trainer state) as they are now; every process calls it (a collective)."""
+    def capture(self) -> tuple[dict, dict, list[Queued]]:
+        """(RNG states, trainer state, the steps queued ahead) as they are now; every process calls
+        it (a collective)."""
         rng = {"processes": distributed.gather_lists([rng_state()]), "seed_stream": self.seed_stream.get_state()}
         p = self.progress
         state = {
@@ -774,12 +820,15 @@ class Trainer:
             "skipped_in_a_row": p.skipped_in_a_row,
             "unscored_in_a_row": p.unscored_in_a_row,
         }
-        return rng, state
+        pending = [] if self.ahead is None else self.ahead.pending()
+        if self.ahead is not None:  # their prompts follow examples_seen in the data stream
+            state["ahead_steps"] = [q.step for q in pending]
+        return rng, state, pending
 
-    def save_checkpoint(self, captured: tuple[dict, dict] | None = None) -> Path:
+    def save_checkpoint(self, captured: tuple[dict, dict, list[Queued]] | None = None) -> Path:
         """checkpoints/step-N (checkpoint.py) from this moment's state, or from a `captured` one
         (the weights and optimizer must not have changed since)."""
-        rng, state = captured or self.capture()
+        rng, state, pending = captured or self.capture()
         # Gathered by every process when sharded; whole on process 0, which writes.
         weights = self.parallel.full_weights(self.policy) if self.parallel.lockstep else None
         optimizer_state = self.parallel.optimizer_state(self.policy, self.optimizer)
@@ -788,6 +837,8 @@ class Trainer:
             save_model(self.policy, self.tokenizer, folder, weights)
             if self.config.algorithm.sync_ref_model:  # the reference has moved from the initial policy
                 torch.save(self.reference.state_dict(), folder / REFERENCE_FILE)
+            if self.ahead is not None:  # (waiting for those still being generated)
+                torch.save(Pipeline.saved(pending), folder / AHEAD_FILE)
             write_state_files(folder, self.config, optimizer_state, self.scheduler, rng, state)
 
         path = distributed.on_main(
@@ -796,7 +847,7 @@ class Trainer:
         self.saved_step = state["step"]
         return path
 
-    def save_after_failure(self, captured: tuple[dict, dict]) -> None:
+    def save_after_failure(self, captured: tuple[dict, dict, list[Queued]]) -> None:
         """A failure stops the run: save `captured`, the newest state the weights still match, if
         no checkpoint holds it yet, so that fixing the cause and resuming loses nothing."""
         step = captured[1]["step"]
@@ -830,6 +881,10 @@ class Trainer:
                                  state.get("unscored_in_a_row", 0),  # (not in checkpoints of older versions)
                                  state["examples_seen"])
         self.stream = self.task.train_stream(start=state["examples_seen"])
+        if self.ahead is not None:  # the steps generated ahead of the checkpoint, with weights it no longer has
+            saved = torch.load(folder / AHEAD_FILE, weights_only=True) if self.engine is not None else None
+            self.ahead.restore(saved, state["ahead_steps"],
+                               lambda: [next(self.stream) for _ in range(self.config.train.prompts_per_step)])
 
     # ------------------------------------------------------------------ helpers
 

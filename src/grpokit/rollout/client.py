@@ -1,7 +1,12 @@
-"""`rollout.engine=server`: generation by a `grpokit serve` process, over HTTP, with the trainer's
-weights pushed over a torch.distributed group (weights.py) before each generation that follows an
-optimizer update.
+"""`rollout.engine=server`: generation by one or more `grpokit serve` processes over HTTP
+(server.py), with the trainer's weights pushed to each over a torch.distributed group (weights.py)
+before each generation that follows an optimizer update.
 
+- Several servers (`rollout.server_url` a list): a generation's prompts are split among them by
+  whole prompt groups, balanced by expected tokens (`split_groups`), the requests go out
+  concurrently (one thread per server, each pushing its own weights first), and the answers are
+  put back in the prompts' order. Every completion samples from its own seed, so how the prompts
+  are split never changes what is sampled.
 - Every push is verified: the server answers the checksum of what it now generates with, and it
   must equal the checksum of the trainer's parameters.
 - Waiting is bounded. A request gets no answer for `rollout.server_timeout` seconds: an error. The
@@ -9,13 +14,17 @@ optimizer update.
   for `rollout.server_timeout` seconds in all, then an error naming the URL.
 - A server that restarted (a new `boot_id`) or holds other weights answers "stale weights"; the
   client then joins a new weight group, pushes the weights again, and repeats the request. A
-  server another trainer has joined since answers that, and the run stops (one server, one trainer).
+  server another trainer has joined since answers that (one server, one trainer).
+- A server that fails for good (any of the errors above) is left out for the rest of the run: its
+  share moves to the others and the console says so. When the last one fails, the run stops
+  with that server's error.
 - Only the trainer's process 0 makes an engine; the trainer hands the other processes their rows.
 """
 
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import socket
 import sys
@@ -24,6 +33,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
 
 import torch
@@ -39,17 +49,12 @@ class RolloutServerError(RuntimeError):
     """The rollout server cannot be used: down past the timeout, refusing, or out of sync."""
 
 
-class ServerEngine:
-    remote = True  # the trainer gathers a step's prompts on process 0 and shares the completions
-    exact_logprobs: bool  # from the server's /health: the trainer's own sampling code on the same kind of device
+class RolloutServer:
+    """One rollout server: its HTTP requests, and the trainer's weights pushed to it."""
 
-    @classmethod
-    def from_config(cls, rollout, model, tokenizer, eos_ids, model_name, lockstep) -> ServerEngine:
-        return cls(rollout.server_url, model, tokenizer.pad_token_id, rollout.server_timeout)
-
-    def __init__(self, url: str, model: torch.nn.Module, pad_id: int, timeout_s: float):
+    def __init__(self, url: str, model: torch.nn.Module, timeout_s: float):
         self.url = url.rstrip("/")
-        self.model, self.pad_id, self.timeout_s = model, pad_id, timeout_s
+        self.model, self.timeout_s = model, timeout_s
         self.fingerprint = fingerprint(model)
         self.device = next(model.parameters()).device
         self.group: WeightGroup | None = None
@@ -57,7 +62,8 @@ class ServerEngine:
         self.session: str | None = None  # our weight group session on that server
         self.version = 0  # pushes in this session
         self.dirty = True  # the policy changed since the last push (or nothing was pushed yet)
-        self.gathered = None  # a sharded policy's whole weights, gathered by the trainer (sharding.py)
+        self.gathered = None  # weights to push instead of the model's own (ServerEngine.use_weights)
+        self.weights_step: int | None = None  # the trainer step those weights are from, when known
         # No proxies: a rollout server is reached directly (http_proxy must not catch 127.0.0.1).
         self.http = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         health = self._check_server()
@@ -119,21 +125,6 @@ class ServerEngine:
 
     # ---------------------------------------------------------------- weights
 
-    def weights_updated(self) -> None:
-        """The trainer changed the policy: push before the next generation."""
-        self.dirty = True
-
-    def needs_weights(self) -> bool:
-        """A push is due: a sharded trainer gathers the whole weights for it (`use_weights`)."""
-        return self.dirty
-
-    def use_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """Push these (a sharded policy's gathered weights) rather than the model's own tensors."""
-        self.gathered = weights
-
-    def sleep(self) -> None:
-        pass  # the server's memory is its own: the trainer's update does not compete for it
-
     def _push(self) -> None:
         """Join a weight group if the server holds none of ours, send every tensor, and check the
         server's checksum. Raises _PushFailed when the server went away meanwhile (the caller
@@ -155,7 +146,8 @@ class ServerEngine:
         try:
             answer, _ = self._while_requesting(
                 "/weights/update", {"fingerprint": self.fingerprint, "session": self.session,
-                                    "weights_version": self.version, "tensors": layout(weights)},
+                                    "weights_version": self.version, "weights_step": self.weights_step,
+                                    "tensors": layout(weights)},
                 lambda: self.group.send(weights))
         except (RolloutServerError, RuntimeError, _Stale) as e:  # the server died mid-transfer, or refused it
             self.close()
@@ -203,19 +195,17 @@ class ServerEngine:
 
     # ---------------------------------------------------------------- generation
 
-    def generate(self, prompts: list[list[int]], n: int | Sequence[int], params: SamplingParams,
-                 seeds: Sequence[int] | None = None) -> RolloutBatch:
-        counts = [n] * len(prompts) if isinstance(n, int) else [int(k) for k in n]
-        body = {"fingerprint": self.fingerprint, "prompts": prompts, "n": counts,
-                "sampling": {"max_tokens": params.max_tokens, "temperature": params.temperature,
-                             "top_p": params.top_p, "top_k": params.top_k, "min_p": params.min_p},
-                "seeds": None if seeds is None else [int(s) for s in seeds]}
+    def completions(self, body: dict) -> tuple[list[dict], int | None]:
+        """POST /generate `body` (prompts, counts, sampling, seeds) with the trainer's weights,
+        pushing them first when due: each completion's dict, in order, and the trainer step of
+        the weights they were sampled with (None: not labelled)."""
         failures = []
         while len(failures) < 3:  # each wait inside is bounded by timeout_s
             try:
                 if self.dirty:
                     self._push()
-                answer = self._request("/generate", {**body, "session": self.session, "weights_version": self.version})
+                answer = self._request("/generate", {"fingerprint": self.fingerprint, **body,
+                                                     "session": self.session, "weights_version": self.version})
             except _Stale:  # restarted, or a push it did not finish: push again and repeat
                 failures.append(STALE_WEIGHTS)
                 self.dirty = True
@@ -224,10 +214,10 @@ class ServerEngine:
                 failures.append(str(e))
                 self.dirty = True
                 continue
-            if len(answer["completions"]) != sum(counts):
-                raise RolloutServerError(f"the rollout server at {self.url} was asked for {sum(counts)} completions "
+            if len(answer["completions"]) != sum(body["n"]):
+                raise RolloutServerError(f"the rollout server at {self.url} was asked for {sum(body['n'])} completions "
                                          f"and answered {len(answer['completions'])}")
-            return from_completions(prompts, counts, answer["completions"], self.pad_id)
+            return answer["completions"], answer.get("weights_step")
         raise RolloutServerError(f"the rollout server at {self.url} could not be given the trainer's weights, 3 tries: "
                                  + "; ".join(failures))
 
@@ -235,6 +225,138 @@ class ServerEngine:
         if self.group is not None:
             self.group.close()
             self.group = None
+
+
+class ServerEngine:
+    """The rollout engine over one or more rollout servers (`rollout.server_url`)."""
+
+    remote = True  # the trainer gathers a step's prompts on process 0 and shares the completions
+    exact_logprobs: bool  # every server runs the trainer's own sampling code on the same kind of device
+
+    @classmethod
+    def from_config(cls, rollout, model, tokenizer, eos_ids, model_name, lockstep) -> ServerEngine:
+        return cls(rollout.server_url, model, tokenizer.pad_token_id, rollout.server_timeout)
+
+    def __init__(self, urls: str | list[str], model: torch.nn.Module, pad_id: int, timeout_s: float):
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        self.servers = [RolloutServer(url, model, timeout_s) for url in urls]  # each checked at once
+        self.pad_id = pad_id
+        self.down: list[RolloutServer] = []  # failed for good: left out for the rest of the run
+        self.exact_logprobs = all(s.exact_logprobs for s in self.servers)
+        self.weights_step: int | None = None  # the trainer step of the weights the last generation used
+
+    @property
+    def up(self) -> list[RolloutServer]:
+        return [s for s in self.servers if s not in self.down]
+
+    # ---------------------------------------------------------------- weights
+
+    def weights_updated(self) -> None:
+        """The trainer changed the policy: push before the next generation."""
+        for server in self.servers:
+            server.dirty = True
+
+    def needs_weights(self) -> bool:
+        """A push is due: a sharded trainer gathers the whole weights for it (`use_weights`)."""
+        return any(s.dirty for s in self.up)
+
+    def use_weights(self, weights: list[tuple[str, torch.Tensor]], step: int | None = None) -> None:
+        """Push these (a sharded policy's gathered weights, or a copy taken after step `step`)
+        rather than the model's own tensors, from the next generation on."""
+        for server in self.servers:
+            server.gathered, server.weights_step = weights, step
+            server.dirty = True
+
+    def sleep(self) -> None:
+        pass  # the servers' memory is their own: the trainer's update does not compete for it
+
+    # ---------------------------------------------------------------- generation
+
+    def generate(self, prompts: list[list[int]], n: int | Sequence[int], params: SamplingParams,
+                 seeds: Sequence[int] | None = None) -> RolloutBatch:
+        counts = [n] * len(prompts) if isinstance(n, int) else [int(k) for k in n]
+        starts = [0, *itertools.accumulate(counts)]  # completion index of each prompt's first
+        sampling = {"max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
+                    "top_k": params.top_k, "min_p": params.min_p}
+        answers: dict[int, list[dict]] = {}  # prompt index -> its completions
+        steps = set()
+        todo = list(range(len(prompts)))
+        while todo:
+            up = self.up
+            shares = split_groups([counts[i] * (len(prompts[i]) + params.max_tokens) for i in todo], len(up))
+            jobs = {server: [todo[j] for j in share] for server, share in zip(up, shares) if share}
+
+            def ask(server: RolloutServer, group: list[int]):
+                body = {"prompts": [prompts[i] for i in group], "n": [counts[i] for i in group], "sampling": sampling,
+                        "seeds": None if seeds is None else
+                        [int(seeds[k]) for i in group for k in range(starts[i], starts[i + 1])]}
+                return server.completions(body)
+
+            results = _concurrently(ask, jobs)
+            todo = []
+            for server, group in jobs.items():
+                result = results[server]
+                if isinstance(result, BaseException):
+                    self._leave_out(server, result)
+                    todo += group
+                    continue
+                completions, step = result
+                steps.add(step)
+                for i in group:
+                    answers[i] = completions[:counts[i]]
+                    completions = completions[counts[i]:]
+            todo.sort()
+        if len(steps) > 1:
+            raise RolloutServerError(f"the rollout servers sampled one generation with the weights of different "
+                                     f"steps {sorted(steps, key=str)}: their weights are out of step")
+        self.weights_step = steps.pop() if steps else None
+        return from_completions(prompts, counts, [c for i in range(len(prompts)) for c in answers[i]], self.pad_id)
+
+    def _leave_out(self, server: RolloutServer, error: BaseException) -> None:
+        """`server` failed for good: its share moves to the others, or, if it was the last, the run stops."""
+        if not isinstance(error, RolloutServerError):
+            raise error
+        server.close()
+        self.down.append(server)
+        if not self.up:
+            if len(self.servers) > 1:
+                raise RolloutServerError(f"{error} (all {len(self.servers)} rollout servers are down)") from None
+            raise error
+        tqdm.write(f"grpokit: {error}\ngrpokit: leaving the rollout server at {server.url} out for the rest of the "
+                   f"run: its share moves to the other {len(self.up)} server(s)", file=sys.stderr)
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.close()
+
+
+def split_groups(costs: list[int], k: int) -> list[list[int]]:
+    """Indices of `costs` (one per prompt group, its expected tokens) in k shares of nearly equal
+    cost: the costliest group first, each to the share with the least so far (ties: the lower
+    share); each share in index order."""
+    shares, loads = [[] for _ in range(k)], [0] * k
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        j = min(range(k), key=lambda j: (loads[j], j))
+        shares[j].append(i)
+        loads[j] += costs[i]
+    return [sorted(s) for s in shares]
+
+
+def _concurrently(fn, jobs: dict) -> dict:
+    """fn(key, value) for every item of `jobs`, one thread each (the caller's thread alone for a
+    single one); key -> its result, or the exception it raised."""
+    def run(key, value):
+        try:
+            return fn(key, value)
+        except Exception as e:  # noqa: BLE001 - returned to the caller, who decides
+            return e
+
+    if len(jobs) == 1:
+        (key, value), = jobs.items()
+        return {key: run(key, value)}
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = {key: pool.submit(run, key, value) for key, value in jobs.items()}
+        return {key: f.result() for key, f in futures.items()}
 
 
 class _Stale(Exception):

@@ -5,11 +5,12 @@ HTTP (FastAPI) carries control; tensors go over a torch.distributed group (weigh
 
 - `GET /health`: engine, model, device, fingerprint, `boot_id` (new at every start: a trainer sees
   a restart), `session` (the trainer whose weights it holds), `weights_version` (the version that
-  trainer last pushed; 0 = as loaded) and the weights' checksum.
+  trainer last pushed; 0 = as loaded), `weights_step` (the trainer step those weights are from,
+  when the trainer labels its pushes; null otherwise) and the weights' checksum.
 - `POST /generate`: prompts as token ids, a completion count per prompt, sampling parameters, one
   seed per completion, the trainer's fingerprint and the `session` / `weights_version` it expects.
   Returns each completion's token ids, sampling log-probs, entropies (or null when the engine does
-  not measure them) and finish reason. Answers 409 when the fingerprint differs (the body lists
+  not measure them) and finish reason, and the `weights_version` and `weights_step` sampled with. Answers 409 when the fingerprint differs (the body lists
   what differs), when the weights are not the expected ones (`"stale weights"`: the trainer
   pushes them again), or when another trainer has joined since (one server serves one trainer);
   422 for a malformed request.
@@ -67,6 +68,7 @@ class UpdateRequest(BaseModel):
     fingerprint: dict
     session: str
     weights_version: int = Field(ge=1)
+    weights_step: int | None = None  # the trainer step the weights are from, when it says
     tensors: list[list]  # weights.layout(): [name, shape, dtype] in the order they are sent
 
 
@@ -82,6 +84,7 @@ class RolloutService:
         # the version of that trainer's weights it last received (0: those it loaded itself).
         self.session: str | None = None
         self.version = 0
+        self.weights_step: int | None = None
         self.checksum = engine.weights_checksum()
         self.group: WeightGroup | None = None
         self.lock = threading.Lock()  # generation and a weight update never overlap
@@ -89,13 +92,13 @@ class RolloutService:
     def health(self) -> dict:
         return {"status": "ok", "engine": self.engine_name, "model": self.model_name, "device": self.device,
                 "fingerprint": self.fingerprint, "boot_id": self.boot_id, "session": self.session,
-                "weights_version": self.version, "checksum": self.checksum}
+                "weights_version": self.version, "weights_step": self.weights_step, "checksum": self.checksum}
 
     def _forget_weights(self) -> None:
         """After a failed transfer: no group, no session, weights of unknown version."""
         if self.group is not None:
             self.group.close()
-        self.group, self.session, self.version = None, None, -1
+        self.group, self.session, self.version, self.weights_step = None, None, -1, None
 
     def check_fingerprint(self, theirs: dict) -> None:
         if differences := fingerprint_differences(self.fingerprint, theirs):
@@ -118,11 +121,12 @@ class RolloutService:
             if self.session is None or request.weights_version != self.version:
                 raise Refused(409, STALE_WEIGHTS)
             batch = self.engine.generate(request.prompts, request.n, params, request.seeds)
-            version = self.version
+            version, step = self.version, self.weights_step
         lengths = batch.completion_mask.sum(-1).tolist()
         entropies = None if batch.entropies is None else batch.entropies.tolist()
         return {
             "weights_version": version,
+            "weights_step": step,
             "completions": [
                 {"token_ids": ids[:k], "logprobs": lps[:k], "entropies": None if entropies is None else entropies[i][:k],
                  "finish_reason": reason}
@@ -142,7 +146,7 @@ class RolloutService:
             except Exception as e:  # noqa: BLE001 - reported to the trainer, which owns the error
                 self._forget_weights()
                 raise Refused(503, f"could not join the weight group at {request.host}:{request.port}: {e}") from None
-            self.session, self.version = uuid.uuid4().hex, 0
+            self.session, self.version, self.weights_step = uuid.uuid4().hex, 0, None
             return {"session": self.session}
 
     def update(self, request: UpdateRequest) -> dict:
@@ -159,8 +163,8 @@ class RolloutService:
             except Exception as e:  # noqa: BLE001
                 self._forget_weights()  # what it holds is unknown: every generation is refused until a new push
                 raise Refused(503, f"receiving weights failed: {e}") from None
-            self.version, self.checksum = request.weights_version, checksum
-            return {"weights_version": self.version, "checksum": self.checksum}
+            self.version, self.weights_step, self.checksum = request.weights_version, request.weights_step, checksum
+            return {"weights_version": self.version, "weights_step": self.weights_step, "checksum": self.checksum}
 
 
 class Refused(Exception):
