@@ -422,7 +422,7 @@ def test_a_server_of_the_list_that_is_down_at_start_is_named(server, tmp_path, c
 
 
 def test_prompt_groups_are_split_by_expected_tokens():
-    from grpokit.rollout.client import split_groups
+    from grpokit.rollout import split_groups
 
     assert split_groups([10, 10, 10, 10], 2) == [[0, 2], [1, 3]]
     assert split_groups([40, 10, 10, 10, 10], 2) == [[0], [1, 2, 3, 4]]  # the costly group alone

@@ -3,6 +3,7 @@ a GPU): request building, result conversion, weight names and loading, sleep mod
 importance-sampling correction for an engine whose log-probs are not its own."""
 
 import json
+import os
 import sys
 import types
 from dataclasses import dataclass, field
@@ -209,3 +210,96 @@ def test_a_vllm_server_fingerprints_its_model_from_the_config_alone(tiny):
         shapes = AutoModelForCausalLM.from_config(model.config)
     assert fingerprint(shapes) == fingerprint(model)
     assert [n for n, _ in named_weights(shapes)] == [n for n, _ in named_weights(model)]
+
+
+FAKE_VLLM = '''
+"""A stand-in for vLLM in the replica processes of a data-parallel server (which import it themselves)."""
+import json, os
+import torch
+
+torch.cuda.is_available = lambda: True  # the boundary: vLLM would run on the GPUs it was given
+
+
+class SamplingParams:
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
+
+
+class _Model:
+    def __init__(self):
+        self.loaded = 0
+
+    def load_weights(self, weights):
+        self.loaded += sum(1 for _ in weights)
+
+
+class _Worker:
+    def __init__(self):
+        self.model_runner = type("Runner", (), {})()
+        self.model_runner.model = _Model()
+
+
+class LLM:
+    def __init__(self, **kwargs):
+        self.worker = _Worker()
+        with open(os.environ["FAKE_VLLM_LOG"], "a") as f:
+            f.write(json.dumps({"gpus": os.environ["CUDA_VISIBLE_DEVICES"], "tp": kwargs["tensor_parallel_size"],
+                                "pid": os.getpid()}) + "\\n")
+
+    def generate(self, prompts, sampling, use_tqdm=True):
+        outputs = []
+        for prompt, params in zip(prompts, sampling):
+            ids = [params.seed % 50 + 3, len(prompt["prompt_token_ids"]) + 3][: params.max_tokens]
+            sample = type("Sample", (), {"token_ids": ids, "finish_reason": "length",
+                                         "logprobs": [{t: type("L", (), {"logprob": -0.25})()} for t in ids]})()
+            outputs.append(type("Output", (), {"outputs": [sample]})())
+        return outputs
+
+    def collective_rpc(self, method, args=()):
+        assert isinstance(args[0], list)  # tensor parallel: workers of their own get a list, not a generator
+        return [method(self.worker, *args)]
+
+    def reset_prefix_cache(self):
+        pass
+'''
+
+
+def test_data_parallel_replicas_split_the_groups_and_each_load_the_weights(tmp_path, monkeypatch, tiny):
+    """`grpokit serve --engine vllm --data-parallel-size 2 --tensor-parallel-size 2`: two replica processes,
+    each on its own 2 GPUs with vLLM's tensor parallelism; answers in the prompts' order, whichever
+    replica sampled them; every push loaded into both."""
+    from grpokit.rollout.vllm_engine import DataParallelVLLM
+
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    (tmp_path / "vllm" / "inputs.py").write_text("def TokensPrompt(prompt_token_ids):\n"
+                                                 "    return {'prompt_token_ids': prompt_token_ids}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # a spawned process starts with its parent's sys.path
+    monkeypatch.setenv("FAKE_VLLM_LOG", str(tmp_path / "replicas.jsonl"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    with pytest.raises(Exception, match="3 x --tensor-parallel-size 2 needs 6 GPUs; 4 are visible"):
+        DataParallelVLLM(3, 2, model_path="/models/x", dtype="float32", pad_id=0, eos_ids=[2])
+    engine = DataParallelVLLM(2, 2, model_path="/models/x", dtype="float32", pad_id=0, eos_ids=[2])
+    try:
+        replicas = [json.loads(line) for line in (tmp_path / "replicas.jsonl").read_text().splitlines()]
+        assert sorted((r["gpus"], r["tp"]) for r in replicas) == [("4,5", 2), ("6,7", 2)]
+        assert len({r["pid"] for r in replicas}) == 2
+        prompts, counts, seeds = [[1, 2, 3, 4, 5], [6], [7, 8], [9, 9, 9]], [2, 1, 3, 2], list(range(100, 108))
+        batch = engine.generate(prompts, counts, SamplingParams(2), seeds)
+        lengths = [len(p) for p, k in zip(prompts, counts) for _ in range(k)]
+        assert batch.completion_ids.tolist() == [[s % 50 + 3, n + 3] for s, n in zip(seeds, lengths)]
+        assert batch.prompt_index.tolist() == [0, 0, 1, 2, 2, 2, 3, 3]
+        model, _ = tiny
+        assert engine.load_weights(named_weights(model)) == checksum(named_weights(model)) == engine.weights_checksum()
+    finally:
+        engine.close()
+    assert all(not p.is_alive() for p in engine.processes)
+
+
+def test_parallel_flags_need_the_vllm_engine_and_vllm(monkeypatch, capsys):
+    pytest.importorskip("fastapi")
+    assert main(["serve", "--model", "tiny-random", "--tensor-parallel-size", "2"]) == 2
+    assert "--tensor-parallel-size 2 spreads vLLM over GPUs: it needs --engine vllm" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    assert main(["serve", "--model", "tiny-random", "--engine", "vllm", "--data-parallel-size", "2"]) == 2
+    assert "needs vLLM" in capsys.readouterr().err

@@ -130,7 +130,18 @@ def _serve(args) -> int:
         raise ConfigError(f"--engine {args.engine}: must be one of {', '.join(servable)}")
     if args.dtype not in DTYPES:
         raise ConfigError(f"--dtype {args.dtype}: must be one of {', '.join(DTYPES)}")
-    serve(args.model, args.engine, args.host, args.port, args.dtype)
+    for flag, value in (("--tensor-parallel-size", args.tensor_parallel_size),
+                        ("--data-parallel-size", args.data_parallel_size)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value}: must be >= 1")
+        if value > 1 and args.engine != "vllm":
+            raise ConfigError(f"{flag} {value} spreads vLLM over GPUs: it needs --engine vllm (the {args.engine} "
+                              "engine runs on one device; start several servers and list them in rollout.server_url)")
+    if args.engine == "vllm":  # said before any model loads or process starts
+        from grpokit.rollout.vllm_engine import import_vllm
+
+        import_vllm()
+    serve(args.model, args.engine, args.host, args.port, args.dtype, args.tensor_parallel_size, args.data_parallel_size)
     return 0
 
 
@@ -186,6 +197,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="the trainer's model.dtype")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="--engine vllm: GPUs each layer is split over (vLLM's tensor_parallel_size)")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="--engine vllm: engine replicas, each on its own --tensor-parallel-size GPUs; a generation's "
+                        "prompt groups are split among them, weights pushed to each")
     p.set_defaults(run=_serve)
 
     p = commands.add_parser("config", help="print every config field with its default and meaning")

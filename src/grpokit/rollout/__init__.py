@@ -243,3 +243,15 @@ def from_completions(prompts: list[list[int]], counts: list[int], completions: l
             entropies[i, :k] = torch.tensor(c["entropies"], dtype=torch.float32)
     return RolloutBatch(prompt_index, prompt_ids, prompt_mask, completion_ids, completion_mask, logps, entropies,
                         [c["finish_reason"] for c in completions])
+
+
+def split_groups(costs: list[int], k: int) -> list[list[int]]:
+    """Indices of `costs` (one per prompt group, its expected tokens) in k shares of nearly equal
+    cost: the costliest group first, each to the share with the least so far (ties: the lower
+    share); each share in index order."""
+    shares, loads = [[] for _ in range(k)], [0] * k
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        j = min(range(k), key=lambda j: (loads[j], j))
+        shares[j].append(i)
+        loads[j] += costs[i]
+    return [sorted(s) for s in shares]

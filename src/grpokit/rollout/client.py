@@ -40,7 +40,7 @@ import torch
 from tqdm.auto import tqdm
 
 from grpokit.errors import StartupError
-from grpokit.rollout import STALE_WEIGHTS, TAKEN_OVER, RolloutBatch, SamplingParams, from_completions
+from grpokit.rollout import STALE_WEIGHTS, TAKEN_OVER, RolloutBatch, SamplingParams, from_completions, split_groups
 from grpokit.rollout.weights import (WeightGroup, backend_between, checksum, device_id, fingerprint,
                                     fingerprint_differences, layout, named_weights)
 
@@ -328,18 +328,6 @@ class ServerEngine:
     def close(self) -> None:
         for server in self.servers:
             server.close()
-
-
-def split_groups(costs: list[int], k: int) -> list[list[int]]:
-    """Indices of `costs` (one per prompt group, its expected tokens) in k shares of nearly equal
-    cost: the costliest group first, each to the share with the least so far (ties: the lower
-    share); each share in index order."""
-    shares, loads = [[] for _ in range(k)], [0] * k
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        j = min(range(k), key=lambda j: (loads[j], j))
-        shares[j].append(i)
-        loads[j] += costs[i]
-    return [sorted(s) for s in shares]
 
 
 def _concurrently(fn, jobs: dict) -> dict:

@@ -191,8 +191,10 @@ def make_app(service: RolloutService):
     return app
 
 
-def serve(model_name: str, engine_name: str, host: str, port: int, dtype: str) -> None:
-    """Load the model, build the engine, and serve until interrupted."""
+def serve(model_name: str, engine_name: str, host: str, port: int, dtype: str, tensor_parallel_size: int = 1,
+          data_parallel_size: int = 1) -> None:
+    """Load the model, build the engine (vLLM: on tensor_parallel_size x data_parallel_size GPUs),
+    and serve until interrupted."""
     import socket
 
     import uvicorn
@@ -214,14 +216,16 @@ def serve(model_name: str, engine_name: str, host: str, port: int, dtype: str) -
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from grpokit.models import DTYPES
-        from grpokit.rollout.vllm_engine import VLLMEngine, model_path
+        from grpokit.rollout.vllm_engine import DataParallelVLLM, VLLMEngine, model_path
 
         path = model_path(model_name)
         config = AutoConfig.from_pretrained(path)
         with torch.device("meta"):  # names and shapes only, for the fingerprint
             shapes = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
         fp = fingerprint(shapes)
-        engine = VLLMEngine(path, dtype, tokenizer.pad_token_id, eos_token_ids(shapes, tokenizer))
+        args = dict(model_path=path, dtype=dtype, pad_id=tokenizer.pad_token_id, eos_ids=eos_token_ids(shapes, tokenizer))
+        engine = VLLMEngine(**args, tensor_parallel_size=tensor_parallel_size) if data_parallel_size == 1 else \
+            DataParallelVLLM(data_parallel_size, tensor_parallel_size, **args)
     elif engine_name == "transformers":
         # requires_grad stays on, as on the trainer's policy: PyTorch runs other CPU kernels for
         # parameters without it (measured: log-probs differ in the last bits), and the server must
@@ -232,5 +236,6 @@ def serve(model_name: str, engine_name: str, host: str, port: int, dtype: str) -
     else:
         raise StartupError(f"grpokit serve has no way to build the {engine_name!r} engine: use transformers or vllm")
     service = RolloutService(engine, engine_name, model_name, fp, fp["vocab_size"])
-    print(f"grpokit serve: {model_name} ({engine_name}, {dtype}) on http://{host}:{port}", flush=True)
+    spread = f", tensor parallel {tensor_parallel_size} x data parallel {data_parallel_size}" if engine_name == "vllm" else ""
+    print(f"grpokit serve: {model_name} ({engine_name}, {dtype}{spread}) on http://{host}:{port}", flush=True)
     uvicorn.run(make_app(service), host=host, port=port, log_level="warning")

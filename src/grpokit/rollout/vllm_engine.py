@@ -25,17 +25,25 @@ with vLLM's offline `LLM` API. Needs a GPU and `pip install 'grpokit[vllm]'`.
 - Sleep mode (`enable_sleep_mode=True`): in the training process, vLLM's weights and KV cache are
   released while the trainer updates (`sleep(level=2)`); before the next generation the weights
   are woken, loaded, then the KV cache (`wake_up(tags=...)`).
+- Parallelism, in `grpokit serve --engine vllm`: `--tensor-parallel-size N` is vLLM's own
+  (`LLM(tensor_parallel_size=N)`, each layer split over N GPUs, one worker process per GPU);
+  every worker is handed the whole tensors through `collective_rpc` and its model's `load_weights`
+  keeps its shard. `--data-parallel-size M` runs M such engines (`DataParallelVLLM`), each in a
+  process of its own on its own N GPUs (CUDA_VISIBLE_DEVICES), as vLLM's offline data-parallel
+  example does: a generation's prompt groups are split among them by expected tokens, and every
+  weight push is loaded into each (their checksums must agree).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterable, Sequence
 
 import torch
 
 from grpokit.errors import StartupError
-from grpokit.rollout import RolloutBatch, SamplingParams, from_completions
+from grpokit.rollout import RolloutBatch, SamplingParams, from_completions, split_groups
 from grpokit.rollout.weights import Checksum
 
 # Wrappers that put a prefix or infix on parameter names: DDP / accelerate, torch.compile, PEFT.
@@ -139,7 +147,7 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, dtype: str, pad_id: int, eos_ids: list[int], *, policy=None,
                  sleep: bool = False, gpu_memory_utilization: float = 0.5, max_model_len: int | None = None,
-                 seed: int = 0):
+                 seed: int = 0, tensor_parallel_size: int = 1):
         """`policy`: in the training process, the trainer's model, whose weights are loaded before
         a generation that follows `weights_updated()`; None in a server (weights are pushed)."""
         # One process: the engine's worker lives in this process, so collective_rpc passes tensors
@@ -152,7 +160,11 @@ class VLLMEngine:
         self.vllm, self.pad_id, self.eos_ids, self.sleeps = vllm, pad_id, list(eos_ids), sleep
         self.llm = vllm.LLM(model=model_path, dtype=dtype, seed=seed, enable_sleep_mode=sleep,
                             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-                            logprobs_mode="processed_logprobs", enable_prefix_caching=True)
+                            logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+                            tensor_parallel_size=tensor_parallel_size)
+        # With several GPUs the workers are processes of their own: collective_rpc pickles its
+        # arguments, so they get a list of host tensors rather than a generator over these.
+        self.workers_apart = tensor_parallel_size > 1
         self.device = torch.device("cuda")
         self.checksum: str | None = None  # of the last weights loaded; None: as read from model_path
         self.asleep = False
@@ -188,7 +200,8 @@ class VLLMEngine:
                 digest.add(name, tensor)
                 yield vllm_name(name), tensor
 
-        self.llm.collective_rpc(_load_into_worker, args=(named(),))
+        self.llm.collective_rpc(_load_into_worker,
+                                args=([(n, t.cpu()) for n, t in named()] if self.workers_apart else named(),))
         # Cached KV blocks of shared prefixes were computed with the old weights.
         self.llm.reset_prefix_cache()
         if self.asleep:
@@ -214,6 +227,112 @@ class VLLMEngine:
         if self.asleep:
             raise RuntimeError("vLLM is asleep: load the weights (load_weights) before generating")
         counts = [n] * len(prompts) if isinstance(n, int) else [int(k) for k in n]
+        return from_completions(prompts, counts, self.completions(prompts, counts, params, seeds), self.pad_id)
+
+    def completions(self, prompts: list[list[int]], counts: list[int], params: SamplingParams,
+                    seeds: Sequence[int] | None) -> list[dict]:
+        """counts[i] completions of prompt i, as per-completion dicts (rollout.from_completions)."""
         requests, sampling = build_requests(self.vllm, prompts, counts, params, seeds, self.eos_ids)
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
-        return from_completions(prompts, counts, to_completions(outputs), self.pad_id)
+        return to_completions(self.llm.generate(requests, sampling, use_tqdm=False))
+
+
+class DataParallelVLLM:
+    """`replicas` VLLMEngines (for `grpokit serve`), each in a process of its own on its own
+    `tensor_parallel_size` GPUs; what a server asks of an engine: generate, load_weights, checksum."""
+
+    exact_logprobs = False
+    remote = False
+    device = torch.device("cuda")
+
+    def __init__(self, replicas: int, tensor_parallel_size: int, **engine_args):
+        import multiprocessing
+
+        gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = gpus.split(",") if gpus else [str(i) for i in range(torch.cuda.device_count())]
+        if len(gpus) < replicas * tensor_parallel_size:
+            raise StartupError(f"--data-parallel-size {replicas} x --tensor-parallel-size {tensor_parallel_size} needs "
+                               f"{replicas * tensor_parallel_size} GPUs; {len(gpus)} are visible")
+        self.pad_id = engine_args["pad_id"]
+        context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+        self.pipes, self.processes = [], []
+        for r in range(replicas):
+            mine, theirs = context.Pipe()
+            share = gpus[r * tensor_parallel_size:(r + 1) * tensor_parallel_size]
+            process = context.Process(target=_replica, args=(theirs, ",".join(share),
+                                                             {**engine_args, "tensor_parallel_size": tensor_parallel_size}),
+                                      daemon=True, name=f"grpokit-vllm-replica-{r}")
+            process.start()
+            self.pipes.append(mine)
+            self.processes.append(process)
+        for r in range(replicas):  # each loads its model: wait for all, and fail on the first that cannot
+            self._answer(r)
+        self.checksum: str | None = None
+
+    def _answer(self, r: int):
+        try:
+            ok, value = self.pipes[r].recv()
+        except EOFError:
+            raise RuntimeError(f"vLLM replica {r} stopped (its process exit code: {self.processes[r].exitcode})") from None
+        if not ok:
+            raise RuntimeError(f"vLLM replica {r}: {value}")
+        return value
+
+    def _all(self, requests: dict[int, tuple]) -> dict[int, object]:
+        for r, request in requests.items():
+            self.pipes[r].send(request)
+        return {r: self._answer(r) for r in requests}
+
+    def weights_checksum(self) -> str | None:
+        return self.checksum
+
+    def load_weights(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> str:
+        """The same weights into every replica; their checksums (of what each received) must agree."""
+        weights = [(name, tensor.cpu()) for name, tensor in pairs]
+        sums = set(self._all({r: ("load", weights) for r in range(len(self.pipes))}).values())
+        if len(sums) != 1:
+            raise RuntimeError(f"the vLLM replicas received different weights (checksums {sorted(sums)})")
+        self.checksum = sums.pop()
+        return self.checksum
+
+    def generate(self, prompts: list[list[int]], n: int | Sequence[int], params: SamplingParams,
+                 seeds: Sequence[int] | None = None) -> RolloutBatch:
+        """Prompt groups split among the replicas by expected tokens (each completion samples from
+        its own seed, so the split does not change what is sampled), answers in the prompts' order."""
+        counts = [n] * len(prompts) if isinstance(n, int) else [int(k) for k in n]
+        starts = [0, *itertools.accumulate(counts)]
+        shares = split_groups([c * (len(p) + params.max_tokens) for p, c in zip(prompts, counts)], len(self.pipes))
+        requests = {r: ("generate", [prompts[i] for i in share], [counts[i] for i in share], params,
+                        None if seeds is None else [seeds[k] for i in share for k in range(starts[i], starts[i + 1])])
+                    for r, share in enumerate(shares) if share}
+        answers, out = self._all(requests), {}
+        for r, completions in answers.items():
+            for i in shares[r]:
+                out[i], completions = completions[:counts[i]], completions[counts[i]:]
+        return from_completions(prompts, counts, [c for i in range(len(prompts)) for c in out[i]], self.pad_id)
+
+    def close(self) -> None:
+        for pipe, process in zip(self.pipes, self.processes):
+            try:
+                pipe.send(None)
+            except OSError:
+                pass
+            process.join(timeout=30)
+
+
+def _replica(pipe, gpus: str, engine_args: dict) -> None:
+    """One data-parallel replica's process: a VLLMEngine on GPUs `gpus`, serving requests from `pipe`."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpus
+    try:
+        engine = VLLMEngine(**engine_args)
+    except Exception as e:  # noqa: BLE001 - reported to the server, which stops
+        pipe.send((False, f"{type(e).__name__}: {e}"))
+        return
+    pipe.send((True, None))
+    while (request := pipe.recv()) is not None:
+        try:
+            if request[0] == "load":
+                pipe.send((True, engine.load_weights(request[1])))
+            else:
+                pipe.send((True, engine.completions(*request[1:])))
+        except Exception as e:  # noqa: BLE001
+            pipe.send((False, f"{type(e).__name__}: {e}"))
