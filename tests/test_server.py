@@ -208,7 +208,8 @@ def test_malformed_requests_get_422_with_the_reason(server, tiny):
     model, tokenizer = tiny
     trainer = ServerEngine(s.url, model, tokenizer.pad_token_id, timeout_s=30)
     trainer.generate([[1, 2]], 1, SamplingParams(2), [0])  # joins a weight group and pushes
-    good = {"fingerprint": get(s.url)["fingerprint"], "session": trainer.session, "weights_version": trainer.version,
+    pushed = trainer.servers[0]  # its one server's connection
+    good = {"fingerprint": get(s.url)["fingerprint"], "session": pushed.session, "weights_version": pushed.version,
             "prompts": [[1, 2, 3]], "n": [2], "seeds": [5, 6],
             "sampling": {"max_tokens": 3, "temperature": 1.0, "top_p": 1.0, "top_k": 0}}
     status, body = post(s.url, "/generate", good)  # `good` has no min_p, as trainers from before it send
@@ -271,11 +272,13 @@ def test_a_server_that_is_down_or_mute_is_a_clear_error_in_bounded_time(tmp_path
     assert time.monotonic() - start < 30
 
 
-def test_two_trainer_processes_share_one_server(server, tmp_path):
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_two_trainer_processes_share_one_server(server, tmp_path, staleness):
     """Process 0 alone talks to the server; process 1 gets its rows. The 2-process run equals the
-    1-process run (float64: the sums over processes agree to rounding)."""
+    1-process run (float64: the sums over processes agree to rounding), generated ahead or not."""
     s = server("--dtype", "float64")
-    args = [*RUN, "model.dtype=float64", "train.max_steps=2", "rollout.engine=server", f"rollout.server_url={s.url}"]
+    args = [*RUN, "model.dtype=float64", "train.max_steps=2", "rollout.engine=server", f"rollout.server_url={s.url}",
+            f"rollout.max_staleness={staleness}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for nproc in (1, 2):
         result = subprocess.run(

@@ -235,8 +235,8 @@ def test_a_failure_inside_a_step_saves_the_step_before_unless_an_update_had_begu
     after_step_1 = {}
     train_step = trainer.train_step
 
-    def recording_step(step, examples):
-        row = train_step(step, examples)
+    def recording_step(step, examples, *queued):
+        row = train_step(step, examples, *queued)
         after_step_1.update({n: p.detach().clone() for n, p in trainer.policy.named_parameters()})
         return row
 

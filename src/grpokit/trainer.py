@@ -17,7 +17,12 @@ Deliberate choices, stated once:
 - Log-probs are computed at the sampling temperature (logits / temperature), as TRL does, so the
   ratio compares like with like.
 - `old_logps` are computed (one extra forward, no gradient) only when samples become off-policy
-  (num_iterations > 1 or updates_per_step > 1); otherwise the ratio is exp(logp - logp.detach()).
+  (num_iterations > 1 or updates_per_step > 1, or generated ahead); otherwise the ratio is
+  exp(logp - logp.detach()).
+- With rollout.max_staleness = k > 0, step n's completions were generated while the steps before
+  it trained, with the weights after step max(0, n-1-k) (rollout/pipeline.py): `old_logps` are
+  the trainer's own, before the step's first update, and the rollout importance-sampling
+  correction (sampling log-probs against them) covers the lag.
 - The reference model is a frozen copy of the initial policy, made only when beta > 0: with
   beta = 0 exactly it costs nothing, and any beta > 0 gets it.
 - `entropy` is that of the policy's (tempered) next-token distribution at every sampled token,
@@ -851,7 +856,11 @@ class Trainer:
         """A failure stops the run: save `captured`, the newest state the weights still match, if
         no checkpoint holds it yet, so that fixing the cause and resuming loses nothing."""
         step = captured[1]["step"]
-        if step > (self.saved_step or 0):
+        failed = [q.step for q in captured[2] if q.failed()]
+        if failed and step > (self.saved_step or 0):  # a checkpoint holds them: without them, no state to save
+            self.monitor.write(f"the state after step {step} is not saved: generating step(s) {failed} ahead failed "
+                               "(a resumed run starts from the newest checkpoint)")
+        elif step > (self.saved_step or 0):
             try:
                 path = self.save_checkpoint(captured)
                 self.monitor.write(f"the run stopped after step {step}; that state is saved in {path}")

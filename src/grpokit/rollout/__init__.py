@@ -5,8 +5,9 @@ completion, its tokens, its mask, why it ended and the log-probs it was sampled 
 downstream infers a mask from a pad id (the pad id of SmolLM2 *is* its EOS id).
 
     transformers_engine.py  sampling with the policy module itself, in the training process
-    client.py               a `grpokit serve` process over HTTP (server.py), weights pushed to it
-    vllm_engine.py          vLLM in the training process (GPU)
+    client.py               `grpokit serve` processes over HTTP (server.py), weights pushed to each
+    vllm_engine.py          vLLM in the training process (GPU), or in a server (tensor / data parallel)
+    pipeline.py             generation ahead of training (rollout.max_staleness), on top of an engine
     weights.py              naming, fingerprinting, checksumming and sending weights
     conversation.py         multi-turn rollouts (tools, environments) on top of any engine
     tools.py                tools and environments: loading, schemas, parsing and running calls

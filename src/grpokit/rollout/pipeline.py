@@ -43,6 +43,10 @@ class Queued:
     weights_step: int  # w(step): the weights it samples with
     batch: Future | RolloutBatch | None  # on the process with the engine; a Future until generated
 
+    def failed(self) -> bool:
+        """Whether its generation raised (waiting for it to end)."""
+        return isinstance(self.batch, Future) and self.batch.exception() is not None
+
     def result(self) -> RolloutBatch:
         """The step's completions (waiting for them), checked against the schedule."""
         if isinstance(self.batch, RolloutBatch):
