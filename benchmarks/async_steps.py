@@ -1,12 +1,13 @@
 """Synchronous against asynchronous steps (rollout.max_staleness 0 and 1) on the default task, the
 trainer and one rollout server each pinned to a core of their own; then two servers against one.
 
-    python benchmarks/async_steps.py [--steps 20]
+    python benchmarks/async_steps.py [--steps 20] [--model NAME] [--no-pin] [section.field=value ...]
 
 Each run: the bundled model, the built-in task, `train.max_steps` steps, held-out greedy accuracy
 (eval/reward) before and after. The server runs `taskset -c 1` with 1 thread, the trainer
 `taskset -c 0` with 1 thread (the machine's 2 cores; on a bigger machine pick the cores with
---trainer-core / --server-core). Printed: each run's median phase times and step time, the async /
+--trainer-core / --server-core; --no-pin leaves them unpinned, as on a GPU machine, and overrides
+after the options go to every run). Printed: each run's median phase times and step time, the async /
 sync ratio of median step times, and the held-out accuracy; then the two-server run against the
 one-server synchronous run: equal, or the keys that differ. The runs are written to runs/async_steps/,
 their metrics.jsonl copied to benchmarks/results/async_steps-*.metrics.jsonl.
@@ -35,13 +36,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def pinned(core: int, command: list[str]) -> list[str]:
-    return ["taskset", "-c", str(core), *command]
+def pinned(core: int | None, command: list[str]) -> list[str]:
+    return command if core is None else ["taskset", "-c", str(core), *command]
 
 
-def start_server(core: int, log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(core: int | None, log: Path, model: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    process = subprocess.Popen(pinned(core, [sys.executable, "-m", "grpokit", "serve", "--model", MODEL, "--port", str(port)]),
+    process = subprocess.Popen(pinned(core, [sys.executable, "-m", "grpokit", "serve", "--model", model, "--port", str(port)]),
                                stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -56,10 +57,11 @@ def start_server(core: int, log: Path) -> tuple[subprocess.Popen, str]:
     raise SystemExit("the server did not start in 300 s")
 
 
-def train(out: Path, core: int, urls: list[str], staleness: int, steps: int) -> list[dict]:
-    command = [sys.executable, "-m", "grpokit", "train", "--no-progress", f"train.max_steps={steps}",
+def train(out: Path, core: int | None, urls: list[str], staleness: int, steps: int, model: str,
+          overrides: list[str]) -> list[dict]:
+    command = [sys.executable, "-m", "grpokit", "train", "--no-progress", f"model.name={model}", f"train.max_steps={steps}",
                "train.eval_every=0", "rollout.engine=server", f"rollout.server_url=[{','.join(urls)}]",
-               f"rollout.max_staleness={staleness}", f"train.output_dir={out}"]
+               f"rollout.max_staleness={staleness}", f"train.output_dir={out}", *overrides]
     started = time.monotonic()
     result = subprocess.run(pinned(core, command), capture_output=True, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -85,18 +87,25 @@ def main() -> None:
     parser.add_argument("--trainer-core", type=int, default=0)
     parser.add_argument("--server-core", type=int, default=1)
     parser.add_argument("--skip-two-servers", action="store_true")
+    parser.add_argument("--model", default=MODEL, help="model.name of every run and server")
+    parser.add_argument("--no-pin", action="store_true", help="no taskset: trainer and servers share the machine")
+    parser.add_argument("overrides", nargs="*", metavar="section.field=value", help="config settings of every run")
     args = parser.parse_args()
+    if args.no_pin:
+        args.trainer_core = args.server_core = None
     args.out.mkdir(parents=True, exist_ok=True)
     for old in args.out.glob("*/"):
         subprocess.run(["rm", "-rf", str(old)], check=True)
     servers = []
     try:
-        server, url = start_server(args.server_core, args.out / "server.log")
+        server, url = start_server(args.server_core, args.out / "server.log", args.model)
         servers.append(server)
-        runs = {k: train(args.out / f"staleness-{k}", args.trainer_core, [url], k, args.steps) for k in (0, 1)}
+        runs = {k: train(args.out / f"staleness-{k}", args.trainer_core, [url], k, args.steps, args.model, args.overrides)
+                for k in (0, 1)}
         table = [summary(f"max_staleness={k}", rows) for k, rows in runs.items()]
-        print(f"\n{args.steps} steps of the default task, trainer on core {args.trainer_core}, server on core "
-              f"{args.server_core}, 1 thread each (medians over steps, seconds):\n")
+        where = ("unpinned" if args.no_pin else
+                 f"trainer on core {args.trainer_core}, server on core {args.server_core}, 1 thread each")
+        print(f"\n{args.steps} steps of {args.model} {' '.join(args.overrides)} ({where}; medians over steps, seconds):\n")
         print("| run | time/generate | time/logprobs | time/update | time/optimizer | step_time | eval/reward start -> end |")
         print("|---|---|---|---|---|---|---|")
         for r in table:
@@ -107,9 +116,9 @@ def main() -> None:
             (args.results / f"async_steps-staleness-{k}.metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         if args.skip_two_servers:
             return
-        second, url2 = start_server(args.server_core, args.out / "server-2.log")
+        second, url2 = start_server(args.server_core, args.out / "server-2.log", args.model)
         servers.append(second)
-        two = train(args.out / "two-servers", args.trainer_core, [url, url2], 0, args.steps)
+        two = train(args.out / "two-servers", args.trainer_core, [url, url2], 0, args.steps, args.model, args.overrides)
         (args.results / "async_steps-two-servers.metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in two))
 
         def plain(rows):  # times aside; the engine's entropy is measured on other batch shapes (float rounding)
@@ -122,7 +131,7 @@ def main() -> None:
 
         weights = [load_file(args.out / name / "final" / "model.safetensors") for name in ("staleness-0", "two-servers")]
         same = weights[0].keys() == weights[1].keys() and all((weights[0][k] == weights[1][k]).all() for k in weights[0])
-        print(f"\ntwo servers (both on core {args.server_core}) against one, synchronous: "
+        print(f"\ntwo servers{'' if args.no_pin else f' (both on core {args.server_core})'} against one, synchronous: "
               + ("every metric equal (entropy aside: largest relative difference "
                  f"{entropy:.1e})" if not differ and len(two) == len(runs[0]) else f"DIFFERENT: {differ}")
               + f"; final weights {'equal, bit for bit' if same else 'DIFFERENT'}")

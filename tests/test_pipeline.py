@@ -31,7 +31,7 @@ def test_completions_sampled_with_other_weights_than_the_schedule_are_refused():
     answered.set_result(("batch", 2))
     with pytest.raises(ScheduleError, match="step 4 was sampled with the weights after step 2; rollout.max_staleness "
                                             "schedules those after step 3"):
-        Queued(4, [], 3, answered).result()
+        Queued(4, [], [], 3, answered).result()
 
 
 def staleness(run) -> list[int]:
@@ -80,6 +80,32 @@ def test_an_async_run_killed_and_resumed_is_the_uninterrupted_run(server, tmp_pa
     assert metrics(killed) == metrics(tmp_path / "whole")
     a, b = final_weights(killed), final_weights(tmp_path / "whole")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_server_lost_mid_run_loses_no_trained_step(server, tmp_path):
+    """The only server dies: the run stops with its error, the state after the last trained step is
+    saved (the steps whose generation ahead failed held by their seeds), and, resumed with a server
+    back, the run generates those again with the newest weights and finishes."""
+    s = server()
+    run = [*ASYNC, "train.max_steps=8", "data.eval_size=0", f"rollout.server_url={s.url}", "rollout.max_staleness=1"]
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": THREADS}
+    trainer = subprocess.Popen([sys.executable, "-m", "grpokit", "train", *run, "rollout.server_timeout=1",
+                                f"train.output_dir={out}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    log, deadline = out / "metrics.jsonl", time.monotonic() + 120
+    while not (log.exists() and len(log.read_text().splitlines()) >= 3):
+        assert time.monotonic() < deadline and trainer.poll() is None, trainer.communicate()
+        time.sleep(0.01)
+    s.kill()
+    said, err = trainer.communicate(timeout=120)
+    assert trainer.returncode == 1 and "Traceback" not in err, err[-3000:]
+    assert f"the rollout server at {s.url} cannot be reached" in err
+    trained = len(metrics(out))
+    assert f"the run stopped after step {trained}; that state is saved in" in said
+    assert f"generating step(s) [{trained + 1}] ahead failed: a resumed run generates them again" in said
+    s.start()
+    assert main(["train", *run, f"train.output_dir={out}"]) == 0
+    assert staleness(out) == [0] + [1] * (trained - 1) + [0] + [1] * (7 - trained)
 
 
 @pytest.mark.parametrize("setting, message", [

@@ -245,3 +245,20 @@ def test_deepspeed_skips_a_non_finite_update_as_grpokit_does(tmp_path):
     assert all(torch.equal(w[k], v[k]) for k in w)
     o, p = (torch.load(c / "optimizer.pt", weights_only=True)["optimizer"]["state"] for c in (before, after))
     assert all(torch.equal(o[n]["exp_avg"], p[n]["exp_avg"]) and o[n]["step"] == p[n]["step"] for n in o)
+
+
+def test_steps_generated_ahead_under_fsdp2(tmp_path):
+    """rollout.max_staleness=1 under FSDP2: the weight copies pushed ahead are gathered from both
+    processes (a collective at each step's start); the run is the 1-process run through the server."""
+    pytest.importorskip("fastapi", reason="the server needs: pip install 'grpokit[server]'")
+    from test_server import Server
+
+    server = Server()
+    try:
+        ahead = ["train.max_steps=3", "rollout.engine=server", f"rollout.server_url={server.url}", "rollout.max_staleness=1"]
+        train(tmp_path, "one", *ahead)
+        train(tmp_path, "run", *ahead, config=EXAMPLES / "cpu-2-processes-fsdp2.yaml")
+    finally:
+        server.stop()
+    assert [r["staleness"] for r in metrics(tmp_path / "run") if "loss" in r] == [0, 1, 1]
+    assert_same_run(tmp_path / "run", tmp_path / "one")

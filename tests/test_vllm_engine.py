@@ -242,6 +242,11 @@ class _Worker:
 class LLM:
     def __init__(self, **kwargs):
         self.worker = _Worker()
+        if kwargs["tensor_parallel_size"] > 1:  # as vLLM does: a worker process per GPU
+            import multiprocessing
+            worker = multiprocessing.get_context("spawn").Process(target=os.getpid)
+            worker.start()
+            worker.join()
         with open(os.environ["FAKE_VLLM_LOG"], "a") as f:
             f.write(json.dumps({"gpus": os.environ["CUDA_VISIBLE_DEVICES"], "tp": kwargs["tensor_parallel_size"],
                                 "pid": os.getpid()}) + "\\n")

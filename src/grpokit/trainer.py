@@ -164,9 +164,6 @@ class Trainer:
         if self.tools is not None and config.rollout.max_staleness:
             raise ConfigError(f"rollout.max_staleness={config.rollout.max_staleness} with multi-turn rollouts (tools, "
                               "an environment) is not supported yet: use rollout.max_staleness=0")
-        if config.rollout.max_staleness and self.parallel.lockstep:
-            raise ConfigError(f"rollout.max_staleness={config.rollout.max_staleness} with sharded weights (FSDP2, ZeRO-3) "
-                              "is not supported yet: use data parallelism, or rollout.max_staleness=0")
         if self.tools is not None and self.tools.environment is not None and distributed.world_size() > 1:
             if self.remote:
                 raise ConfigError("rollout.environment with rollout.engine=server on several processes is not supported: "
@@ -410,8 +407,7 @@ class Trainer:
         if self.config.rollout.dynamic_sampling:
             examples, batch, scored, sampling = self.sample_informative(step, examples)
         elif queued is not None:  # (waiting for it, when it is not generated yet)
-            batch = distributed.on_main(queued.result)
-            batch = batch if distributed.world_size() == 1 else batch.select(self.rows)
+            batch = self.own_rows(distributed.on_main(queued.result))
             scored = self.score(examples, batch)
             sampling = {"staleness": step - 1 - queued.weights_step}
         else:
@@ -458,10 +454,14 @@ class Trainer:
         if self.remote:  # process 0 asks for the whole step; each process keeps its rows
             self.hand_weights_to_server()
             batch = distributed.on_main(lambda: self.generate(examples, [G] * len(examples), self.sampling, seeds.tolist()))
-            return batch if distributed.world_size() == 1 else batch.select(self.rows)
+            return self.own_rows(batch)
         prompts, counts = torch.unique_consecutive(self.rows // G, return_counts=True)
         return self.generate([examples[p] for p in prompts.tolist()], counts.tolist(), self.sampling,
                              seeds[self.rows].tolist())
+
+    def own_rows(self, batch: RolloutBatch) -> RolloutBatch:
+        """This process's rows of a whole step a remote engine generated (in host memory), on its device."""
+        return (batch if distributed.world_size() == 1 else batch.select(self.rows)).to(self.device)
 
     def generate(self, examples: list[Example], counts: list[int], params: SamplingParams,
                  seeds: list[int] | None) -> RolloutBatch:
@@ -481,8 +481,13 @@ class Trainer:
         return self.generate(examples, [self.config.rollout.num_generations] * len(examples), self.sampling, seeds)
 
     def weights_snapshot(self) -> list[tuple[str, torch.Tensor]]:
-        """A copy of the policy's weights as they are now, to push while the trainer changes its own."""
-        return [(name, tensor.detach().clone()) for name, tensor in named_weights(self.policy)]
+        """A copy of the policy's whole weights as they are now, in host memory, to push while the
+        trainer changes its own (on process 0; every process calls it: a collective when sharded)."""
+        if self.parallel.lockstep:
+            weights = self.parallel.full_weights(self.policy)
+        else:
+            weights = named_weights(self.policy) if distributed.is_main() else []
+        return [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in weights]
 
     def score(self, examples: list[Example], batch: RolloutBatch) -> Scored:
         """Rewards of this process's completions `batch`, gathered into the whole step's, and
@@ -825,9 +830,8 @@ class Trainer:
             "skipped_in_a_row": p.skipped_in_a_row,
             "unscored_in_a_row": p.unscored_in_a_row,
         }
+        # The steps generated ahead: saved with the checkpoint, their prompts after examples_seen.
         pending = [] if self.ahead is None else self.ahead.pending()
-        if self.ahead is not None:  # their prompts follow examples_seen in the data stream
-            state["ahead_steps"] = [q.step for q in pending]
         return rng, state, pending
 
     def save_checkpoint(self, captured: tuple[dict, dict, list[Queued]] | None = None) -> Path:
@@ -856,14 +860,13 @@ class Trainer:
         """A failure stops the run: save `captured`, the newest state the weights still match, if
         no checkpoint holds it yet, so that fixing the cause and resuming loses nothing."""
         step = captured[1]["step"]
-        failed = [q.step for q in captured[2] if q.failed()]
-        if failed and step > (self.saved_step or 0):  # a checkpoint holds them: without them, no state to save
-            self.monitor.write(f"the state after step {step} is not saved: generating step(s) {failed} ahead failed "
-                               "(a resumed run starts from the newest checkpoint)")
-        elif step > (self.saved_step or 0):
+        if step > (self.saved_step or 0):
             try:
                 path = self.save_checkpoint(captured)
-                self.monitor.write(f"the run stopped after step {step}; that state is saved in {path}")
+                failed = [q.step for q in captured[2] if q.failed()]
+                again = f" (generating step(s) {failed} ahead failed: a resumed run generates them again, with " \
+                        "that checkpoint's weights)" if failed else ""
+                self.monitor.write(f"the run stopped after step {step}; that state is saved in {path}{again}")
             except Exception as e:  # noqa: BLE001 - the original error is the one to report
                 self.monitor.write(f"saving step {step} after the failure failed too: {e}")
 
@@ -891,9 +894,8 @@ class Trainer:
                                  state["examples_seen"])
         self.stream = self.task.train_stream(start=state["examples_seen"])
         if self.ahead is not None:  # the steps generated ahead of the checkpoint, with weights it no longer has
-            saved = torch.load(folder / AHEAD_FILE, weights_only=True) if self.engine is not None else None
-            self.ahead.restore(saved, state["ahead_steps"],
-                               lambda: [next(self.stream) for _ in range(self.config.train.prompts_per_step)])
+            saved = distributed.on_main(lambda: torch.load(folder / AHEAD_FILE, weights_only=True))
+            self.ahead.restore(saved, lambda: [next(self.stream) for _ in range(self.config.train.prompts_per_step)])
 
     # ------------------------------------------------------------------ helpers
 

@@ -43,7 +43,7 @@ class SamplingParams:
 class RolloutBatch:
     """N completions; those of one prompt are contiguous, in the order of the prompts."""
 
-    prompt_index: torch.Tensor  # (N,) which prompt of the request each completion continues
+    prompt_index: torch.Tensor  # (N,) which prompt of the request each completion continues; on the CPU
     prompt_ids: torch.Tensor  # (N, Lp) left-padded
     prompt_mask: torch.Tensor  # (N, Lp) 1 on prompt tokens
     completion_ids: torch.Tensor  # (N, T) right-padded: every token after the prompt
@@ -82,8 +82,10 @@ class RolloutBatch:
         return RolloutBatch(**picked)
 
     def to(self, device: torch.device) -> RolloutBatch:
-        """The same completions with every tensor on `device`."""
-        return RolloutBatch(**{f.name: getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor)
+        """The same completions with every tensor on `device`, but `prompt_index`, which indexes on
+        the host (as every engine returns it)."""
+        return RolloutBatch(**{f.name: getattr(self, f.name).to(device)
+                               if isinstance(getattr(self, f.name), torch.Tensor) and f.name != "prompt_index"
                                else getattr(self, f.name) for f in fields(self)})
 
     @staticmethod

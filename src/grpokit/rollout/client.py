@@ -242,6 +242,7 @@ class ServerEngine:
         self.servers = [RolloutServer(url, model, timeout_s) for url in urls]  # each checked at once
         self.pad_id = pad_id
         self.down: list[RolloutServer] = []  # failed for good: left out for the rest of the run
+        self.last_error: RolloutServerError | None = None  # why the last of them was left out
         self.exact_logprobs = all(s.exact_logprobs for s in self.servers)
         self.weights_step: int | None = None  # the trainer step of the weights the last generation used
 
@@ -283,6 +284,8 @@ class ServerEngine:
         todo = list(range(len(prompts)))
         while todo:
             up = self.up
+            if not up:  # (a generation after the last one failed)
+                raise RolloutServerError(f"every rollout server is down: {self.last_error}")
             shares = split_groups([counts[i] * (len(prompts[i]) + params.max_tokens) for i in todo], len(up))
             jobs = {server: [todo[j] for j in share] for server, share in zip(up, shares) if share}
 
@@ -318,6 +321,7 @@ class ServerEngine:
             raise error
         server.close()
         self.down.append(server)
+        self.last_error = error
         if not self.up:
             if len(self.servers) > 1:
                 raise RolloutServerError(f"{error} (all {len(self.servers)} rollout servers are down)") from None

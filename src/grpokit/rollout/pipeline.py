@@ -7,25 +7,27 @@ weights sample which step is fixed by k alone: step n samples with the weights a
 
 so its staleness, (n - 1) - w(n) = min(k, n - 1) steps, is at most k, and a run is reproducible
 from its seed whatever the timing. When step m starts, the trainer's weights (those after step
-m - 1) are copied, since training goes on changing them, and step m + k is queued with them; steps
-m .. m + k - 1 were queued before. One worker thread runs the queue in order, so the servers see
-pushes and generations in the schedule's order, and the engine is only ever used from that thread
-(an evaluation goes through the queue too: `call`).
+m - 1) are copied to host memory, since training goes on changing them, and step m + k is queued
+with them; steps m .. m + k - 1 were queued before. One worker thread runs the queue in order, so
+the servers see pushes and generations in the schedule's order, and the engine is only ever used
+from that thread (an evaluation goes through the queue too: `call`). Each answer says which
+weights it was sampled with, and one that is not the schedule's stops the run.
 
 The prompts and sampling seeds of a queued step are drawn when it is queued. A checkpoint after
 step m holds the completions of steps m + 1 .. m + k (waited for): they were sampled with weights
 the checkpoint no longer has, so a resumed run takes them from it instead of sampling them again.
-A run resumed with a larger train.max_steps samples the steps its checkpoint did not hold ahead
-with its newest weights (the `staleness` metric, read from the servers' answers, says so).
+A step whose generation failed (its servers down) is held by its seeds instead: a resumed run
+generates it again, with its newest weights. So does a run resumed with a larger
+train.max_steps for the steps its checkpoint did not hold. The `staleness` metric says so.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, fields
-
-import torch
 
 from grpokit.rollout import RolloutBatch
 
@@ -40,7 +42,8 @@ class Queued:
 
     step: int
     examples: list  # the step's prompts (tasks.Example)
-    weights_step: int  # w(step): the weights it samples with
+    seeds: list[int]  # one per completion
+    weights_step: int  # the step whose weights sample it: w(step), unless generated again on resume
     batch: Future | RolloutBatch | None  # on the process with the engine; a Future until generated
 
     def failed(self) -> bool:
@@ -52,6 +55,9 @@ class Queued:
         if isinstance(self.batch, RolloutBatch):
             return self.batch
         batch, answered = self.batch.result()
+        if answered is None:
+            raise ScheduleError("the rollout server does not say which weights it sampled with (no weights_step in its "
+                                "answer): an older grpokit serve? rollout.max_staleness needs the servers upgraded")
         if answered != self.weights_step:
             raise ScheduleError(f"step {self.step} was sampled with the weights after step {answered}; rollout."
                                 f"max_staleness schedules those after step {self.weights_step}")
@@ -65,35 +71,57 @@ class Pipeline:
         completions, run in the worker thread."""
         self.engine, self.k, self.generate = engine, max_staleness, generate
         self.queued: dict[int, Queued] = {}
+        self.again: dict[int, list[int]] = {}  # steps of a checkpoint to generate again: their seeds
         self.published: int | None = None  # the step of the weights last handed to the engine
-        self.worker = None if engine is None else ThreadPoolExecutor(1, thread_name_prefix="grpokit-rollout")
+        self.jobs: queue.Queue | None = None
+        if engine is not None:
+            # A daemon thread: a generation still waiting on a server never holds the process's exit.
+            self.jobs = queue.Queue()
+            threading.Thread(target=self._work, daemon=True, name="grpokit-rollout").start()
+
+    def _work(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            future, fn = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - handed to whoever waits on it
+                    future.set_exception(e)
+
+    def submit(self, fn: Callable) -> Future:
+        future = Future()
+        self.jobs.put((future, fn))
+        return future
 
     def weights_step(self, step: int) -> int:
         """w(step): the step whose weights sample step `step`."""
         return max(0, step - 1 - self.k)
 
     def publish(self, step: int, snapshot: Callable[[], list]) -> None:
-        """Queue the weights after step `step` (taken now by `snapshot()`) for the generations queued
-        after this, unless they are the engine's already."""
-        if self.worker is not None and self.published != step:
-            weights = snapshot()
-            self.worker.submit(self.engine.use_weights, weights, step)
-            self.published = step
+        """Queue the weights after step `step`, taken now by `snapshot()` (on every process: a
+        collective when the weights are sharded), for the generations queued after this, unless
+        they are the engine's already."""
+        if self.published == step:
+            return
+        weights = snapshot()
+        if self.engine is not None:
+            self.submit(lambda: self.engine.use_weights(weights, step))
+        self.published = step
 
     def fill(self, step: int, last: int, trained: int, draw: Callable[[], tuple[list, list[int]]],
              snapshot: Callable[[], list]) -> None:
         """Queue every step from `step` to min(step + k, `last`) not queued yet; `trained`: the step
-        of the trainer's weights now; draw(): a step's prompts and seeds."""
+        of the trainer's weights now; draw(): a new step's prompts and seeds."""
         for n in range(step, min(step + self.k, last) + 1):
             if n in self.queued:
                 continue
-            examples, seeds = draw()
-            w = trained  # w(n) for every step queued in order; fresher only after train.max_steps grew on resume
-            if self.worker is None:
-                self.queued[n] = Queued(n, examples, w, None)
-                continue
-            self.publish(w, snapshot)
-            self.queued[n] = Queued(n, examples, w, self.worker.submit(self._generate, examples, seeds))
+            if n in self.again:  # prompts and seeds drawn before the checkpoint
+                examples, seeds = self.again.pop(n)
+            else:
+                examples, seeds = draw()
+            self.publish(trained, snapshot)  # w(n) for every step queued in order; fresher only on resume
+            batch = None if self.engine is None else self.submit(lambda e=examples, s=seeds: self._generate(e, s))
+            self.queued[n] = Queued(n, examples, seeds, trained, batch)
 
     def _generate(self, examples: list, seeds: list[int]) -> tuple[RolloutBatch, int | None]:
         batch = self.generate(examples, seeds)
@@ -114,7 +142,7 @@ class Pipeline:
 
     def call(self, fn: Callable):
         """fn() in the worker thread, after everything queued before it; its result."""
-        return fn() if self.worker is None else self.worker.submit(fn).result()
+        return fn() if self.jobs is None else self.submit(fn).result()
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -124,26 +152,37 @@ class Pipeline:
 
     @staticmethod
     def saved(pending: list[Queued]) -> list[dict]:
-        """`pending` as a checkpoint stores them (waiting for their completions)."""
+        """`pending` as a checkpoint stores them (waiting for their completions): each step's
+        completions, or the seeds to generate it again with when its generation failed."""
         out = []
         for q in pending:
-            batch = q.result()
-            out.append({"step": q.step, "weights_step": q.weights_step,
-                        "batch": {f.name: getattr(batch, f.name) for f in fields(batch) if f.name != "conversations"}})
+            entry = {"step": q.step, "weights_step": q.weights_step, "seeds": q.seeds}
+            if not q.failed():
+                batch = q.result()
+                entry["batch"] = {f.name: getattr(batch, f.name) for f in fields(batch) if f.name != "conversations"}
+            out.append(entry)
         return out
 
-    def restore(self, saved: list[dict] | None, steps: list[int], draw_examples: Callable[[], list]) -> None:
-        """Take back the queued `steps` of a checkpoint (`saved`: its completions, on the process
-        with the engine), their prompts drawn again by draw_examples()."""
-        entries = {e["step"]: e for e in saved or ()}
-        for n in steps:
+    def restore(self, saved: list[dict], draw_examples: Callable[[], list]) -> None:
+        """Take back a checkpoint's queued steps (`saved` as `saved` wrote them), their prompts
+        drawn again by draw_examples(); those without completions are generated again."""
+        for e in saved:
             examples = draw_examples()
-            if self.worker is None:
-                self.queued[n] = Queued(n, examples, self.weights_step(n), None)
-            else:
-                e = entries[n]
-                self.queued[n] = Queued(n, examples, e["weights_step"], RolloutBatch(**e["batch"]))
+            if "batch" not in e:
+                self.again[e["step"]] = (examples, e["seeds"])
+                continue
+            batch = RolloutBatch(**e["batch"]) if self.engine is not None else None
+            self.queued[e["step"]] = Queued(e["step"], examples, e["seeds"], e["weights_step"], batch)
 
     def close(self) -> None:
-        if self.worker is not None:
-            self.worker.shutdown(wait=False, cancel_futures=True)
+        """Cancel what is queued; the worker ends after the job in hand, and nothing waits for it."""
+        if self.jobs is None:
+            return
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[0].cancel()
+        self.jobs.put(None)

@@ -238,4 +238,7 @@ def serve(model_name: str, engine_name: str, host: str, port: int, dtype: str, t
     service = RolloutService(engine, engine_name, model_name, fp, fp["vocab_size"])
     spread = f", tensor parallel {tensor_parallel_size} x data parallel {data_parallel_size}" if engine_name == "vllm" else ""
     print(f"grpokit serve: {model_name} ({engine_name}, {dtype}{spread}) on http://{host}:{port}", flush=True)
-    uvicorn.run(make_app(service), host=host, port=port, log_level="warning")
+    try:
+        uvicorn.run(make_app(service), host=host, port=port, log_level="warning")
+    finally:
+        engine.close()  # data-parallel vLLM: its replica processes

@@ -36,6 +36,7 @@ with vLLM's offline `LLM` API. Needs a GPU and `pip install 'grpokit[vllm]'`.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 from collections.abc import Iterable, Sequence
@@ -258,29 +259,47 @@ class DataParallelVLLM:
         for r in range(replicas):
             mine, theirs = context.Pipe()
             share = gpus[r * tensor_parallel_size:(r + 1) * tensor_parallel_size]
+            # Not a daemon: with tensor parallelism vLLM starts worker processes of its own, which a
+            # daemonic process may not; close() (also at exit) ends them.
             process = context.Process(target=_replica, args=(theirs, ",".join(share),
                                                              {**engine_args, "tensor_parallel_size": tensor_parallel_size}),
-                                      daemon=True, name=f"grpokit-vllm-replica-{r}")
+                                      name=f"grpokit-vllm-replica-{r}")
             process.start()
             self.pipes.append(mine)
             self.processes.append(process)
-        for r in range(replicas):  # each loads its model: wait for all, and fail on the first that cannot
-            self._answer(r)
+        atexit.register(self.close)
         self.checksum: str | None = None
-
-    def _answer(self, r: int):
         try:
-            ok, value = self.pipes[r].recv()
-        except EOFError:
-            raise RuntimeError(f"vLLM replica {r} stopped (its process exit code: {self.processes[r].exitcode})") from None
-        if not ok:
-            raise RuntimeError(f"vLLM replica {r}: {value}")
-        return value
+            self._all({})  # each loads its model: wait for all, and fail if one cannot
+        except RuntimeError:
+            self.close()
+            raise
 
     def _all(self, requests: dict[int, tuple]) -> dict[int, object]:
-        for r, request in requests.items():
-            self.pipes[r].send(request)
-        return {r: self._answer(r) for r in requests}
+        """Send each replica r its request (none: only read its answer), read every answer (so
+        that none is left for the next request to read), then raise the first failure."""
+        answers, failures = {}, []
+        asked = [r for r in range(len(self.pipes)) if not requests or r in requests]
+        for r in list(asked):
+            try:
+                if requests:
+                    self.pipes[r].send(requests[r])
+            except OSError as e:
+                failures.append(f"vLLM replica {r} cannot be reached ({e}; its exit code: {self.processes[r].exitcode})")
+                asked.remove(r)
+        for r in asked:
+            try:
+                ok, value = self.pipes[r].recv()
+            except (EOFError, OSError):
+                failures.append(f"vLLM replica {r} stopped (its exit code: {self.processes[r].exitcode})")
+                continue
+            if ok:
+                answers[r] = value
+            else:
+                failures.append(f"vLLM replica {r}: {value}")
+        if failures:
+            raise RuntimeError("; ".join(failures))
+        return answers
 
     def weights_checksum(self) -> str | None:
         return self.checksum
@@ -311,12 +330,16 @@ class DataParallelVLLM:
         return from_completions(prompts, counts, [c for i in range(len(prompts)) for c in out[i]], self.pad_id)
 
     def close(self) -> None:
-        for pipe, process in zip(self.pipes, self.processes):
+        for pipe in self.pipes:
             try:
                 pipe.send(None)
             except OSError:
                 pass
+        for process in self.processes:
             process.join(timeout=30)
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=10)
 
 
 def _replica(pipe, gpus: str, engine_args: dict) -> None:
