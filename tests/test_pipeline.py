@@ -11,7 +11,8 @@ from concurrent.futures import Future
 
 import pytest
 import torch
-from test_server import RUN, THREADS, final_weights, get, metrics, server  # noqa: F401 - server is a fixture
+from test_server import (RUN, THREADS, final_weights, get, metrics, server,  # noqa: F401 - server is a fixture
+                         train_in_background, wait_for_rows)
 
 from grpokit.cli import main
 from grpokit.rollout.pipeline import Pipeline, Queued, ScheduleError
@@ -89,13 +90,8 @@ def test_a_server_lost_mid_run_loses_no_trained_step(server, tmp_path):
     s = server()
     run = [*ASYNC, "train.max_steps=8", "data.eval_size=0", f"rollout.server_url={s.url}", "rollout.max_staleness=1"]
     out = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": THREADS}
-    trainer = subprocess.Popen([sys.executable, "-m", "grpokit", "train", *run, "rollout.server_timeout=1",
-                                f"train.output_dir={out}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    log, deadline = out / "metrics.jsonl", time.monotonic() + 120
-    while not (log.exists() and len(log.read_text().splitlines()) >= 3):
-        assert time.monotonic() < deadline and trainer.poll() is None, trainer.communicate()
-        time.sleep(0.01)
+    trainer = train_in_background(*run, "rollout.server_timeout=1", f"train.output_dir={out}")
+    wait_for_rows(trainer, out, 3)
     s.kill()
     said, err = trainer.communicate(timeout=120)
     assert trainer.returncode == 1 and "Traceback" not in err, err[-3000:]

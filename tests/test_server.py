@@ -91,6 +91,20 @@ def server():
         s.stop()
 
 
+def train_in_background(*args: str) -> subprocess.Popen:
+    """`grpokit train *args` in its own process, its stdout and stderr piped."""
+    return subprocess.Popen([sys.executable, "-m", "grpokit", "train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": THREADS})
+
+
+def wait_for_rows(trainer: subprocess.Popen, run: Path, rows: int) -> None:
+    """Until the run's metrics.jsonl holds `rows` rows (at most 120 s; the trainer still running)."""
+    log, deadline = run / "metrics.jsonl", time.monotonic() + 120
+    while not (log.exists() and len(log.read_text().splitlines()) >= rows):
+        assert time.monotonic() < deadline and trainer.poll() is None, trainer.communicate()
+        time.sleep(0.01)
+
+
 def final_weights(run: Path) -> dict:
     return load_file(run / "final" / "model.safetensors")
 
@@ -163,15 +177,9 @@ def test_the_trainer_checks_every_push(tmp_path, monkeypatch, capsys):
 def test_a_server_killed_and_restarted_mid_run_is_survived(server, tmp_path):
     s = server()
     steps = ["train.max_steps=12", "data.eval_size=0"]
-    trainer = subprocess.Popen(
-        [sys.executable, "-m", "grpokit", "train", *RUN, *steps, "rollout.engine=server",
-         f"rollout.server_url={s.url}", "rollout.server_timeout=60", f"train.output_dir={tmp_path / 'served'}"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": THREADS})
-    log = tmp_path / "served" / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (log.exists() and len(log.read_text().splitlines()) >= 3):
-        assert time.monotonic() < deadline and trainer.poll() is None, trainer.communicate()
-        time.sleep(0.05)
+    trainer = train_in_background(*RUN, *steps, "rollout.engine=server", f"rollout.server_url={s.url}",
+                                  "rollout.server_timeout=60", f"train.output_dir={tmp_path / 'served'}")
+    wait_for_rows(trainer, tmp_path / "served", 3)
     s.kill()
     time.sleep(1.0)  # the trainer meets a dead server and retries
     s.start()
@@ -300,14 +308,9 @@ def test_a_server_that_dies_for_good_stops_the_run_with_the_command_that_resumes
     s = server()
     steps = ["train.max_steps=4", "data.eval_size=0", "train.save_every=2"]
     served = tmp_path / "served"
-    trainer = subprocess.Popen(
-        [sys.executable, "-m", "grpokit", "train", *RUN, *steps, "rollout.engine=server",
-         f"rollout.server_url={s.url}", "rollout.server_timeout=1", f"train.output_dir={served}"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": THREADS})
-    log, deadline = served / "metrics.jsonl", time.monotonic() + 120
-    while not (log.exists() and len(log.read_text().splitlines()) >= 2):
-        assert time.monotonic() < deadline and trainer.poll() is None, trainer.communicate()
-        time.sleep(0.05)
+    trainer = train_in_background(*RUN, *steps, "rollout.engine=server", f"rollout.server_url={s.url}",
+                                  "rollout.server_timeout=1", f"train.output_dir={served}")
+    wait_for_rows(trainer, served, 2)
     s.kill()
     _, err = trainer.communicate(timeout=120)
     assert trainer.returncode == 1 and "Traceback" not in err, err[-3000:]
@@ -395,14 +398,9 @@ def test_a_server_killed_mid_run_leaves_its_share_to_the_other(server, tmp_path)
     run = [*RUN, "train.prompts_per_step=3", "train.max_steps=8", "data.eval_size=0", "rollout.engine=server",
            "monitor.log_completions=1"]
     out = tmp_path / "two"
-    trainer = subprocess.Popen(
-        [sys.executable, "-m", "grpokit", "train", *run, f"rollout.server_url=[{first.url},{second.url}]",
-         "rollout.server_timeout=3", f"train.output_dir={out}"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": THREADS})
-    log, deadline = out / "metrics.jsonl", time.monotonic() + 120
-    while not (log.exists() and len(log.read_text().splitlines()) >= 2):
-        assert time.monotonic() < deadline and trainer.poll() is None, trainer.communicate()
-        time.sleep(0.05)
+    trainer = train_in_background(*run, f"rollout.server_url=[{first.url},{second.url}]", "rollout.server_timeout=3",
+                                  f"train.output_dir={out}")
+    wait_for_rows(trainer, out, 2)
     second.kill()
     _, err = trainer.communicate(timeout=180)
     assert trainer.returncode == 0 and "Traceback" not in err, err[-3000:]
