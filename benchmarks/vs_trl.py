@@ -2,6 +2,8 @@
 
     pip install 'grpokit[bench]'        # TRL, for this benchmark only
     python benchmarks/vs_trl.py          # 30 steps each, about 12 minutes on 2 CPU cores
+    python benchmarks/vs_trl.py --device cuda --dtype bfloat16 --model <folder> --prompts 8 \
+        --max-completion-length 256 --out <file>     # on a GPU (the figures: benchmarks/results/)
 
 Each trainer runs in its own process (so each has its own peak resident memory), and they take
 turns: grpokit step 1, TRL step 1, grpokit step 2, ... (A B A B), each running alone on the
@@ -18,7 +20,9 @@ Reported per trainer: step wall time (median, and the 10th to 90th percentile ov
 the first), generated tokens per second (completion tokens sampled), trained tokens per second
 (prompt + completion tokens of the batch the update learns from), and peak resident memory of the
 process. For grpokit, its own per-phase times (metrics.jsonl's time/*) split the step.
-The table is printed and written to benchmarks/results/vs_trl.md.
+The table is printed and written to benchmarks/results/vs_trl.md. On a GPU (--device cuda), both
+train there, and the peak GPU memory each allocated is reported too; --model, --dtype, --prompts
+and --generations change the work for both alike.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-PROMPTS_PER_STEP, GENERATIONS, LR = 2, 8, 1e-6
+LR = 1e-6
 
 
 def peak_rss_mib() -> float:
@@ -48,8 +52,9 @@ def grpokit_worker(conn, args) -> None:
     from grpokit.config import load_config
     from grpokit.trainer import Trainer
 
+    PROMPTS_PER_STEP, GENERATIONS = args.prompts, args.generations
     config = load_config(None, [
-        "model.name=smollm2-135m-instruct", f"train.prompts_per_step={PROMPTS_PER_STEP}",
+        f"model.name={args.model}", f"model.dtype={args.dtype}", f"train.prompts_per_step={PROMPTS_PER_STEP}",
         f"rollout.num_generations={GENERATIONS}", f"rollout.max_completion_length={args.max_completion_length}",
         "algorithm.loss_type=dapo", f"algorithm.beta={args.beta}", "algorithm.scale_rewards=group", "algorithm.epsilon=0.2",
         "train.max_grad_norm=1.0", f"train.learning_rate={LR}", "train.weight_decay=0.0", "train.warmup_steps=0",
@@ -69,7 +74,14 @@ def grpokit_worker(conn, args) -> None:
         conn.send({"wall": wall, "generated": generated, "tokens": metrics["num_tokens"],
                    "parts": {k: v for k, v in metrics.items() if k.startswith("time/")},
                    "reward": metrics["reward"], "zero_std": metrics["frac_reward_zero_std"]})
-    conn.send({"peak_rss": peak_rss_mib()})
+    conn.send(peaks())
+
+
+def peaks() -> dict:
+    import torch
+
+    gpu = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+    return {"peak_rss": peak_rss_mib(), "peak_gpu": gpu}
 
 
 def trl_worker(conn, args) -> None:
@@ -84,17 +96,19 @@ def trl_worker(conn, args) -> None:
     from grpokit.rewards import get_reward_function
     from grpokit.tasks.arithmetic import ArithmeticTask
 
+    PROMPTS_PER_STEP, GENERATIONS = args.prompts, args.generations
     task = ArithmeticTask(seed=0, eval_size=0)
     stream = task.train_stream()
     # The prompts grpokit draws, in its order (TRL must not shuffle them).
     rows = [next(stream) for _ in range(PROMPTS_PER_STEP * args.steps)]
     dataset = Dataset.from_list([{"prompt": e.prompt, **e.columns} for e in rows])
-    folder = bundled_model_path()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    folder = bundled_model_path() if args.model == "smollm2-135m-instruct" else args.model
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype))
     tokenizer = AutoTokenizer.from_pretrained(folder)
     names, weights = zip(*task.reward_functions)
     config = GRPOConfig(
-        output_dir=str(Path(args.workdir) / "trl-run"), use_cpu=True, bf16=False, fp16=False, seed=0,
+        output_dir=str(Path(args.workdir) / "trl-run"), use_cpu=args.device == "cpu", bf16=args.dtype == "bfloat16",
+        fp16=False, seed=0,
         per_device_train_batch_size=PROMPTS_PER_STEP * GENERATIONS, num_generations=GENERATIONS,
         gradient_accumulation_steps=1, max_completion_length=args.max_completion_length, loss_type="dapo",
         beta=args.beta, scale_rewards="group", epsilon=0.2, max_grad_norm=1.0, learning_rate=LR, weight_decay=0.0,
@@ -123,7 +137,7 @@ def trl_worker(conn, args) -> None:
     trainer.remove_callback(PrinterCallback)  # its per-step log lines; the benchmark prints its own
     conn.send("ready")
     trainer.train()
-    conn.send({"peak_rss": peak_rss_mib()})
+    conn.send(peaks())
 
 
 def summary(steps: list[dict]) -> dict:
@@ -145,12 +159,20 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--beta", type=float, default=0.04, help="KL coefficient of both (0: no reference model)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "vs_trl.md"))
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", default="float32", help="model.dtype of both (bfloat16 on a GPU)")
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="the bundled model, or a model folder")
+    parser.add_argument("--prompts", type=int, default=2, help="prompts per step")
+    parser.add_argument("--generations", type=int, default=8, help="completions per prompt")
     args = parser.parse_args()
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # both train on the CPU, even on a machine with a GPU
     import trl  # noqa: F401 - fail before anything starts: pip install 'grpokit[bench]'
 
     from grpokit.models import bundled_model_path
 
-    bundled_model_path()  # converted once here, not inside a timed process
+    if args.model == "smollm2-135m-instruct":
+        bundled_model_path()  # converted once here, not inside a timed process
     with tempfile.TemporaryDirectory() as workdir:
         args.workdir = workdir
         ctx = mp.get_context("spawn")
@@ -169,7 +191,7 @@ def main() -> int:
                 steps[name].append(conn.recv())
             g, t = steps["grpokit"][-1], steps["TRL"][-1]
             print(f"step {step:3d}: grpokit {g['wall']:6.2f} s   TRL {t['wall']:6.2f} s", flush=True)
-        peaks = {name: conn.recv()["peak_rss"] for name, (_, conn) in workers.items()}
+        peaks = {name: conn.recv() for name, (_, conn) in workers.items()}
         for process, _ in workers.values():
             process.join(timeout=60)
 
@@ -182,9 +204,10 @@ def main() -> int:
     import trl as trl_module
 
     lines = [
-        f"{args.steps} steps each, alternated; 16 completions of at most {args.max_completion_length} tokens per "
-        f"step; loss_type dapo, beta {args.beta:g}; SmolLM2-135M-Instruct, float32, {args.threads} CPU threads; "
-        f"torch {torch.__version__}, "
+        f"{args.steps} steps each, alternated; {args.prompts * args.generations} completions of at most "
+        f"{args.max_completion_length} tokens per step; loss_type dapo, beta {args.beta:g}; {args.model}, {args.dtype}, "
+        + (f"{torch.cuda.get_device_name()}; " if args.device == "cuda" else f"{args.threads} CPU threads; ")
+        + f"torch {torch.__version__}, "
         f"transformers {transformers.__version__}, TRL {trl_module.__version__}.",
         "",
         "| | grpokit | TRL GRPOTrainer | TRL / grpokit |",
@@ -195,8 +218,10 @@ def main() -> int:
         f"{s['TRL']['p10']:.2f}-{s['TRL']['p90']:.2f} | |",
         f"| generated tokens / s | {s['grpokit']['generated_per_s']:.0f} | {s['TRL']['generated_per_s']:.0f} | |",
         f"| trained tokens / s | {s['grpokit']['trained_per_s']:.0f} | {s['TRL']['trained_per_s']:.0f} | |",
-        f"| peak resident memory (MiB) | {peaks['grpokit']:.0f} | {peaks['TRL']:.0f} | "
-        f"{peaks['TRL'] / peaks['grpokit']:.2f}x |",
+        f"| peak resident memory (MiB) | {peaks['grpokit']['peak_rss']:.0f} | {peaks['TRL']['peak_rss']:.0f} | "
+        f"{peaks['TRL']['peak_rss'] / peaks['grpokit']['peak_rss']:.2f}x |",
+        *([f"| peak GPU memory allocated (MiB) | {peaks['grpokit']['peak_gpu']:.0f} | {peaks['TRL']['peak_gpu']:.0f} | "
+           f"{peaks['TRL']['peak_gpu'] / peaks['grpokit']['peak_gpu']:.2f}x |"] if args.device == "cuda" else []),
         f"| mean reward over the steps | {statistics.mean(r['reward'] for r in steps['grpokit']):.3f} | "
         f"{statistics.mean(r['reward'] for r in steps['TRL']):.3f} | |",
         "",
