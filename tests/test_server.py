@@ -395,7 +395,7 @@ def test_two_servers_give_the_run_of_one(server, tmp_path):
 
 def test_a_server_killed_mid_run_leaves_its_share_to_the_other(server, tmp_path):
     first, second = server(), server()
-    run = [*RUN, "train.prompts_per_step=3", "train.max_steps=8", "data.eval_size=0", "rollout.engine=server",
+    run = [*RUN, "train.prompts_per_step=3", "train.max_steps=6", "data.eval_size=0", "rollout.engine=server",
            "monitor.log_completions=1"]
     out = tmp_path / "two"
     trainer = train_in_background(*run, f"rollout.server_url=[{first.url},{second.url}]", "rollout.server_timeout=3",
