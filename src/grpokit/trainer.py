@@ -346,7 +346,7 @@ class Trainer:
             with signals.StopSignals(distributed.is_main()):
                 for step in range(self.progress.step + 1, t.max_steps + 1):
                     if self.ahead is None:
-                        examples = [next(self.stream) for _ in range(t.prompts_per_step)]  # the same on every process
+                        examples = self.next_prompts()
                     if distributed.world_size() == 1:  # (capturing is a collective: never after a failure)
                         in_step = self.capture(), updates_begun[0]
                     queued = None
@@ -449,8 +449,8 @@ class Trainer:
 
     def sample(self, examples: list[Example]) -> RolloutBatch:
         """The completions this process owns (rows `self.rows` of the step), grouped by prompt."""
-        G, N = self.config.rollout.num_generations, self.config.completions_per_step
-        seeds = torch.randint(0, 2**62, (N,), generator=self.seed_stream)  # (N,) the whole step's
+        G = self.config.rollout.num_generations
+        seeds = self.step_seeds()  # (N,) the whole step's
         if self.remote:  # process 0 asks for the whole step; each process keeps its rows
             self.hand_weights_to_server()
             batch = distributed.on_main(lambda: self.generate(examples, [G] * len(examples), self.sampling, seeds.tolist()))
@@ -470,11 +470,17 @@ class Trainer:
             return self.multi_turn.generate(self.engine, examples, counts, params, seeds)
         return self.engine.generate([self.encode(e) for e in examples], counts, params, seeds)
 
+    def next_prompts(self) -> list[Example]:
+        """A step's prompts, the next train.prompts_per_step of the data stream (the same on every process)."""
+        return [next(self.stream) for _ in range(self.config.train.prompts_per_step)]
+
+    def step_seeds(self) -> torch.Tensor:
+        """(N,) a step's sampling seeds, one per completion, from the seed stream (the same on every process)."""
+        return torch.randint(0, 2**62, (self.config.completions_per_step,), generator=self.seed_stream)
+
     def draw_ahead(self) -> tuple[list[Example], list[int]]:
-        """The prompts and sampling seeds of the next step queued ahead (the same on every process)."""
-        examples = [next(self.stream) for _ in range(self.config.train.prompts_per_step)]
-        seeds = torch.randint(0, 2**62, (self.config.completions_per_step,), generator=self.seed_stream)  # (N,)
-        return examples, seeds.tolist()
+        """The prompts and sampling seeds of the next step queued ahead."""
+        return self.next_prompts(), self.step_seeds().tolist()
 
     def generate_ahead(self, examples: list[Example], seeds: list[int]) -> RolloutBatch:
         """A whole step's completions, generated ahead (in the pipeline's thread)."""
@@ -546,7 +552,7 @@ class Trainer:
                                          for k in range(distributed.world_size())]))
         while True:
             if collector.rounds:
-                examples = [next(self.stream) for _ in range(P)]
+                examples = self.next_prompts()
             batch = self.sample(examples)
             rewards, per_function, samples = self.reward(examples, batch)
             if distributed.world_size() > 1:  # every process holds the whole round, in global order
@@ -895,7 +901,7 @@ class Trainer:
         self.stream = self.task.train_stream(start=state["examples_seen"])
         if self.ahead is not None:  # the steps generated ahead of the checkpoint, with weights it no longer has
             saved = distributed.on_main(lambda: torch.load(folder / AHEAD_FILE, weights_only=True))
-            self.ahead.restore(saved, lambda: [next(self.stream) for _ in range(self.config.train.prompts_per_step)])
+            self.ahead.restore(saved, self.next_prompts)
 
     # ------------------------------------------------------------------ helpers
 

@@ -3,7 +3,7 @@
 before each generation that follows an optimizer update.
 
 - Several servers (`rollout.server_url` a list): a generation's prompts are split among them by
-  whole prompt groups, balanced by expected tokens (`split_groups`), the requests go out
+  whole prompt groups, balanced by expected tokens (`split_generation`), the requests go out
   concurrently (one thread per server, each pushing its own weights first), and the answers are
   put back in the prompts' order. Every completion samples from its own seed, so how the prompts
   are split never changes what is sampled.
@@ -24,7 +24,6 @@ before each generation that follows an optimizer update.
 from __future__ import annotations
 
 import http.client
-import itertools
 import json
 import socket
 import sys
@@ -40,7 +39,7 @@ import torch
 from tqdm.auto import tqdm
 
 from grpokit.errors import StartupError
-from grpokit.rollout import STALE_WEIGHTS, TAKEN_OVER, RolloutBatch, SamplingParams, from_completions, split_groups
+from grpokit.rollout import STALE_WEIGHTS, TAKEN_OVER, RolloutBatch, SamplingParams, join_generation, split_generation
 from grpokit.rollout.weights import (WeightGroup, backend_between, checksum, device_id, fingerprint,
                                     fingerprint_differences, layout, named_weights)
 
@@ -52,9 +51,10 @@ class RolloutServerError(RuntimeError):
 class RolloutServer:
     """One rollout server: its HTTP requests, and the trainer's weights pushed to it."""
 
-    def __init__(self, url: str, model: torch.nn.Module, timeout_s: float):
+    def __init__(self, url: str, model: torch.nn.Module, timeout_s: float, expected_checksum=checksum):
+        """expected_checksum(weights): the checksum a push of `weights` must be answered with."""
         self.url = url.rstrip("/")
-        self.model, self.timeout_s = model, timeout_s
+        self.model, self.timeout_s, self.expected_checksum = model, timeout_s, expected_checksum
         self.fingerprint = fingerprint(model)
         self.device = next(model.parameters()).device
         self.group: WeightGroup | None = None
@@ -152,7 +152,7 @@ class RolloutServer:
         except (RolloutServerError, RuntimeError, _Stale) as e:  # the server died mid-transfer, or refused it
             self.close()
             raise _PushFailed(f"pushing the weights failed: {e or 'stale'}") from None
-        mine = checksum(weights)
+        mine = self.expected_checksum(weights)
         if answer["checksum"] != mine:
             raise RolloutServerError(
                 f"after weight push {self.version} the rollout server at {self.url} reports checksum "
@@ -239,7 +239,9 @@ class ServerEngine:
 
     def __init__(self, urls: str | list[str], model: torch.nn.Module, pad_id: int, timeout_s: float):
         urls = [urls] if isinstance(urls, str) else list(urls)
-        self.servers = [RolloutServer(url, model, timeout_s) for url in urls]  # each checked at once
+        # The weights' checksum, computed once for every server a version is pushed to: (version, checksum).
+        self.pushed_version, self.summed, self.summing = 0, None, threading.Lock()
+        self.servers = [RolloutServer(url, model, timeout_s, self._checksum) for url in urls]  # each checked at once
         self.pad_id = pad_id
         self.down: list[RolloutServer] = []  # failed for good: left out for the rest of the run
         self.last_error: RolloutServerError | None = None  # why the last of them was left out
@@ -254,6 +256,7 @@ class ServerEngine:
 
     def weights_updated(self) -> None:
         """The trainer changed the policy: push before the next generation."""
+        self.pushed_version += 1
         for server in self.servers:
             server.dirty = True
 
@@ -264,9 +267,18 @@ class ServerEngine:
     def use_weights(self, weights: list[tuple[str, torch.Tensor]], step: int | None = None) -> None:
         """Push these (a sharded policy's gathered weights, or a copy taken after step `step`)
         rather than the model's own tensors, from the next generation on."""
+        self.pushed_version += 1
         for server in self.servers:
             server.gathered, server.weights_step = weights, step
             server.dirty = True
+
+    def _checksum(self, weights: list[tuple[str, torch.Tensor]]) -> str:
+        """The checksum of the weights pushed now (those of `pushed_version`), computed by the
+        first server's thread to push them and reused by the others."""
+        with self.summing:
+            if self.summed is None or self.summed[0] != self.pushed_version:
+                self.summed = (self.pushed_version, checksum(weights))
+            return self.summed[1]
 
     def sleep(self) -> None:
         pass  # the servers' memory is their own: the trainer's update does not compete for it
@@ -276,28 +288,26 @@ class ServerEngine:
     def generate(self, prompts: list[list[int]], n: int | Sequence[int], params: SamplingParams,
                  seeds: Sequence[int] | None = None) -> RolloutBatch:
         counts = [n] * len(prompts) if isinstance(n, int) else [int(k) for k in n]
-        starts = [0, *itertools.accumulate(counts)]  # completion index of each prompt's first
         sampling = {"max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
                     "top_k": params.top_k, "min_p": params.min_p}
-        answers: dict[int, list[dict]] = {}  # prompt index -> its completions
+        answered: list[tuple[list[int], list[dict]]] = []  # (prompt indices, their completions)
         steps = set()
         todo = list(range(len(prompts)))
         while todo:
             up = self.up
             if not up:  # (a generation after the last one failed)
                 raise RolloutServerError(f"every rollout server is down: {self.last_error}")
-            shares = split_groups([counts[i] * (len(prompts[i]) + params.max_tokens) for i in todo], len(up))
-            jobs = {server: [todo[j] for j in share] for server, share in zip(up, shares) if share}
+            shares = split_generation(prompts, counts, seeds, params.max_tokens, len(up), among=todo)
+            jobs = {server: share for server, share in zip(up, shares) if share[0]}
 
-            def ask(server: RolloutServer, group: list[int]):
-                body = {"prompts": [prompts[i] for i in group], "n": [counts[i] for i in group], "sampling": sampling,
-                        "seeds": None if seeds is None else
-                        [int(seeds[k]) for i in group for k in range(starts[i], starts[i + 1])]}
-                return server.completions(body)
+            def ask(server: RolloutServer, share):
+                _, share_prompts, share_counts, share_seeds = share
+                return server.completions({"prompts": share_prompts, "n": share_counts, "sampling": sampling,
+                                           "seeds": share_seeds})
 
             results = _concurrently(ask, jobs)
             todo = []
-            for server, group in jobs.items():
+            for server, (group, *_) in jobs.items():
                 result = results[server]
                 if isinstance(result, BaseException):
                     self._leave_out(server, result)
@@ -305,15 +315,13 @@ class ServerEngine:
                     continue
                 completions, step = result
                 steps.add(step)
-                for i in group:
-                    answers[i] = completions[:counts[i]]
-                    completions = completions[counts[i]:]
+                answered.append((group, completions))
             todo.sort()
         if len(steps) > 1:
             raise RolloutServerError(f"the rollout servers sampled one generation with the weights of different "
                                      f"steps {sorted(steps, key=str)}: their weights are out of step")
         self.weights_step = steps.pop() if steps else None
-        return from_completions(prompts, counts, [c for i in range(len(prompts)) for c in answers[i]], self.pad_id)
+        return join_generation(prompts, counts, answered, self.pad_id)
 
     def _leave_out(self, server: RolloutServer, error: BaseException) -> None:
         """`server` failed for good: its share moves to the others, or, if it was the last, the run stops."""

@@ -37,14 +37,13 @@ with vLLM's offline `LLM` API. Needs a GPU and `pip install 'grpokit[vllm]'`.
 from __future__ import annotations
 
 import atexit
-import itertools
 import os
 from collections.abc import Iterable, Sequence
 
 import torch
 
 from grpokit.errors import StartupError
-from grpokit.rollout import RolloutBatch, SamplingParams, from_completions, split_groups
+from grpokit.rollout import RolloutBatch, SamplingParams, from_completions, join_generation, split_generation
 from grpokit.rollout.weights import Checksum
 
 # Wrappers that put a prefix or infix on parameter names: DDP / accelerate, torch.compile, PEFT.
@@ -270,24 +269,27 @@ class DataParallelVLLM:
         atexit.register(self.close)
         self.checksum: str | None = None
         try:
-            self._all({})  # each loads its model: wait for all, and fail if one cannot
+            self._read(range(replicas))  # each loads its model: wait for all, and fail if one cannot
         except RuntimeError:
             self.close()
             raise
 
-    def _all(self, requests: dict[int, tuple]) -> dict[int, object]:
-        """Send each replica r its request (none: only read its answer), read every answer (so
-        that none is left for the next request to read), then raise the first failure."""
-        answers, failures = {}, []
-        asked = [r for r in range(len(self.pipes)) if not requests or r in requests]
-        for r in list(asked):
+    def _ask(self, requests: dict[int, tuple]) -> dict[int, object]:
+        """Send each replica r its request requests[r]; their answers (`_read`)."""
+        failures, sent = [], []
+        for r, request in requests.items():
             try:
-                if requests:
-                    self.pipes[r].send(requests[r])
+                self.pipes[r].send(request)
+                sent.append(r)
             except OSError as e:
                 failures.append(f"vLLM replica {r} cannot be reached ({e}; its exit code: {self.processes[r].exitcode})")
-                asked.remove(r)
-        for r in asked:
+        return self._read(sent, failures)
+
+    def _read(self, replicas, failures: list[str] | None = None) -> dict[int, object]:
+        """Every answer of `replicas` (so that none is left for the next request to read); any
+        failure, `failures` first, raised once all are read."""
+        answers, failures = {}, list(failures or ())
+        for r in replicas:
             try:
                 ok, value = self.pipes[r].recv()
             except (EOFError, OSError):
@@ -307,7 +309,7 @@ class DataParallelVLLM:
     def load_weights(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> str:
         """The same weights into every replica; their checksums (of what each received) must agree."""
         weights = [(name, tensor.cpu()) for name, tensor in pairs]
-        sums = set(self._all({r: ("load", weights) for r in range(len(self.pipes))}).values())
+        sums = set(self._ask({r: ("load", weights) for r in range(len(self.pipes))}).values())
         if len(sums) != 1:
             raise RuntimeError(f"the vLLM replicas received different weights (checksums {sorted(sums)})")
         self.checksum = sums.pop()
@@ -318,16 +320,10 @@ class DataParallelVLLM:
         """Prompt groups split among the replicas by expected tokens (each completion samples from
         its own seed, so the split does not change what is sampled), answers in the prompts' order."""
         counts = [n] * len(prompts) if isinstance(n, int) else [int(k) for k in n]
-        starts = [0, *itertools.accumulate(counts)]
-        shares = split_groups([c * (len(p) + params.max_tokens) for p, c in zip(prompts, counts)], len(self.pipes))
-        requests = {r: ("generate", [prompts[i] for i in share], [counts[i] for i in share], params,
-                        None if seeds is None else [seeds[k] for i in share for k in range(starts[i], starts[i + 1])])
-                    for r, share in enumerate(shares) if share}
-        answers, out = self._all(requests), {}
-        for r, completions in answers.items():
-            for i in shares[r]:
-                out[i], completions = completions[:counts[i]], completions[counts[i]:]
-        return from_completions(prompts, counts, [c for i in range(len(prompts)) for c in out[i]], self.pad_id)
+        shares = split_generation(prompts, counts, seeds, params.max_tokens, len(self.pipes))
+        asked = {r: share for r, share in enumerate(shares) if share[0]}
+        answers = self._ask({r: ("generate", *share[1:3], params, share[3]) for r, share in asked.items()})
+        return join_generation(prompts, counts, [(asked[r][0], answers[r]) for r in asked], self.pad_id)
 
     def close(self) -> None:
         for pipe in self.pipes:
