@@ -11,7 +11,7 @@ from concurrent.futures import Future
 
 import pytest
 import torch
-from test_server import (RUN, THREADS, final_weights, get, metrics, server,  # noqa: F401 - server is a fixture
+from test_server import (RUN, THREADS, assert_same_final_weights, get, metrics, server,  # noqa: F401 - server is a fixture
                          train_in_background, wait_for_rows)
 
 from grpokit.cli import main
@@ -49,8 +49,7 @@ def test_async_steps_follow_the_schedule_and_are_reproducible(server, tmp_path):
     assert staleness(tmp_path / "k2") == [0, 1, 2, 2]
     assert get(s.url)["weights_step"] == 4  # the final evaluation's: the weights after the last step
     assert metrics(tmp_path / "a") == metrics(tmp_path / "b")
-    a, b = final_weights(tmp_path / "a"), final_weights(tmp_path / "b")
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_final_weights(tmp_path / "a", tmp_path / "b")
     # The lag is corrected for (the trainer's old log-probs against the sampling ones), and it learns
     # from other completions than the synchronous run's.
     rows = [r for r in metrics(tmp_path / "a") if "loss" in r]
@@ -79,8 +78,7 @@ def test_an_async_run_killed_and_resumed_is_the_uninterrupted_run(server, tmp_pa
     assert result.returncode == 0, result.stderr[-3000:]
     assert main(["train", *run, f"train.output_dir={tmp_path / 'whole'}"]) == 0
     assert metrics(killed) == metrics(tmp_path / "whole")
-    a, b = final_weights(killed), final_weights(tmp_path / "whole")
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_final_weights(killed, tmp_path / "whole")
 
 
 def test_a_server_lost_mid_run_loses_no_trained_step(server, tmp_path):

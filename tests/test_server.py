@@ -105,8 +105,10 @@ def wait_for_rows(trainer: subprocess.Popen, run: Path, rows: int) -> None:
         time.sleep(0.01)
 
 
-def final_weights(run: Path) -> dict:
-    return load_file(run / "final" / "model.safetensors")
+def assert_same_final_weights(a: Path, b: Path) -> None:
+    """Runs `a` and `b` ended with the same weights, bit for bit."""
+    wa, wb = (load_file(run / "final" / "model.safetensors") for run in (a, b))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def metrics(run: Path) -> list[dict]:
@@ -121,11 +123,11 @@ def test_a_server_run_equals_the_in_process_run(server, tmp_path):
                  f"train.output_dir={tmp_path / 'served'}"]) == 0
     # Same seeds, same weights (each push verified), the same sampling code: the same run, bit for bit.
     assert metrics(tmp_path / "served") == metrics(tmp_path / "local")
-    local, served = final_weights(tmp_path / "local"), final_weights(tmp_path / "served")
-    assert all(torch.equal(local[k], served[k]) for k in local)
+    assert_same_final_weights(tmp_path / "local", tmp_path / "served")
     from grpokit.models import load_model
 
     start = dict(named_weights(load_model("tiny-random")))
+    served = load_file(tmp_path / "served" / "final" / "model.safetensors")
     assert any(not torch.equal(start[k], v) for k, v in served.items() if k in start)  # training moved them
     health = get(s.url)
     # Pushes: before the step-0 evaluation, then after each of the 3 updates; the last one verified
@@ -190,8 +192,7 @@ def test_a_server_killed_and_restarted_mid_run_is_survived(server, tmp_path):
     # The new server got the same weights, so the run is the uninterrupted one.
     assert main(["train", *RUN, *steps, f"train.output_dir={tmp_path / 'local'}"]) == 0
     assert metrics(tmp_path / "served") == metrics(tmp_path / "local")
-    local, served = final_weights(tmp_path / "local"), final_weights(tmp_path / "served")
-    assert all(torch.equal(local[k], served[k]) for k in local)
+    assert_same_final_weights(tmp_path / "local", tmp_path / "served")
 
 
 def test_a_mismatched_model_is_refused(server, tmp_path, capsys):
@@ -321,8 +322,7 @@ def test_a_server_that_dies_for_good_stops_the_run_with_the_command_that_resumes
                  f"train.output_dir={served}"]) == 0
     assert main(["train", *RUN, *steps, f"train.output_dir={tmp_path / 'local'}"]) == 0
     assert metrics(served) == metrics(tmp_path / "local")
-    local, resumed = final_weights(tmp_path / "local"), final_weights(served)
-    assert all(torch.equal(local[k], resumed[k]) for k in local)
+    assert_same_final_weights(tmp_path / "local", served)
 
 
 def test_serve_on_a_busy_port_says_so_before_loading_the_model(tmp_path):
@@ -359,8 +359,7 @@ def test_a_multi_turn_server_run_equals_the_in_process_run(server, tmp_path):
     local = metrics(tmp_path / "local")
     assert local[0]["tools/calls_per_rollout"] > 0 and local[0]["turns/mean"] > 1  # conversations did happen
     assert metrics(tmp_path / "served") == local
-    a, b = final_weights(tmp_path / "local"), final_weights(tmp_path / "served")
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_final_weights(tmp_path / "local", tmp_path / "served")
 
 
 def completions_log(run: Path) -> list[dict]:
@@ -387,8 +386,7 @@ def test_two_servers_give_the_run_of_one(server, tmp_path):
     assert main(["train", *run, f"rollout.server_url=[{first.url},{second.url}]", f"train.output_dir={tmp_path / 'two'}"]) == 0
     assert completions_log(tmp_path / "two") == completions_log(tmp_path / "one")
     assert_same_but_entropy(metrics(tmp_path / "two"), metrics(tmp_path / "one"))
-    one, two = final_weights(tmp_path / "one"), final_weights(tmp_path / "two")
-    assert all(torch.equal(one[k], two[k]) for k in one)
+    assert_same_final_weights(tmp_path / "one", tmp_path / "two")
     # Both generated, each with every push verified: before the step-0 evaluation, then after each update.
     assert get(first.url)["weights_version"] == get(second.url)["weights_version"] == 4
 
@@ -410,8 +408,7 @@ def test_a_server_killed_mid_run_leaves_its_share_to_the_other(server, tmp_path)
     assert main(["train", *run, f"rollout.server_url={first.url}", f"train.output_dir={tmp_path / 'one'}"]) == 0
     assert completions_log(out) == completions_log(tmp_path / "one")
     assert_same_but_entropy(metrics(out), metrics(tmp_path / "one"))
-    one, two = final_weights(tmp_path / "one"), final_weights(out)
-    assert all(torch.equal(one[k], two[k]) for k in one)
+    assert_same_final_weights(tmp_path / "one", out)
 
 
 def test_a_server_of_the_list_that_is_down_at_start_is_named(server, tmp_path, capsys):

@@ -219,6 +219,11 @@ def decode_completions(tokenizer, batch: RolloutBatch, prompts: list) -> list:
             for text, prompt in zip(texts, prompts)]
 
 
+def group_counts(prompts: list, n: int | Sequence[int]) -> list[int]:
+    """An engine's `n` as one completion count per prompt: n for each, or the counts given."""
+    return [n] * len(prompts) if isinstance(n, int) else [int(k) for k in n]
+
+
 def from_completions(prompts: list[list[int]], counts: list[int], completions: list[dict], pad_id: int) -> RolloutBatch:
     """A RolloutBatch from per-completion lists (token_ids, logprobs, entropies or None,
     finish_reason), those of prompt i being the counts[i] after those of the prompts before it:

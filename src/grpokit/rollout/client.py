@@ -39,7 +39,8 @@ import torch
 from tqdm.auto import tqdm
 
 from grpokit.errors import StartupError
-from grpokit.rollout import STALE_WEIGHTS, TAKEN_OVER, RolloutBatch, SamplingParams, join_generation, split_generation
+from grpokit.rollout import (STALE_WEIGHTS, TAKEN_OVER, RolloutBatch, SamplingParams, group_counts,
+                             join_generation, split_generation)
 from grpokit.rollout.weights import (WeightGroup, backend_between, checksum, device_id, fingerprint,
                                     fingerprint_differences, layout, named_weights)
 
@@ -287,7 +288,7 @@ class ServerEngine:
 
     def generate(self, prompts: list[list[int]], n: int | Sequence[int], params: SamplingParams,
                  seeds: Sequence[int] | None = None) -> RolloutBatch:
-        counts = [n] * len(prompts) if isinstance(n, int) else [int(k) for k in n]
+        counts = group_counts(prompts, n)
         sampling = {"max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
                     "top_k": params.top_k, "min_p": params.min_p}
         answered: list[tuple[list[int], list[dict]]] = []  # (prompt indices, their completions)

@@ -43,7 +43,8 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from grpokit.errors import StartupError
-from grpokit.rollout import RolloutBatch, SamplingParams, from_completions, join_generation, split_generation
+from grpokit.rollout import (RolloutBatch, SamplingParams, from_completions, group_counts, join_generation,
+                             split_generation)
 from grpokit.rollout.weights import Checksum
 
 # Wrappers that put a prefix or infix on parameter names: DDP / accelerate, torch.compile, PEFT.
@@ -226,7 +227,7 @@ class VLLMEngine:
             self.dirty = False
         if self.asleep:
             raise RuntimeError("vLLM is asleep: load the weights (load_weights) before generating")
-        counts = [n] * len(prompts) if isinstance(n, int) else [int(k) for k in n]
+        counts = group_counts(prompts, n)
         return from_completions(prompts, counts, self.completions(prompts, counts, params, seeds), self.pad_id)
 
     def completions(self, prompts: list[list[int]], counts: list[int], params: SamplingParams,
@@ -319,7 +320,7 @@ class DataParallelVLLM:
                  seeds: Sequence[int] | None = None) -> RolloutBatch:
         """Prompt groups split among the replicas by expected tokens (each completion samples from
         its own seed, so the split does not change what is sampled), answers in the prompts' order."""
-        counts = [n] * len(prompts) if isinstance(n, int) else [int(k) for k in n]
+        counts = group_counts(prompts, n)
         shares = split_generation(prompts, counts, seeds, params.max_tokens, len(self.pipes))
         asked = {r: share for r, share in enumerate(shares) if share[0]}
         answers = self._ask({r: ("generate", *share[1:3], params, share[3]) for r, share in asked.items()})
