@@ -1,5 +1,6 @@
 """A run's learning curve as two Markdown tables, from its metrics.jsonl: the held-out greedy score
-(eval/reward) at each evaluation, and the mean train reward over each window of steps.
+(eval/reward) at each evaluation, and the mean train reward and median grad_norm (the statistic of
+the grad_norm alert, with --window 20) over each window of steps.
 
     python benchmarks/curve.py runs/<run> [--window 10]
 
@@ -23,9 +24,11 @@ def tables(rows: list[dict], window: int) -> str:
     last = max(r["step"] for r in steps)
     windows = [(a + 1, min(a + window, last)) for a in range(0, last, window)]
     means = [statistics.fmean(r["reward"] for r in steps if a <= r["step"] <= b) for a, b in windows]
+    norms = [statistics.median(r["grad_norm"] for r in steps if a <= r["step"] <= b) for a, b in windows]
     lines += ["| steps | " + " | ".join(f"{a}-{b}" for a, b in windows) + " |",
               "|---|" + "---|" * len(windows),
-              "| train reward (samples at rollout.temperature) | " + " | ".join(f"{m:.2f}" for m in means) + " |", ""]
+              "| train reward (samples at rollout.temperature) | " + " | ".join(f"{m:.2f}" for m in means) + " |",
+              "| median grad_norm | " + " | ".join(f"{m:.3g}" for m in norms) + " |", ""]
     times = [r["step_time"] for r in steps]
     lines.append(f"{len(steps)} steps: median step {statistics.median(times):.1f} s, training {sum(times) / 60:.1f} min "
                  "(the sum of step_time; evaluations and checkpoints aside)")

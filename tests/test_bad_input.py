@@ -159,7 +159,8 @@ def test_a_reward_function_without_kwargs_is_refused_at_start(capsys, tmp_path):
     code, err = run(capsys, "train", *T, f"reward.functions=[{tmp_path}/strict.py:strict]",
                     f"train.output_dir={tmp_path / 'run'}")
     assert code == 2
-    assert "strict.py:strict' takes no argument 'completion_ids', 'finish_reasons', 'prompts'" in err
+    assert ("strict.py:strict' takes no argument 'completion_ids', 'finish_reasons', 'log_extra', 'log_metric', "
+            "'prompts', 'trainer_state'") in err
     assert "add **kwargs to its parameters" in err and not (tmp_path / "run").exists()
     (tmp_path / "needy.py").write_text("def needy(completions, solution, **kw):\n    return [0.0] * len(completions)\n")
     code, err = run(capsys, "train", *T, f"reward.functions=[{tmp_path}/needy.py:needy]",
@@ -324,7 +325,7 @@ def test_a_reward_call_past_reward_timeout_stops_the_run_as_a_raising_one_does(c
     assert_same_run(out, tmp_path / "uninterrupted", steps=4)
 
 
-def test_sigterm_while_a_reward_hangs_saves_the_last_step_and_exits_143(tmp_path):
+def test_sigterm_while_a_reward_hangs_saves_the_last_step_and_exits_143(tmp_path, capsys):
     import os
     import signal
     import subprocess
@@ -347,6 +348,9 @@ def test_sigterm_while_a_reward_hangs_saves_the_last_step_and_exits_143(tmp_path
     assert process.returncode == 143, err[-3000:]
     assert "grpokit: stopped: SIGTERM arrived while the step waited for reward function 'hanging.py:hanging'" in err
     assert f"resume from step-2 with: grpokit train --config {out / 'config.yaml'}" in err
+    assert main(["doctor", str(out)]) == 0  # the folder says why and where it stopped
+    assert "it was stopped by SIGTERM after step 2 (SIGTERM arrived while the step waited for reward function " \
+           "'hanging.py:hanging'" in capsys.readouterr().out
     assert main([*args, f"train.output_dir={out}"]) == 0
     assert main([*args, f"train.output_dir={tmp_path / 'uninterrupted'}"]) == 0
     assert_same_run(out, tmp_path / "uninterrupted", steps=4)
@@ -381,7 +385,7 @@ def write_trl_output_dir(folder, beta=0.0):
     """A TRL 1.16 GRPOTrainer output_dir as its Trainer writes it: checkpoint-60/trainer_state.json
     (transformers' TrainerState, log_history with TRL's GRPO keys) and training_args.bin (a pickled
     GRPOConfig; TRL itself is not installed, so a class of that module and name stands in while it is
-    pickled). 60 steps with beta 0: the reward rises while grad_norm climbs from ~0.1 to ~1."""
+    pickled). 60 steps with beta 0: the reward rises while grad_norm climbs from ~0.1 to ~1 after step 40."""
     import random
     import sys
     import types
@@ -391,16 +395,16 @@ def write_trl_output_dir(folder, beta=0.0):
     rng = random.Random(0)
     history = []
     for step in range(1, 61):
-        late = step > 30
+        late = step > 40
         history.append({
             "loss": 0.01, "grad_norm": (1.0 if late else 0.1) * (1 + 0.1 * rng.random()), "learning_rate": 1e-6,
             "num_tokens": 1000.0 * step, "completions/mean_length": 120.0, "completions/min_length": 40.0,
-            "completions/max_length": 256.0, "completions/clipped_ratio": 0.1, "rewards/accuracy/mean": 0.3 + step / 200,
-            "rewards/accuracy/std": 0.4, "reward": 0.3 + step / 200, "reward_std": 0.4, "frac_reward_zero_std": 0.2,
+            "completions/max_length": 256.0, "completions/clipped_ratio": 0.1, "rewards/accuracy/mean": 0.3 + step / 100,
+            "rewards/accuracy/std": 0.4, "reward": 0.3 + step / 100, "reward_std": 0.4, "frac_reward_zero_std": 0.2,
             "entropy": 0.9, "clip_ratio/low_mean": 0.0, "clip_ratio/high_mean": 0.0, "clip_ratio/region_mean": 0.0,
             "epoch": step / 60, "step": step})
         if step % 20 == 0:
-            history.append({"eval_loss": 0.0, "eval_reward": 0.3 + step / 200, "eval_runtime": 1.0, "epoch": step / 60,
+            history.append({"eval_loss": 0.0, "eval_reward": 0.3 + step / 100, "eval_runtime": 1.0, "epoch": step / 60,
                             "step": step})
     history.append({"train_runtime": 100.0, "train_loss": 0.01, "epoch": 1.0, "step": 60})
     checkpoint = folder / "checkpoint-60"
@@ -446,3 +450,78 @@ def test_doctor_diagnoses_a_trl_run_with_the_same_rules(capsys, tmp_path):
     assert "settings read from trl-out/checkpoint-60/training_args.bin: none; not read: beta, learning_rate, " \
            "num_generations, max_completion_length (the fixes below cannot quote them)" in out
     assert "1. grad_norm, from step" in out and "raise beta (its value not in the config)" in out
+
+
+@pytest.mark.parametrize("leave, said", [
+    ("sys.exit(0)", "called sys.exit(0), which would have ended the process with nothing saved"),
+    ("raise KeyboardInterrupt", "KeyboardInterrupt, raised by it, stopped reward function"),
+])
+def test_a_reward_function_that_exits_stops_the_run_named_saved_and_non_zero(capsys, tmp_path, leave, said):
+    """sys.exit(0) in a reward function at step 3 of 4 made `grpokit train` exit 0 with no message
+    and no checkpoint; KeyboardInterrupt gave a raw traceback. Now each is a named error, with step 2
+    saved, exit status 1, the resume command, and doctor saying why the run stopped."""
+    (tmp_path / "leave.py").write_text(
+        "import sys\n"
+        "calls = []\n"
+        "def leave(completions, **kw):\n"
+        "    calls.append(1)\n"
+        "    if len(calls) == 3:\n"
+        f"        {leave}\n"
+        "    return [float(len(c[0]['content'])) for c in completions]\n")
+    out = tmp_path / "run"
+    code, err = run(capsys, "train", "--no-progress", *T, "train.max_steps=4", "train.save_every=0",
+                    f"reward.functions=[{tmp_path}/leave.py:leave]", f"train.output_dir={out}")
+    assert code == 1 and "Traceback" not in err
+    assert f"grpokit: the run stopped: " in err and said in err and "'leave.py:leave'" in err
+    assert f"once the cause is fixed, resume from step-2 with: grpokit train --config {out / 'config.yaml'}" in err
+    assert (out / "checkpoints" / "step-2").is_dir() and not (out / "final").exists()
+    assert main(["doctor", str(out)]) == 0
+    doctor = capsys.readouterr().out
+    assert "stopped at step 2 of 4" in doctor and f"it stopped after step 2 on an error: UserCodeExit: " in doctor
+    assert said in doctor and "the state after step 2 is saved in step-2: resuming loses nothing" in doctor
+
+
+def test_a_server_url_whose_port_cannot_be_is_refused_at_start(capsys, tmp_path):
+    """It waited rollout.server_timeout (300 s) in silence, then crashed with `Port out of range`."""
+    for port in ("99999", "0", "eighty"):
+        code, err = run(capsys, "train", *T, "rollout.engine=server", f"rollout.server_url=http://127.0.0.1:{port}",
+                        f"train.output_dir={tmp_path / 'run'}")
+        assert code == 2 and "Traceback" not in err
+        assert f"rollout.server_url=http://127.0.0.1:{port}: the port must be a number from 1 to 65535" in err
+
+
+def test_resumed_logs_keep_one_encoding_of_nan(tmp_path):
+    """A resume rewrote the kept metrics.jsonl rows with a bare NaN where new rows write "nan": a
+    strict JSON reader failed on the resumed file."""
+    (tmp_path / "once.py").write_text(
+        "calls = []\n"
+        "def once_unscored(completions, **kw):  # step 1 scores nothing: its reward is NaN\n"
+        "    calls.append(1)\n"
+        "    return [None if len(calls) == 1 else 1.0] * len(completions)\n")
+    out = tmp_path / "run"
+    args = ["train", "--no-progress", *T, "train.save_every=1", f"reward.functions=[{tmp_path}/once.py:once_unscored]",
+            f"train.output_dir={out}"]
+    assert main(args) == 0
+    assert main([*args[:-2], "train.max_steps=3", *args[-2:]]) == 0  # resumed from step 2, to step 3
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+
+    def strict(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    rows = [json.loads(line, parse_constant=strict) for line in lines]
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[0]["reward"] == "nan"
+
+
+def test_the_console_holds_no_third_party_warnings(tmp_path):
+    """The default run's console showed transformers' `past_key_values` FutureWarning (twice) and
+    DeepSpeed's "Setting accelerator to CPU" at the first checkpoint."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "grpokit", "train", "--no-progress", *T, "data.eval_size=2",
+                           f"train.output_dir={tmp_path / 'run'}"], capture_output=True, text=True,
+                          env={k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for noise in ("Warning", "WARNING", "deprecated", "Setting accelerator"):
+        assert noise not in done.stderr + done.stdout, done.stderr

@@ -66,6 +66,48 @@ async def double(n: int) -> int:
 def undocumented(x):
     return x
 
+def starred(*args: int) -> int:
+    """Sum numbers.
+
+    Args:
+        args: The numbers.
+    """
+    return sum(args)
+
+def leave(code: int) -> str:
+    """Exit the process.
+
+    Args:
+        code: The exit status.
+    """
+    import sys
+    sys.exit(code)
+
+def interrupt(x: str) -> str:
+    """Raise KeyboardInterrupt.
+
+    Args:
+        x: Anything.
+    """
+    raise KeyboardInterrupt
+
+async def leave_later(code: int) -> str:
+    """Exit the process, from a coroutine.
+
+    Args:
+        code: The exit status.
+    """
+    import sys
+    sys.exit(code)
+
+def verbose(x: str) -> str:
+    """A result longer than any budget.
+
+    Args:
+        x: Anything.
+    """
+    return "word " * 1000
+
 class Counter:
     """A TRL-shaped environment: reset(**row), tools as methods, get_reward()."""
 
@@ -331,7 +373,8 @@ def test_a_trl_environment_runs_unchanged(scripted, monkeypatch):
     assert rows[0]["rewards/Counter/mean"] == 3.0 and rows[0]["reward"] == 4.0  # 3 presses + the right answer
     assert seen == [[3] * 4, [3] * 4]
     sample = json.loads((run / "completions.jsonl").read_text().splitlines()[0])
-    assert sample["prompt"][-1]["content"].endswith("?")  # the data's prompt; reset's text went to the model
+    # The prompt as the model saw it (and reward functions get it, as TRL passes it): reset's text appended.
+    assert sample["prompt"][-1]["content"].endswith("? (you may press the button)")
     assert [m["content"] for m in sample["completion"] if m["role"] == "tool"] == ["pressed 2 times", "pressed 3 times"]
     # The model saw reset's text and the tool's schema.
     config = load_config(run / "config.yaml", [])
@@ -348,6 +391,9 @@ def test_a_trl_environment_runs_unchanged(scripted, monkeypatch):
     ("rollout.tools=[{d}/tools.py:undocumented]", "tool '{d}/tools.py:undocumented' (rollout.tools): "),
     ("rollout.tools=[{d}/nowhere.py:add]", "tool '{d}/nowhere.py:add' (rollout.tools): file {d}/nowhere.py does not exist"),
     ("rollout.tools=[{d}/tools.py:missing]", "tool '{d}/tools.py:missing' (rollout.tools): {d}/tools.py has no function named 'missing'"),
+    # It was advertised as `args: integer`, and every call failed.
+    ("rollout.tools=[{d}/tools.py:starred]", "tool '{d}/tools.py:starred' (rollout.tools): takes *args, which a tool "
+     "call cannot fill"),
     ("model.chat_template={d}/plain.jinja", "the template in {d}/plain.jinja cannot express tools"),
 ])
 def test_tools_that_cannot_be_used_are_refused_at_start(scripted, capsys, setting, message):
@@ -399,3 +445,58 @@ def test_the_calculator_tool():
     with pytest.raises(ValueError, match="not arithmetic"):
         calculator("__import__('os')")
     assert math.isclose(float(calculator("2 x 3")), 6)
+
+
+@pytest.mark.parametrize("tool, reply, said", [
+    ("leave", call("leave", code=3), "tool 'leave' called sys.exit(3), which would have ended the process with nothing saved"),
+    ("interrupt", call("interrupt", x="1"), "KeyboardInterrupt, raised by it, stopped tool 'interrupt'"),
+    ("leave_later", call("leave_later", code=0), "tool 'leave_later' called sys.exit(0)"),
+])
+def test_a_tool_that_exits_stops_the_run_named_and_saved(scripted, monkeypatch, capsys, tool, reply, said):
+    """A tool calling sys.exit() ended `grpokit train` with that status and nothing saved (an async one
+    killed the event loop's thread: the call never returned); KeyboardInterrupt gave a traceback."""
+    (scripted / "once.py").write_text(TOOLS_PY + f"""
+calls = []
+
+def gate(x: str) -> str:
+    \"\"\"Pass the calls of steps 1 and 2 (four rollouts each), then hand over to the tool under test.
+
+    Args:
+        x: Anything.
+    \"\"\"
+    calls.append(1)
+    return "go" if len(calls) <= 8 else "now"
+""")
+    # Each rollout calls gate, then, when gate answered "now" (step 3), the tool under test.
+    monkeypatch.setattr(scripted_engine, "SCRIPT", [call("gate", x="1"), "3"])
+    real = scripted_engine.ScriptedEngine.generate
+
+    def generate(self, prompts, n, params, seeds=None):
+        if any("now" in self.tokenizer.decode(p) for p in prompts):
+            monkeypatch.setattr(scripted_engine, "SCRIPT", [call("gate", x="1"), reply, "3"])
+        return real(self, prompts, n, params, seeds)
+
+    monkeypatch.setattr(scripted_engine.ScriptedEngine, "generate", generate)
+    run = scripted / "run"
+    code = main(["train", "--no-progress", *T, "train.max_steps=3", f"data.path={scripted}/data.jsonl",
+                 f"rollout.tools=[{scripted}/once.py:gate,{scripted}/once.py:{tool}]", f"train.output_dir={run}"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert "grpokit: the run stopped: " in err and said in err
+    assert "once the cause is fixed, resume from step-2 with: grpokit train --config" in err
+    assert (run / "checkpoints" / "step-2").is_dir()
+
+
+def test_a_tool_result_over_the_budget_is_counted_and_recorded_cut(scripted, monkeypatch):
+    """It ended the rollout with no failure counted and no trace of the result."""
+    script(monkeypatch, call("verbose", x="1"), "3")
+    run = scripted / "run"
+    assert main(["train", "--no-progress", *T, "train.max_steps=1", f"data.path={scripted}/data.jsonl",
+                 f"rollout.tools=[{scripted}/tools.py:verbose]", "monitor.log_completions=1",
+                 f"train.output_dir={run}"]) == 0
+    row = metrics(run)[0]
+    assert row["tools/failures_per_rollout"] == 1 and row["completions/clipped_ratio"] == 1
+    sample = json.loads((run / "completions.jsonl").read_text().splitlines()[0])
+    tool = sample["completion"][-1]
+    assert tool["role"] == "tool" and tool["truncated"] is True and sample["finish_reason"] == "length"
+    assert tool["content"].startswith("word word") and 100 < len(tool["content"].split()) < 1000

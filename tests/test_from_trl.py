@@ -51,7 +51,8 @@ def test_the_quick_start_config_carries_over_and_loads():
         "max_completion_length": 512, "learning_rate": 1e-6, "lr_scheduler": "linear", "seed": 42,
         "loss_type": "dapo", "scale_rewards": "group", "beta": 0.0, "epsilon": 0.2, "is_level": "sequence",
         "is_mode": "mask", "is_cap": 3.0, "eval_every": 0, "save_every": 500, "output_dir": "Qwen2-0.5B-GRPO"}.items()
-    assert config["data"] == {"eval_size": 0}  # eval_strategy="no": no evaluation, nothing held out of the data
+    # eval_strategy="no": no evaluation, nothing held out of the data; string prompts as plain text, as TRL sends them.
+    assert config["data"] == {"eval_size": 0, "chat_template": False}
     assert [(n.field, n.value) for n in not_carried] == [("max_steps", -1)]  # epochs need the dataset's size
     _, on_a_gpu = from_trl({"bf16": True, "max_steps": 8})
     assert [(n.field, n.value) for n in on_a_gpu] == [("bf16", True)]

@@ -17,11 +17,11 @@ Python can be resumed, evaluated and reported from the command line:
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import os
 import shutil
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,10 +66,15 @@ def train(
     tokenizer: Any = None,
     dataset: Any = None,
     eval_dataset: Any = None,
-    reward_functions: Iterable | None = None,
+    reward_functions: Any = None,
     tools: Iterable[Callable] | None = None,
     environment: Any = None,
     progress: bool = True,
+    reward_funcs: Any = None,
+    train_dataset: Any = None,
+    environment_factory: Any = None,
+    processing_class: Any = None,
+    args: Any = None,
     **overrides,
 ) -> TrainResult:
     """Train with GRPO; every argument but `config` is optional.
@@ -80,32 +85,32 @@ def train(
     dataset / eval_dataset: a path (data.path / data.eval_path), a `datasets.Dataset` (of a
       DatasetDict, the train split for `dataset`, the test or validation split for `eval_dataset`),
       or a list of dicts; rows as in a data file.
-    reward_functions: callables with TRL's shape `f(completions, **kwargs) -> list[float | None]`
-      (functions, closures, callable objects, async functions), names, or {name: <callable or
-      name>, weight: w, **arguments} entries, as reward.functions takes.
+    reward_functions: a callable with TRL's shape `f(completions, **kwargs) -> list[float | None]`
+      (a function, closure, callable object, async function), a name, or a {name: <callable or
+      name>, weight: w, **arguments} entry, or a list of them, as reward.functions takes.
     tools: functions the model may call (rollout.tools); environment: a class or factory
-      (rollout.environment, TRL's environment_factory).
+      (rollout.environment, TRL's environment_factory); without a dataset, its reset() gives the
+      prompts (data.task=environment).
+    TRL's names (TRL_NAMES; args: a GRPOConfig, through from_trl) are taken too, and a call that
+      uses one runs as TRL runs: string prompts as plain text (data.chat_template=false, unless set).
     overrides: config settings, as sections (`train={"max_steps": 5}`) or dotted keys
-      (`**{"train.max_steps": 5}`); they win over `config`.
-
-    A Config given is copied, never changed: calling train again with it starts a new run.
+      (`**{"train.max_steps": 5}`); they win over `config`. A Config given is copied, never changed.
     """
+    trl_names = {name: value for name, value in zip(TRL_NAMES, (args, reward_funcs, train_dataset, environment_factory,
+                                                               processing_class)) if value is not None}
+    config, reward_functions, dataset, environment, tokenizer = (
+        _one_of(ours, value, trl_names) for ours, value in zip(TRL_NAMES.values(), (
+            config, reward_functions, dataset, environment, tokenizer)))
     config = _config(config, overrides)
     _take_model(config, model, tokenizer)
-    if reward_functions is not None:
-        if config.reward.functions is not None:
-            raise ConfigError("reward_functions= and reward.functions both name reward functions: give one")
-        config.reward.functions = _reward_entries(list(reward_functions))
-    if tools is not None:
-        if config.rollout.tools is not None:
-            raise ConfigError("tools= and rollout.tools both name tools: give one")
-        names: set = set()
-        config.rollout.tools = [_register(fn, f"tools[{i}]", callable_needed=True, taken=names) for i, fn in enumerate(tools)]
-    if environment is not None:
-        if config.rollout.environment is not None:
-            raise ConfigError("environment= and rollout.environment both name an environment: give one")
-        config.rollout.environment = _register(environment, "environment", callable_needed=True)
+    _take_code(config, reward_functions, tools, environment)
+    if trl_names and "data.chat_template" not in config.given:
+        _as_trl_does(config, trl_names)
     created = _take_datasets(config, dataset, eval_dataset)
+    config.given |= {key for key, value in (("reward.functions", reward_functions), ("rollout.tools", tools),
+                                            ("rollout.environment", environment), ("data.path", dataset),
+                                            ("data.eval_path", eval_dataset)) if value is not None}
+    config.settle()
     try:
         return run(config, model=model if not isinstance(model, (str, Path)) else None, tokenizer=tokenizer,
                    progress=progress)
@@ -130,11 +135,50 @@ def run(config: Config, *, model=None, tokenizer=None, progress: bool = True) ->
     return Trainer(config, progress=progress, model=model, tokenizer=tokenizer).train()
 
 
+# TRL GRPOTrainer's argument names that grpokit.train takes, and its own name for each, in the
+# order train() hands them to _one_of.
+TRL_NAMES = {"args": "config", "reward_funcs": "reward_functions", "train_dataset": "dataset",
+             "environment_factory": "environment", "processing_class": "tokenizer"}
+
+
+def _one_of(name: str, value, trl_given: dict):
+    """Argument `name` as given by grpokit's name or by TRL's (in `trl_given`); TRL's `args`, a
+    GRPOConfig, as from_trl's settings."""
+    trl_name = next(k for k, v in TRL_NAMES.items() if v == name)
+    if trl_name not in trl_given:
+        return value
+    if value is not None:
+        raise ConfigError(f"{name}= and {trl_name}= (TRL's name for it) are both given: give one")
+    return _from_trl_args(trl_given[trl_name]) if trl_name == "args" else trl_given[trl_name]
+
+
+def _as_list(value) -> list:
+    """One entry (a callable, a name, a mapping), as TRL takes a single reward function, or a list."""
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _as_trl_does(config: Config, trl_names: dict) -> None:
+    """A call with TRL's argument names gets TRL's string prompts: plain text, no chat template."""
+    config.data.chat_template = False
+    print(f"grpokit: a TRL-shaped call ({', '.join(f'{n}=' for n in trl_names)}): string prompts are sent as plain "
+          "text, as TRL does (data.chat_template=false; set data.chat_template=true for the chat template)",
+          file=sys.stderr)
+
+
+def _from_trl_args(args) -> dict:
+    """The settings of a TRL GRPOConfig (or a dict of its fields) given as args=, by from_trl; what
+    it does not carry is said on stderr, as from_trl lists it."""
+    from grpokit.trl_config import from_trl
+
+    settings, not_carried = from_trl(args)
+    for item in not_carried:
+        print(f"grpokit: args= (TRL GRPOConfig): not carried: {item}", file=sys.stderr)
+    return settings
+
+
 def _config(config, overrides: dict) -> Config:
-    if isinstance(config, Config):
-        if not overrides:
-            return copy.deepcopy(config)
-        config = config.to_dict()
+    if isinstance(config, Config):  # copied, with the settings it was given, and the overrides on top
+        return load_config(values=overrides, base=config)
     if isinstance(config, dict):
         return load_config(values={**flatten(config), **flatten(overrides)})
     if config is not None and not isinstance(config, (str, Path)):
@@ -184,6 +228,29 @@ def _take_model(config: Config, model, tokenizer) -> None:
 
 
 # ---------------------------------------------------------------- reward functions, tools, environments
+
+
+def _take_code(config: Config, reward_functions, tools, environment) -> None:
+    """reward.functions, rollout.tools and rollout.environment for the objects given (each recorded
+    by the name `_register` finds for it)."""
+    if reward_functions is not None:
+        if config.reward.functions is not None:
+            raise ConfigError("reward_functions= and reward.functions both name reward functions: give one")
+        config.reward.functions = _reward_entries(_as_list(reward_functions))
+    if tools is not None:
+        if config.rollout.tools is not None:
+            raise ConfigError("tools= and rollout.tools both name tools: give one")
+        names: set = set()
+        config.rollout.tools = [_register(fn, f"tools[{i}]", callable_needed=True, taken=names)
+                                for i, fn in enumerate(_as_list(tools))]
+    if environment is not None:
+        if config.rollout.environment is not None:
+            raise ConfigError("environment= and rollout.environment both name an environment: give one")
+        if isinstance(environment, dict):
+            raise ConfigError(f"environment= is a dict of {len(environment)} environments (TRL's multi-environment "
+                              "form, each row choosing one by its `environment` column): grpokit trains one environment "
+                              "class per run; give one class (or factory), or train a run per environment")
+        config.rollout.environment = _register(environment, "environment", callable_needed=True)
 
 
 def _reward_entries(functions: list) -> list:

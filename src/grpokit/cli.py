@@ -23,6 +23,7 @@ def _train(args) -> int:
     from grpokit.rollout.tools import EnvironmentFailed
     from grpokit.signals import StoppedWhileWaiting
     from grpokit.trainer import Interrupted, NonFiniteError
+    from grpokit.user_code import UserCodeExit
 
     keep_freed_memory()  # every step allocates the same tensors again: reuse their pages (allocator.py)
     try:
@@ -38,10 +39,10 @@ def _train(args) -> int:
         if distributed.is_main():
             print(f"grpokit: stopped: {stop}\n{_resume_hint(config)}", file=sys.stderr)
         return 128 + stop.signum
-    except (RewardError, EnvironmentFailed, RolloutServerError, CheckpointError, NonFiniteError) as e:
+    except (RewardError, EnvironmentFailed, UserCodeExit, RolloutServerError, CheckpointError, NonFiniteError) as e:
         # A run that stopped for a reason its message states in full: no traceback. The user's code
         # fails on the process that called it; the rest on every process alike.
-        if isinstance(e, (RewardError, EnvironmentFailed)) or os.environ.get("RANK", "0") == "0":
+        if isinstance(e, (RewardError, EnvironmentFailed, UserCodeExit)) or os.environ.get("RANK", "0") == "0":
             print(f"grpokit: the run stopped: {e}", file=sys.stderr)
             if not isinstance(e, NonFiniteError):  # its message says what to do instead
                 print(_resume_hint(config), file=sys.stderr)

@@ -8,6 +8,7 @@ several things (a loss, an engine, a task) come from the registry that owns them
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
@@ -61,7 +62,9 @@ class ModelConfig:
 class DataConfig:
     task: str = _f("arithmetic", "built-in task (used when data.path is null): arithmetic (small sums and products, "
                    "answered with the number) | calculator (three digits times two, with a calculator tool) | "
-                   "reasoning_gym:<dataset name> (one of reasoning-gym's, e.g. reasoning_gym:letter_counting)")
+                   "reasoning_gym:<dataset name> (one of reasoning-gym's, e.g. reasoning_gym:letter_counting) | "
+                   "environment (the prompts come from rollout.environment's reset(), as TRL's environment_factory "
+                   "without a dataset; what a run with an environment and neither data.path nor data.task gets)")
     task_args: dict = _f({}, "the task's generator arguments: for reasoning_gym:<name>, its dataset's config fields "
                          "(e.g. {min_words: 3, max_words: 5})")
     path: str | None = _f(
@@ -154,8 +157,9 @@ class RolloutConfig:
     )
     environment: str | None = _f(
         None, "an environment class, 'package.module:Class' or 'path/to/file.py:Class' (TRL's environment_factory): "
-        "one instance per rollout, reset(**row) may return text appended to the prompt, its public methods are tools, "
-        "an optional get_reward() is one more reward named after the class"
+        "one instance per rollout, reset(**row) may return text appended to the prompt (without data.path, that text is "
+        "the prompt: data.task=environment), its public methods are tools, an optional get_reward() is one more reward "
+        "named after the class"
     )
     max_turns: int = _f(5, "model turns per rollout at most, with tools or an environment")
     tool_timeout: float | None = _f(
@@ -298,6 +302,19 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
+    def __post_init__(self):
+        # The dotted keys the user set (a file, overrides, the API's arguments), which `settle`
+        # reads; not a field: config.yaml records values, and every one of them once resumed.
+        self.given: set[str] = set()
+
+    def settle(self) -> None:
+        """Decide what depends on which settings were given, once they all are: an environment
+        with neither a dataset (data.path) nor a data.task of its own brings the prompts
+        (data.task=environment: TRL's environment_factory without a train_dataset)."""
+        if "data.task" not in self.given and self.data.task in (DataConfig().task, "environment"):
+            environment = self.rollout.environment is not None and self.data.path is None
+            self.data.task = "environment" if environment else DataConfig().task
+
     # Derived values: computed from the fields above, never configured.
     @property
     def completions_per_step(self) -> int:
@@ -419,9 +436,7 @@ def _check_ranges(c: Config) -> list[str]:
          f"rollout.server_url is set but rollout.engine={r.engine} does not use it: set rollout.engine=server or "
          "remove rollout.server_url")
     for address in r.server_url or ():
-        url = urlparse(address)
-        need(url.scheme in ("http", "https") and bool(url.hostname),
-             f"rollout.server_url={address}: must be a URL with its scheme and host, e.g. http://127.0.0.1:8000")
+        errors += _url_problems(address)
     need(len({u.rstrip("/") for u in r.server_url or ()}) == len(r.server_url or ()),
          f"rollout.server_url={r.server_url} names a server twice: one trainer, one weight group per server")
     need(r.max_staleness >= 0, f"rollout.max_staleness={r.max_staleness}: must be >= 0 (0: synchronous steps)")
@@ -451,9 +466,12 @@ def _check_ranges(c: Config) -> list[str]:
     need(d.eval_path is None or d.path is not None, "data.eval_path is set but data.path is not: set both")
     need(d.eval_path is None or d.eval_size > 0,
          f"data.eval_path={d.eval_path} is set but data.eval_size=0 turns evaluation off: set data.eval_size > 0 or remove data.eval_path")
-    need(d.path is None or c.reward.functions is not None,
+    need(d.path is None or c.reward.functions is not None or r.environment is not None,
          "data.path is set but reward.functions is not: a dataset brings no rewards, name them (e.g. "
          "reward.functions=[math_accuracy])")
+    need(d.task != "environment" or r.environment is not None or d.path is not None,
+         "data.task=environment takes its prompts from rollout.environment's reset(), but rollout.environment is not "
+         "set: name an environment class, or another data.task")
     need(c.reward.timeout is None or c.reward.timeout > 0, f"reward.timeout={c.reward.timeout}: must be > 0, or null")
     need(t.prompts_per_step >= 1, f"train.prompts_per_step={t.prompts_per_step}: must be >= 1")
     need(t.learning_rate > 0, f"train.learning_rate={t.learning_rate}: must be > 0")
@@ -483,6 +501,22 @@ def _check_ranges(c: Config) -> list[str]:
         errors.append(f"train.micro_batch_size={t.micro_batch_size}: must be >= 1, or null")
     errors += _check_reward_functions(c.reward.functions)
     return errors
+
+
+def _url_problems(address: str) -> list[str]:
+    """What is wrong with a rollout.server_url entry (urlparse reads a port only when asked, and
+    raises then): checked at start-up, not after server_timeout seconds of retrying."""
+    url = urlparse(address)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        return [f"rollout.server_url={address}: must be a URL with its scheme and host, e.g. http://127.0.0.1:8000"]
+    try:
+        port = url.port
+    except ValueError:
+        port = -1
+    if port is not None and not 1 <= port <= 65535:
+        return [f"rollout.server_url={address}: the port must be a number from 1 to 65535 "
+                f"(grpokit serve --port says where the server listens)"]
+    return []
 
 
 def _check_variants(c: Config) -> list[str]:
@@ -650,11 +684,12 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = (), values: dict | None = None) -> Config:
-    """Defaults, then the YAML file, then `key=value` overrides, then `values` (a mapping of sections
-    or dotted keys, as Python gives them); validated. Every problem is reported at once: a key or
-    value that cannot be set does not hide the others."""
-    config = Config()
+def load_config(path: str | Path | None = None, overrides: list[str] = (), values: dict | None = None,
+                base: Config | None = None) -> Config:
+    """Defaults (or a copy of `base`), then the YAML file, then `key=value` overrides, then `values`
+    (a mapping of sections or dotted keys, as Python gives them); settled and validated. Every
+    problem is reported at once: a key or value that cannot be set does not hide the others."""
+    config = Config() if base is None else copy.deepcopy(base)
     settings = []
     if path is not None:
         path = Path(path)
@@ -681,6 +716,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), value
             _apply(config, key, value)
         except ConfigError as e:  # the field keeps its default, and the others are checked
             problems.append(str(e))
+    config.given |= {key for key, _ in settings}
+    config.settle()
     checked = config.problems()
     if len(problems) == 1 and not checked:
         raise ConfigError(problems[0])

@@ -5,10 +5,14 @@ and a concrete fix. The same rules raise live alerts during training (monitor.py
 Every rule reads the train rows of metrics.jsonl (and the evaluation rows) up to some step and
 compares windows of WINDOW steps (medians or means, robust to a single odd step):
 
-- `grad_norm`: the median grad_norm of the last WINDOW steps is at least GROWTH x that of the
-  first WINDOW steps (trending up), or its coefficient of variation (std / mean) over the last
-  WINDOW steps is at least 1 while it was below 0.5 over the first WINDOW (swinging). Seen in the
-  field in long runs with beta = 0, while the reward still rose (a small beta > 0 cured it).
+- `grad_norm`: the median grad_norm of the last WINDOW steps is at least GROWTH x that of steps
+  WINDOW+1 to 2 x WINDOW (trending up), or its coefficient of variation (std / mean) over the last
+  WINDOW steps is at least 1 while it was below 0.5 over steps WINDOW+1 to 2 x WINDOW (swinging).
+  Seen in the field in long runs with beta = 0, while the reward still rose (a small beta > 0
+  cured it). The first WINDOW steps are not the baseline: a fresh policy's groups mostly score
+  alike (advantage 0, no gradient), and its completions shorten as it learns (a token's share of
+  the loss grows), so grad_norm grows over them with nothing drifting (the README shows it on the
+  default run).
 - `clip_ratio`: the mean clip_ratio/region_mean of the last WINDOW steps exceeds both GROWTH x its
   mean over the first WINDOW steps and that mean + 0.1.
 - `zero_std`: over the last WINDOW steps, on average at least half the groups had zero reward std:
@@ -101,9 +105,9 @@ def _span(rows: list[dict]) -> str:
 
 
 def grad_norm(rows, evals, facts) -> Finding | None:
-    if len(rows) < 2 * WINDOW:
+    if len(rows) < 3 * WINDOW:
         return None
-    early, recent = rows[:WINDOW], rows[-WINDOW:]
+    early, recent = rows[WINDOW:2 * WINDOW], rows[-WINDOW:]  # (the module docstring: not the first WINDOW)
     a, b = _values(early, "grad_norm"), _values(recent, "grad_norm")
     if len(a) < WINDOW // 2 or len(b) < WINDOW // 2:
         return None
@@ -116,8 +120,9 @@ def grad_norm(rows, evals, facts) -> Finding | None:
                     f"min {min(b):.3g}), {cv_a:.2f} over {_span(early)}")
     else:
         return None
-    fix = ("with algorithm.beta=0 nothing holds the policy near where it started: set algorithm.beta=0.001 "
-           "(the reference model costs one forward pass), or lower train.learning_rate"
+    fix = ("with algorithm.beta=0 (the default, which runs no reference model) nothing holds the policy near where "
+           "it started, and over a long run it can drift this way while the reward still rises: set "
+           "algorithm.beta=0.001 (the reference model costs a forward pass), or lower train.learning_rate"
            if facts.beta == 0 else f"lower train.learning_rate ({_now(facts.learning_rate)}) or raise algorithm.beta ({_now(facts.beta)})")
     return Finding("grad_norm", recent[-1]["step"], evidence, fix)
 
@@ -270,13 +275,31 @@ def run_status(run_dir: Path, rows: list[dict], max_steps: int | None) -> str:
 
 
 def _how_it_stopped(run_dir: Path, rows: list[dict]) -> str:
-    """What a stopped run's folder says of how it stopped, and what resuming will redo."""
+    """What a stopped run's folder says of how it stopped (its stop record, rundir.record_stop, or
+    else a guess from its logs), and what resuming will redo."""
     from grpokit.checkpoint import checkpoint_step, latest_checkpoint
+    from grpokit.rundir import read_stop
 
     steps = [r["step"] for r in rows if "loss" in r]
     last = steps[-1] if steps else 0
     checkpoint = latest_checkpoint(run_dir)
     saved = checkpoint_step(checkpoint) if checkpoint else 0
+    stop = read_stop(run_dir)
+    if stop is not None and stop.get("step") == last:
+        if checkpoint is not None and saved == last:
+            resume = f"the state after step {last} is saved in {checkpoint.name}: resuming loses nothing"
+        elif last == 0:
+            resume = "it had completed no step: resuming starts from step 1"
+        else:
+            redo = f"steps {saved + 1}-{last}" if last > saved + 1 else f"step {last}"
+            resume = (f"its {'newest checkpoint is ' + checkpoint.name if checkpoint else 'has no checkpoint'}: "
+                      f"resuming trains {redo} again")
+        message = str(stop.get("message", "")).replace("\n", "\n   ")
+        if stop["reason"] == "error":
+            return f"it stopped after step {last} on an error: {message}\n  {resume}"
+        if stop["reason"] == "signal":
+            return f"it was stopped by {stop.get('signal')} after step {last} ({message})\n  {resume}"
+        return f"it finished after step {last}, the train.max_steps it ran with then: {resume}"
     if checkpoint is not None and saved == last:
         return (f"it stopped after step {last} with a checkpoint of it (SIGTERM or Ctrl-C, a failure it saved "
                 "first, or the end of a shorter train.max_steps): resuming loses nothing")

@@ -19,6 +19,7 @@ does not change what is sampled either.
 
 from __future__ import annotations
 
+import math
 import pickle
 
 import torch
@@ -102,6 +103,17 @@ def gather_lists(local: list) -> list:
     parts = [None] * world_size()
     dist.all_gather_object(parts, local)
     return [x for part in parts for x in part]
+
+
+def means(values: dict[str, list[float]]) -> dict[str, float]:
+    """For each name any process holds values of, the mean of all processes' values, by name in
+    sorted order (a collective; a process may hold no value of a name)."""
+    names = sorted({name for held in gather_lists([list(values)]) for name in held})
+    if not names:
+        return {}
+    totals = all_reduce(torch.tensor([[math.fsum(values.get(n, ())), len(values.get(n, ()))] for n in names],
+                                     dtype=torch.float64))  # (names, 2)
+    return {n: total / count for n, (total, count) in zip(names, totals.tolist()) if count}
 
 
 def on_main(fn):

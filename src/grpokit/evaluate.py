@@ -15,17 +15,20 @@ from pathlib import Path
 import torch
 
 from grpokit.errors import ConfigError
-from grpokit.rewards import RewardSet
+from grpokit.rewards import RewardLog, RewardSet, merge_metrics
 from grpokit.rollout import SamplingParams, decode_completions, encode_prompt
 from grpokit.tasks import Example
 
 
 def score(engine, tokenizer, rewards: RewardSet, examples: list[Example], params: SamplingParams,
           num_samples: int = 1, seed: int = 0, first_index: int = 0, max_prompt_length: int | None = None,
-          batch_size: int = 64, multi_turn=None) -> list[dict]:
+          batch_size: int = 64, multi_turn=None, state=None, logged: dict | None = None) -> list[dict]:
     """One record per completion: example index, sample number, completion (its text, or with
-    tools the conversation's messages), rewards. multi_turn: a conversation.MultiTurn, with tools."""
+    tools the conversation's messages), rewards, and the columns the reward functions log_extra'ed.
+    multi_turn: a conversation.MultiTurn, with tools; state: the reward functions' trainer_state;
+    logged: filled with the values they log_metric'ed (name -> values)."""
     records = []
+    logged = {} if logged is None else logged
     per_call = max(1, batch_size // num_samples)
     for start in range(0, len(examples), per_call):
         chunk = examples[start : start + per_call]
@@ -39,9 +42,12 @@ def score(engine, tokenizer, rewards: RewardSet, examples: list[Example], params
             prompts = [encode_prompt(tokenizer, e.prompt, max_prompt_length) for e in chunk]
             batch = engine.generate(prompts, num_samples, params, seeds)
         grouped = [e for e in chunk for _ in range(num_samples)]
-        completions = decode_completions(tokenizer, batch, [e.prompt for e in grouped])
+        prompts = batch.prompts(grouped)
+        completions = decode_completions(tokenizer, batch, prompts)
+        log = RewardLog(len(completions))
         total, by_name = rewards(grouped, completions, batch.finish_reasons, batch.completion_id_lists(),
-                                 batch.environments())
+                                 batch.environments(), prompts=prompts, state=state, log=log)
+        logged.update(merge_metrics(logged, log.metrics))
         lengths = batch.trained_mask.sum(-1).tolist()
         for row in range(len(grouped)):
             records.append({
@@ -54,6 +60,7 @@ def score(engine, tokenizer, rewards: RewardSet, examples: list[Example], params
                 "rewards": {name: _plain(values[row].item()) for name, values in by_name.items()},
                 "length": lengths[row],
                 "truncated": batch.finish_reasons[row] == "length",
+                **log.record(row),
             })
     return records
 
@@ -116,12 +123,14 @@ def evaluate_model(config, model_path: str, num_samples: int = 1, output: str | 
     r = config.rollout
     params = (SamplingParams(r.max_completion_length, r.temperature, r.top_p, r.top_k, r.min_p) if num_samples > 1
               else SamplingParams(r.max_completion_length, temperature=0.0))
+    logged = {}
     with torch.no_grad():
         records = score(engine, tokenizer, rewards, task.eval_examples, params, num_samples, seed=config.train.seed,
-                        max_prompt_length=config.data.max_prompt_length, multi_turn=multi_turn)
+                        max_prompt_length=config.data.max_prompt_length, multi_turn=multi_turn, logged=logged)
     if output:
         with Path(output).open("w") as f:
             for record in records:
                 prompt = task.eval_examples[record["index"]].prompt
-                f.write(json.dumps({"prompt": prompt, **record}) + "\n")
-    return summarize(records, rewards.names, num_samples, prefix="")
+                f.write(json.dumps({"prompt": prompt, **record}, default=str) + "\n")
+    return {**summarize(records, rewards.names, num_samples, prefix=""),
+            **{name: sum(values) / len(values) for name, values in sorted(logged.items())}}

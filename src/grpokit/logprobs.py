@@ -19,6 +19,8 @@ Two variants, the same values and gradients (tests/test_logprobs.py checks both 
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
@@ -163,6 +165,18 @@ def _whole_sequence_pass(run, prompt_ids, prompt_mask, completion_ids, prompt_in
     return run(T, input_ids=ids, attention_mask=attention, position_ids=position_ids(attention), use_cache=False)
 
 
+def cache_inputs(model: torch.nn.Module, cache: DynamicCache) -> dict:
+    """The keyword arguments that hand `model` (or its decoder) a key/value cache: `cache=` where its
+    forward takes one (transformers' name from 5.2x on, which warns at the older name), else
+    `past_key_values=`. Read from the first transformers model inside (under peft's or FSDP's
+    wrappers), with `use_cache`."""
+    from transformers import PreTrainedModel
+
+    inner = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), model)
+    name = "cache" if "cache" in inspect.signature(type(inner).forward).parameters else "past_key_values"
+    return {name: cache, "use_cache": True}
+
+
 def _shared_prompt_pass(model, run, prompt_ids, prompt_mask, completion_ids, prompt_index, whole_model) -> torch.Tensor:
     """As _whole_sequence_pass, with each prompt run once and its key/value cache shared by the
     completions that continue it (the module docstring).
@@ -185,8 +199,8 @@ def _shared_prompt_pass(model, run, prompt_ids, prompt_mask, completion_ids, pro
     # Left padding: every prompt's last token is in the last column.
     rest_ids = torch.cat([prompt_ids[:, Lp - last:].index_select(0, prompt_index), completion_ids[:, :-1]], dim=1)  # (B, T - 1 + last)
     cache = DynamicCache()
-    prefix_inputs = dict(attention_mask=prefix_mask, position_ids=position_ids(prefix_mask), past_key_values=cache,
-                         use_cache=True)
+    cached = cache_inputs(model, cache)
+    prefix_inputs = dict(attention_mask=prefix_mask, position_ids=position_ids(prefix_mask), **cached)
     if whole_model:
         first = run(1, input_ids=prefix_ids, **prefix_inputs).index_select(0, prompt_index)  # (B, 1, ...)
         rest = {"input_ids": rest_ids}
@@ -211,5 +225,5 @@ def _shared_prompt_pass(model, run, prompt_ids, prompt_mask, completion_ids, pro
     attention = torch.cat([prompt_mask, prompt_mask.new_ones(B, T - 1)], dim=1)  # (B, Lp + T - 1)
     start = prompt_mask.sum(-1, keepdim=True) - last  # (B, 1): the position of rest's first token
     out = run(0, **rest, attention_mask=attention, position_ids=start + torch.arange(rest_ids.shape[1], device=start.device),
-              past_key_values=cache, use_cache=True)  # (B, T - 1 + last, ...)
+              **cached)  # (B, T - 1 + last, ...)
     return torch.cat([first, out], dim=1) if whole_model else out  # (B, T, ...)

@@ -284,6 +284,10 @@ def save_model(model, tokenizer, folder: Path, weights: list | None = None) -> N
 
     shown = logging.is_progress_bar_enabled()
     logging.disable_progress_bar()  # no "Writing model shards" bar under the run's own
+    if not torch.cuda.is_available():
+        # save_pretrained imports DeepSpeed where it is installed (accelerate unwraps a DeepSpeed
+        # engine), which then warns it found no GPU and is "Setting accelerator to CPU": say so first.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         if hasattr(model, "peft_config"):  # the adapters alone; embeddings are not adapted, no Hub lookup to check
             model.save_pretrained(folder, save_embedding_layers=False)

@@ -169,8 +169,8 @@ class Monitor:
         if self.silent:
             return
         with (self.run_dir / "completions.jsonl").open("a") as f:
-            for record in records:
-                f.write(json.dumps({"step": step, **{k: _plain(v) for k, v in record.items()}}) + "\n")
+            for record in records:  # a tool's result or a logged column JSON cannot hold is written as its str()
+                f.write(json.dumps({"step": step, **{k: _plain(v) for k, v in record.items()}}, default=str) + "\n")
 
     def write(self, text: str) -> None:
         if not self.silent:

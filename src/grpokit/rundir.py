@@ -6,6 +6,7 @@
               completions.jsonl  samples of prompts, completions and rewards (monitor.log_completions)
               checkpoints/step-N/  checkpoint.py
               final/           the last checkpoint's model files
+              stop.json        why and where the run last stopped (`record_stop`; gone while it runs)
 
 Process 0 holds an exclusive lock on the folder while it trains in it, so two runs started with
 one output_dir cannot write over each other. Resuming from checkpoint step N truncates every log
@@ -19,6 +20,7 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -40,6 +42,8 @@ RESUMABLE_CHANGES = frozenset({
 })
 # The run's logs, one JSON object per line, each with its step: truncated together on resume.
 LOGS = ("metrics.jsonl", "alerts.jsonl", "completions.jsonl")
+# Why and where the run last stopped, for `grpokit doctor`.
+STOP_FILE = "stop.json"
 
 
 def default_output_dir(config: Config, name: str | None = None) -> str:
@@ -148,6 +152,7 @@ def start_run_dir(run_dir: Path, config: Config, resume_from: Path | None) -> tu
     On resume, the logs (LOGS) are truncated to the checkpoint's step, and interrupted saves are
     removed; on a fresh start they begin empty.
     """
+    (run_dir / STOP_FILE).unlink(missing_ok=True)  # the run goes on: its last stop is past
     saved = run_dir / "config.yaml"
     before = config_changes(saved, config) if resume_from is None and saved.is_file() else []
     _write_atomic(run_dir / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False))
@@ -166,12 +171,45 @@ def start_run_dir(run_dir: Path, config: Config, resume_from: Path | None) -> tu
     for stale in (run_dir / CHECKPOINTS).glob(".*.tmp"):  # a save that a crash interrupted
         shutil.rmtree(stale, ignore_errors=True)
     step = checkpoint_step(resume_from)
-    kept = {}
     for name in LOGS:
-        kept[name] = [row for row in read_metrics(run_dir / name) if row.get("step", step + 1) <= step]
-        if (run_dir / name).exists():
-            _write_atomic(run_dir / name, "".join(json.dumps(row) + "\n" for row in kept[name]))
-    return kept["metrics.jsonl"], f"resuming from {resume_from} (logs truncated to step {step})"
+        if (run_dir / name).exists():  # the kept lines as they were written (NaN stays "nan")
+            lines = (run_dir / name).read_text().splitlines(keepends=True)
+            _write_atomic(run_dir / name, "".join(line for line in lines if _step_of(line, step + 1) <= step))
+    return read_metrics(run_dir / "metrics.jsonl"), f"resuming from {resume_from} (logs truncated to step {step})"
+
+
+def _step_of(line: str, otherwise: int) -> int:
+    """The step of a log line; `otherwise` for a line without one (or cut off by a crash)."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return otherwise
+    return row.get("step", otherwise) if isinstance(row, dict) else otherwise
+
+
+def record_stop(run_dir: Path, step: int, saved: int | None, error: BaseException | None) -> None:
+    """Write STOP_FILE: the last completed step, the newest checkpoint's step (None: none), and why
+    the run stopped: it finished (`error` None), a signal stopped it, or an error did."""
+    signum = getattr(error, "signum", None)
+    if error is None:
+        why = {"reason": "finished"}
+    elif signum:  # trainer.Interrupted, signals.StoppedWhileWaiting
+        why = {"reason": "signal", "signal": signal.Signals(signum).name, "message": str(error)}
+    else:
+        why = {"reason": "error", "message": f"{type(error).__name__}: {error}"}
+    try:
+        _write_atomic(run_dir / STOP_FILE, json.dumps({"step": step, "checkpoint": saved, **why}) + "\n")
+    except OSError:  # a full disk: doctor then guesses from the logs, as for a killed run
+        pass
+
+
+def read_stop(run_dir: Path) -> dict | None:
+    """STOP_FILE's record, None when there is none (a run killed outright writes none)."""
+    try:
+        record = json.loads((run_dir / STOP_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return record if isinstance(record, dict) and "reason" in record else None
 
 
 def read_metrics(path: Path) -> list[dict]:

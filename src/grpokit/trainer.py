@@ -75,14 +75,14 @@ from grpokit.models import (apply_lora, enable_activation_checkpointing, eos_tok
                             save_model, with_pad_token)
 from grpokit.model_card import write_model_card
 from grpokit.monitor import Monitor
-from grpokit.rewards import RewardError, RewardSet
+from grpokit.rewards import RewardError, RewardLog, RewardSet, merge_metrics
 from grpokit.rollout import (RolloutBatch, SamplingParams, decode_completions, encode_prompt, engine_class,
                              make_engine)
 from grpokit.rollout.conversation import MultiTurn
 from grpokit.rollout.pipeline import Pipeline, Queued
 from grpokit.rollout.weights import named_weights
 from grpokit.rollout.tools import Tools
-from grpokit.rundir import check_disk_space, open_run_dir, release_run_dir, start_run_dir
+from grpokit.rundir import check_disk_space, open_run_dir, record_stop, release_run_dir, start_run_dir
 from grpokit.schedule import lr_multiplier
 from grpokit.tasks import Example, make_task
 
@@ -118,6 +118,18 @@ class Progress:
     unscored_in_a_row: int = 0  # steps in which no reward function scored any completion
     examples_seen: int = 0  # prompts drawn from the data stream (its position)
 
+    def trainer_state(self, config: Config, task):
+        """The `trainer_state` reward functions receive: a transformers TrainerState in TRL's units,
+        optimizer updates (grpokit's steps x updates_per_step x num_iterations), so that
+        global_step / max_steps is the share of the run done, as in TRL."""
+        from transformers import TrainerState
+
+        per_step = config.train.updates_per_step * config.algorithm.num_iterations
+        size = len(getattr(task, "train_examples", ()))
+        return TrainerState(global_step=self.step * per_step, max_steps=config.train.max_steps * per_step,
+                            epoch=self.examples_seen / size if size else 0.0, num_input_tokens_seen=self.num_tokens,
+                            is_local_process_zero=distributed.is_main(), is_world_process_zero=distributed.is_main())
+
 
 @dataclass
 class Scored:
@@ -128,6 +140,7 @@ class Scored:
     advantages: torch.Tensor  # (n,) this process's completions', on the training device
     active: torch.Tensor  # (n,) bool: the completions that need a forward/backward pass
     samples: list[dict] = field(repr=False)  # this process's completions, as monitor.log_completions records them
+    logged: dict[str, list[float]] = field(default_factory=dict)  # this process's log_metric values (rewards.RewardLog)
 
     @property
     def any_scored(self) -> bool:
@@ -149,6 +162,7 @@ class Trainer:
         """model, tokenizer: objects to train (in place) and tokenize with instead of loading
         model.name's; config.model.name then only says where they came from."""
         self.device = distributed.init()
+        config.settle()  # (a Config built in Python, not loaded: what load_config does)
         config.validate(world_size=distributed.world_size())
         self.config = config
         # Replicated, or sharded by FSDP2 / DeepSpeed as the launcher's accelerate config says (sharding.py).
@@ -179,7 +193,7 @@ class Trainer:
         self.task = make_task(config.data, config.train.seed, lambda e: len(self.encode(e, truncate=False)))
         first = next(self.task.train_stream())
         if self.tools is not None:
-            self.tools.check({"prompt": first.prompt, **first.columns})
+            self.tools.check({"prompt": first.prompt, **first.columns}, getattr(self.task, "prompts_from_reset", False))
         self.rewards = RewardSet(reward_specs(config, self.task.reward_functions), config.reward.timeout,
                                  extra=Tools.rewards(self.tools))
         self.stream = self.task.train_stream()
@@ -380,15 +394,20 @@ class Trainer:
                 except Exception as e:
                     self.monitor.write(f"warning: the model card (final/README.md) was not written: "
                                        f"{type(e).__name__}: {e}")
-        except Exception as error:
+        except BaseException as error:
             # One process only: with several, the others may be waiting in a collective. A
-            # NonFiniteError keeps the checkpoints from before the streak.
-            if distributed.world_size() == 1 and not isinstance(error, NonFiniteError):
+            # NonFiniteError keeps the checkpoints from before the streak; Ctrl-C twice stops at once.
+            if distributed.world_size() == 1 and isinstance(error, Exception) and not isinstance(error, NonFiniteError):
                 if in_step is None:
                     self.save_after_failure(self.capture())
                 elif in_step[1] == updates_begun[0]:  # the failing step had not changed the weights
                     self.save_after_failure(in_step[0])
+            if distributed.is_main():
+                record_stop(self.run_dir, self.progress.step, self.saved_step, error)
             raise
+        else:
+            if distributed.is_main():
+                record_stop(self.run_dir, self.progress.step, self.saved_step, None)
         finally:
             hook.remove()
             if self.ahead is not None:
@@ -432,6 +451,7 @@ class Trainer:
         every = self.config.monitor.log_completions
         if every and step % every == 0:
             self.monitor.completions(step, distributed.gather_lists(scored.samples))
+        logged = distributed.means(scored.logged)  # the reward functions' log_metric values
         self.count_step(step, tokens, scored, stats, int(sampling.get("dynamic_sampling/prompts_sampled", len(examples))))
         times = torch.tensor([t_generate, t_logprobs, t_update, stats.time_optimizer, time.perf_counter() - start])
         times = distributed.all_reduce(times, "max").tolist()  # the slowest process sets the pace
@@ -440,6 +460,7 @@ class Trainer:
             **stats.metrics,
             **rollout,
             **sampling,
+            **logged,
             "num_tokens": self.progress.num_tokens,
             "skipped_steps": self.progress.skipped_steps,
             **dict(zip(("time/generate", "time/logprobs", "time/update", "time/optimizer", "step_time"), times)),
@@ -500,27 +521,30 @@ class Trainer:
         group-relative advantages (of whole groups, wherever their completions were generated)."""
         return self.advantages(batch, *self.reward(examples, batch))
 
-    def reward(self, examples: list[Example], batch: RolloutBatch) -> tuple[torch.Tensor, dict, list[dict]]:
+    def reward(self, examples: list[Example], batch: RolloutBatch) -> tuple[torch.Tensor, dict, list[dict], dict]:
         """The reward functions on this process's completions `batch`: the whole step's rewards (N,)
-        and each function's (gathered from every process), and this process's records of them."""
+        and each function's (gathered from every process), this process's records of them (with
+        the columns the functions log_extra'ed), and the values they log_metric'ed."""
         cfg, G = self.config, self.config.rollout.num_generations
         N, U = cfg.completions_per_step, cfg.completions_per_update
         owned = [examples[r // G] for r in self.rows.tolist()]
-        completions = decode_completions(self.tokenizer, batch, [e.prompt for e in owned])
+        prompts = batch.prompts(owned)  # as the model saw them
+        completions = decode_completions(self.tokenizer, batch, prompts)
+        log = RewardLog(len(completions))
         local_rewards, local_per_function = self.rewards(
-            owned, completions, batch.finish_reasons, batch.completion_id_lists(), batch.environments()
-        )  # (n,)
+            owned, completions, batch.finish_reasons, batch.completion_id_lists(), batch.environments(),
+            prompts=prompts, state=self.progress.trainer_state(self.config, self.task), log=log)  # (n,)
         samples = [
-            {"prompt": e.prompt, "completion": c, "finish_reason": f, "reward": r.item(),
-             **{f"rewards/{name}": v[i].item() for name, v in local_per_function.items()}}
-            for i, (e, c, f, r) in enumerate(zip(owned, completions, batch.finish_reasons, local_rewards))
+            {"prompt": p, "completion": c, "finish_reason": f, "reward": r.item(),
+             **{f"rewards/{name}": v[i].item() for name, v in local_per_function.items()}, **log.record(i)}
+            for i, (p, c, f, r) in enumerate(zip(prompts, completions, batch.finish_reasons, local_rewards))
         ]
         rewards = distributed.gather_rows(local_rewards, N, U)  # (N,) in global order
         per_function = {k: distributed.gather_rows(v, N, U) for k, v in local_per_function.items()}
-        return rewards, per_function, samples
+        return rewards, per_function, samples, log.metrics
 
     def advantages(self, batch: RolloutBatch, rewards: torch.Tensor, per_function: dict, samples: list[dict],
-                   rows: torch.Tensor | None = None) -> Scored:
+                   logged: dict | None = None, rows: torch.Tensor | None = None) -> Scored:
         """The step's advantages (advantages.py) from the whole step's `rewards` (N,), kept for the
         completions `batch` (this process's rows, or `rows`), and which of them need a forward/backward pass."""
         a, G = self.config.algorithm, self.config.rollout.num_generations
@@ -537,7 +561,7 @@ class Trainer:
             if a.beta == 0:
                 active &= advantages != 0
             active &= self.loss_mask(batch).cpu().any(-1)
-        return Scored(rewards, per_function, advantages.to(self.device), active, samples)
+        return Scored(rewards, per_function, advantages.to(self.device), active, samples, logged or {})
 
     def sample_informative(self, step: int, examples: list[Example]) -> tuple[list[Example], RolloutBatch, Scored, dict]:
         """Dynamic sampling (dynamic_sampling.py): rounds of sampling and scoring, the first on
@@ -550,11 +574,13 @@ class Trainer:
         # Where each process's completions go in a round's global order (the inverse of shard_rows).
         order = torch.argsort(torch.cat([distributed.shard_rows(N, U, distributed.world_size(), k)
                                          for k in range(distributed.world_size())]))
+        logged = {}  # the rounds' log_metric values
         while True:
             if collector.rounds:
                 examples = self.next_prompts()
             batch = self.sample(examples)
-            rewards, per_function, samples = self.reward(examples, batch)
+            rewards, per_function, samples, round_logged = self.reward(examples, batch)
+            logged = merge_metrics(logged, round_logged)
             if distributed.world_size() > 1:  # every process holds the whole round, in global order
                 # (through CPU memory: a GPU tensor would be unpickled onto the GPU of the process that sent it)
                 parts = distributed.gather_lists([batch.to(torch.device("cpu"))])
@@ -576,7 +602,8 @@ class Trainer:
                 f"{collector.rounds} rounds (rollout.max_sampling_rounds={r.max_sampling_rounds}), fewer than "
                 f"train.prompts_per_step={P}: the step trains on those, the batch filled with equal-reward groups")
         batch = whole.select(self.rows)
-        return examples, batch, self.advantages(batch, rewards, per_function, [samples[i] for i in self.rows.tolist()]), metrics
+        scored = self.advantages(batch, rewards, per_function, [samples[i] for i in self.rows.tolist()], logged)
+        return examples, batch, scored, metrics
 
     def check_scored(self, step: int, scored: Scored) -> None:
         """A step in which every reward function returned None for every completion teaches nothing:
@@ -796,12 +823,14 @@ class Trainer:
         W, rank = distributed.world_size(), distributed.rank()
         first, last = rank * len(examples) // W, (rank + 1) * len(examples) // W
         rng = rng_state()
+        logged = {}  # the reward functions' log_metric values, this process's
+        state = self.progress.trainer_state(self.config, self.task)
 
         def scored(first: int, last: int, engine=None) -> list[dict]:
             chunk = [examples[min(i, len(examples) - 1)] for i in range(first, last)]  # padding repeats the last
             return score(engine or self.engine, self.tokenizer, self.rewards, chunk, self.greedy,
                          first_index=first, max_prompt_length=self.config.data.max_prompt_length,
-                         multi_turn=self.multi_turn)
+                         multi_turn=self.multi_turn, state=state, logged=logged)
 
         if self.parallel.lockstep:  # equal slices (every forward is collective): the last padded, then cut
             share = -(-len(examples) // W)
@@ -817,7 +846,8 @@ class Trainer:
                 records = distributed.gather_lists(scored(first, last))[:len(examples)]
         finally:
             set_rng_state(rng)
-        metrics = summarize(records, self.rewards.names)
+        metrics = {**summarize(records, self.rewards.names),
+                   **{f"eval/{name}": value for name, value in distributed.means(logged).items()}}
         self.monitor.eval(step, metrics)
         return {"step": step, **metrics}
 

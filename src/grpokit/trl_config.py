@@ -396,6 +396,8 @@ def from_trl(trl_config, num_processes: int = 1) -> tuple[dict, list[NotCarried]
         raise FromTRLError("these TRL settings change what is trained and grpokit cannot carry them over:\n"
                            + "\n".join(f"  - {e}" for e in errors))
 
+    # TRL sends a string prompt as plain text (a conversational one through the chat template, as grpokit does).
+    put("data.chat_template", False)
     # Straight and converted fields.
     for name, field in FIELDS.items():
         if field.key is not None and "." in field.key and name not in CARRIED_BELOW:

@@ -1,10 +1,13 @@
 """The user's code named in configs (reward functions, tools, environments): found by
-`package.module:name` or `path/to/file.py:name`, and async functions run on one event loop."""
+`package.module:name` or `path/to/file.py:name`; async functions run on one event loop; and
+sys.exit() or KeyboardInterrupt inside it stop the run as a named error (`exits_caught`), never
+as a silent exit of the whole process."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -15,6 +18,7 @@ import threading
 import types
 from pathlib import Path
 
+from grpokit import signals
 from grpokit.errors import ConfigError
 
 
@@ -87,12 +91,43 @@ def is_async(fn) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
-def submit(coroutine) -> concurrent.futures.Future:
-    """Schedule `coroutine` on one event loop that lives as long as the process (in its own thread),
-    as TRL does: async clients and semaphores made on the first step still work on the next, and a
-    caller's own running loop (Jupyter) is left alone."""
+def submit(coroutine, what: str) -> concurrent.futures.Future:
+    """Schedule `coroutine`, a call into the user's code (`what`, for messages), on one event loop
+    that lives as long as the process (in its own thread), as TRL does: async clients and semaphores
+    made on the first step still work on the next, and a caller's own running loop (Jupyter) is
+    left alone. sys.exit() inside it is the future's UserCodeExit (asyncio would let it end the
+    loop's thread, and the wait for the future would never end)."""
     global _loop
     if _loop is None:
         _loop = asyncio.new_event_loop()
         threading.Thread(target=_loop.run_forever, name="grpokit-user-code", daemon=True).start()
-    return asyncio.run_coroutine_threadsafe(coroutine, _loop)
+    return asyncio.run_coroutine_threadsafe(exits_caught_async(coroutine, what), _loop)
+
+
+async def exits_caught_async(coroutine, what: str):
+    """`coroutine`'s result, with exits_caught around it. Each coroutine that asyncio.gather runs as
+    a task of its own needs it: a task lets sys.exit() through to the loop."""
+    with exits_caught(what):
+        return await coroutine
+
+
+class UserCodeExit(RuntimeError):
+    """The user's code called sys.exit() or raised KeyboardInterrupt. Unhandled, either would end
+    the process at once: nothing saved, and sys.exit(0) with exit status 0, as if the run had
+    finished. As this error the run stops like one whose reward function raised: the last completed
+    step saved, a non-zero exit status, and the command that resumes."""
+
+
+@contextlib.contextmanager
+def exits_caught(what: str):
+    """Run the body, a call into the user's code (`what`, e.g. "tool 'search'"), with sys.exit()
+    and KeyboardInterrupt inside it turned into UserCodeExit."""
+    try:
+        yield
+    except SystemExit as e:
+        raise UserCodeExit(f"{what} called sys.exit({e.code!r}), which would have ended the process with nothing "
+                           "saved") from None
+    except KeyboardInterrupt:
+        # The second Ctrl-C (signals.StopSignals) while the user's code ran, or the code's own.
+        cause = "Ctrl-C, pressed twice," if signals.requested() else "KeyboardInterrupt, raised by it,"
+        raise UserCodeExit(f"{cause} stopped {what}") from None

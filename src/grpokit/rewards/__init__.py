@@ -1,9 +1,15 @@
 """Reward functions, with TRL's calling convention: f(prompts=..., completions=..., **columns).
 
 Each returns one float (or None: not applicable) per completion. Besides the dataset's columns,
-functions receive `finish_reasons` ("stop" or "length" per completion); TRL-style functions that
-take **kwargs simply ignore it. `async def` functions run concurrently. A function is named in
+functions receive what TRL 1.16 passes (`prompts`, `completions`, `completion_ids`,
+`trainer_state`, `log_metric`, `log_extra`, and `environments` with an environment) and
+`finish_reasons` ("stop" or "length" per completion); TRL-style functions that take **kwargs
+simply ignore what they do not use. `async def` functions run concurrently. A function is named in
 configs by a built-in name, by `package.module:function`, or by `path/to/file.py:function`.
+
+`log_metric(name, value)` adds a metric to the step's row (the mean of the values logged for it,
+all processes), `log_extra(column, values)` a column to the step's completions.jsonl records (one
+value per completion of the call): `RewardLog`.
 
 `RewardSet` calls them and sums them with weights. A None is left out: the total is the weighted
 sum of the functions that applied, and a completion no function applied to has reward NaN, which
@@ -55,7 +61,59 @@ REWARD_FUNCTIONS: dict[str, Callable[..., list[float | None]]] = {}
 
 
 # What every reward function is passed besides the data's columns (TRL's names, and finish_reasons).
-RESERVED = ("prompts", "completions", "completion_ids", "finish_reasons")
+RESERVED = ("prompts", "completions", "completion_ids", "finish_reasons", "trainer_state", "log_metric", "log_extra")
+# The keys of a completion's record (completions.jsonl, grpokit eval --output) that log_extra's
+# columns may not take; nor may a column start with "rewards/".
+RECORD_KEYS = ("step", "prompt", "completion", "finish_reason", "reward", "rewards", "index", "sample", "length",
+               "truncated")
+# grpokit's own metric names and namespaces (trainer.py, evaluate.py), which log_metric may not take.
+OWN_METRICS = ("loss", "reward", "reward_std", "frac_reward_zero_std", "kl", "entropy", "grad_norm", "learning_rate",
+               "num_tokens", "skipped_steps", "step_time", "staleness", "step")
+OWN_NAMESPACES = ("rewards/", "completions/", "clip_ratio/", "time/", "tools/", "turns/", "sampling/",
+                  "dynamic_sampling/", "eval/")
+
+
+class RewardLog:
+    """What reward functions log through TRL's `log_metric` and `log_extra` while scoring one batch
+    of completions: the values of each metric, and each extra column (one value per completion, None
+    where a call did not log it). A bad name or value raises inside the reward function that logged
+    it, so the error names that function."""
+
+    def __init__(self, n: int):
+        self.n = n  # completions scored
+        self.metrics: dict[str, list[float]] = {}
+        self.columns: dict[str, list] = {}
+
+    def log_metric(self, name: str, value: float) -> None:
+        if not isinstance(name, str) or name in OWN_METRICS or name.startswith(OWN_NAMESPACES):
+            raise ValueError(f"log_metric({name!r}, ...): {name!r} is one of grpokit's own metric names "
+                             f"({', '.join(OWN_METRICS)}, and those under {', '.join(OWN_NAMESPACES)}): name it otherwise")
+        if hasattr(value, "item"):
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"log_metric({name!r}, {value!r}): the value must be a number")
+        self.metrics.setdefault(name, []).append(float(value))
+
+    def log_extra(self, column: str, values: list) -> None:
+        if not isinstance(column, str) or column in RECORD_KEYS or column.startswith("rewards/"):
+            raise ValueError(f"log_extra({column!r}, ...): {column!r} is a key of the completion records already "
+                             f"({', '.join(RECORD_KEYS)}, rewards/<function>): name the column otherwise")
+        if hasattr(values, "tolist"):
+            values = values.tolist()
+        if not isinstance(values, (list, tuple)) or len(values) != self.n:
+            got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
+            raise ValueError(f"log_extra({column!r}, ...) got {got} for the {self.n} completions it was called with: "
+                             "one value per completion")
+        self.columns[column] = list(values)
+
+    def record(self, i: int) -> dict:
+        """The extra columns of completion i."""
+        return {column: values[i] for column, values in self.columns.items()}
+
+
+def merge_metrics(into: dict[str, list[float]], more: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Logged metric values of two batches as one."""
+    return {name: [*into.get(name, ()), *more.get(name, ())] for name in {**into, **more}}
 
 
 class RewardError(ValueError):
@@ -92,6 +150,10 @@ class RewardSet:
         self.timeout = timeout  # seconds one call may take (reward.timeout); None: no limit
         # Metric keys (rewards/<name>/mean) name a file's function without its folders.
         self.names = [name.rsplit("/", 1)[-1] for name, _, _ in specs] + [name for name, _ in extra]
+        if not self.names:
+            raise ConfigError("nothing gives a reward: reward.functions is not set (reward_functions= in Python), the "
+                              "data brings none (a dataset or an environment's prompts never do), and there is no "
+                              "environment with a get_reward() method: name reward functions")
         if len(set(self.names)) < len(self.names):
             raise ConfigError(f"reward.functions names a function twice: {self.names}")
         self.weights = [weight for _, weight, _ in specs] + [1.0] * len(extra)
@@ -126,14 +188,18 @@ class RewardSet:
 
     def __call__(
         self, examples: list, completions: list, finish_reasons: list[str], completion_ids: list | None = None,
-        environments: list | None = None,
+        environments: list | None = None, prompts: list | None = None, state=None, log: RewardLog | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Total rewards (N,) and each function's (N,), NaN where not applicable; N = len(completions).
-        environments: each completion's environment instance (TRL passes them), with one."""
-        prompts = [e.prompt for e in examples]
+        environments: each completion's environment instance (TRL passes them), with one; prompts:
+        each completion's prompt as the model saw it (default: its example's); state: the
+        `trainer_state` (a transformers TrainerState); log: what log_metric / log_extra record."""
+        prompts = [e.prompt for e in examples] if prompts is None else prompts
         columns = {k: [e.columns.get(k) for e in examples] for k in dict.fromkeys(k for e in examples for k in e.columns)}
+        log = RewardLog(len(completions)) if log is None else log
         kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids,
-                      finish_reasons=finish_reasons, **columns)
+                      finish_reasons=finish_reasons, trainer_state=state, log_metric=log.log_metric,
+                      log_extra=log.log_extra, **columns)
         if environments is not None:
             kwargs["environments"] = environments
         values: dict[str, list] = {}
@@ -145,12 +211,14 @@ class RewardSet:
                 values[name] = self._call(name, fn, kwargs)
         if pending:
             async def run_all():
-                return await asyncio.gather(*(asyncio.wait_for(fn(**kwargs), self.timeout) for _, fn in pending),
-                                            return_exceptions=True)
+                return await asyncio.gather(*(asyncio.wait_for(user_code.exits_caught_async(
+                    fn(**kwargs), f"reward function {name!r}"), self.timeout) for name, fn in pending),
+                    return_exceptions=True)
 
-            future = user_code.submit(run_all())
+            what = f"reward function(s) {', '.join(repr(name) for name, _ in pending)}"
+            future = user_code.submit(run_all(), what)
             try:  # each function's time limit is asyncio's; a stop request ends the wait for them all
-                with signals.waiting_on(f"reward function(s) {', '.join(repr(name) for name, _ in pending)}"):
+                with signals.waiting_on(what):
                     results = future.result()
             except signals.StoppedWhileWaiting:
                 future.cancel()
@@ -158,6 +226,8 @@ class RewardSet:
             for (name, fn), result in zip(pending, results):
                 if isinstance(result, (asyncio.TimeoutError, TimeoutError)):
                     raise self._timed_out(name)
+                if isinstance(result, user_code.UserCodeExit):
+                    raise result
                 if isinstance(result, BaseException):
                     self._raise(name, fn, kwargs, result)
                 values[name] = result
@@ -170,11 +240,12 @@ class RewardSet:
 
     def _call(self, name, fn, kwargs) -> list:
         try:  # a stop request (SIGTERM) and reward.timeout end a call that never returns
-            with signals.waiting_on(f"reward function {name!r}", self.timeout):
+            with signals.waiting_on(f"reward function {name!r}", self.timeout), \
+                    user_code.exits_caught(f"reward function {name!r}"):
                 return fn(**kwargs)
         except signals.WaitTimedOut:
             raise self._timed_out(name) from None
-        except signals.StoppedWhileWaiting:
+        except (signals.StoppedWhileWaiting, user_code.UserCodeExit):
             raise
         except Exception as e:  # noqa: BLE001 - re-raised with the function and completion named
             self._raise(name, fn, kwargs, e)
@@ -185,22 +256,29 @@ class RewardSet:
     def _raise(self, name, fn, kwargs, error: BaseException):
         """Find the completion `fn` fails on (calling it on one completion at a time) and say so."""
         n = len(kwargs["completions"])
+        what = f"reward function {name!r}"
         for i in range(min(n, 16)):  # a few single calls at most (a remote scorer may be slow)
             one = {k: v[i : i + 1] if isinstance(v, list) and len(v) == n else v for k, v in kwargs.items()}
+            log = RewardLog(1)  # what it logs here is not kept
+            one.update(log_metric=log.log_metric, log_extra=log.log_extra)
             try:
-                result = fn(**one)
+                with user_code.exits_caught(what):
+                    result = fn(**one)
                 if inspect.isawaitable(result):
-                    user_code.submit(result).result()
+                    user_code.submit(result, what).result()
+            except user_code.UserCodeExit:
+                raise
             except Exception as e:  # noqa: BLE001
                 raise RewardError(
                     f"reward function {name!r} raised {type(e).__name__}: {e}\n"
                     f"  on completion {i}: {_short(kwargs['completions'][i])}\n"
-                    f"  of prompt: {_short(kwargs['prompts'][i])}{_where(e)}"
+                    f"  of prompt: {_short(kwargs['prompts'][i])}{_where(e)}{_shape_hint(e, kwargs)}"
                 ) from error
         raise RewardError(
             f"reward function {name!r} raised {type(error).__name__}: {error}\n"
             f"  on a batch of {n} completions (called again on single ones, it did not fail), the first:"
             f" {_short(kwargs['completions'][0])}\n  of prompt: {_short(kwargs['prompts'][0])}{_where(error)}"
+            f"{_shape_hint(error, kwargs)}"
         ) from error
 
     @staticmethod
@@ -223,6 +301,25 @@ class RewardSet:
                 )
             out.append(math.nan if v is None else float(v))
         return torch.tensor(out, dtype=torch.float32)
+
+
+def _shape_hint(error: BaseException, kwargs: dict) -> str:
+    """For a function that fails on a completion's shape: the setting that gives TRL's shapes. TRL
+    sends a string prompt as plain text and passes its completion as a string; grpokit, unless
+    data.chat_template=false, sends it through the chat template as a user message and passes
+    the completion as a list of messages."""
+    completions = kwargs["completions"]
+    if not isinstance(error, (TypeError, AttributeError, KeyError, IndexError)) or not completions:
+        return ""
+    if isinstance(completions[0], list) and "environments" not in kwargs:
+        return ("\n  the completions are lists of messages ([{'role': 'assistant', 'content': ...}]) because the "
+                "prompts are chat messages: if the data's prompts are strings, data.chat_template=false sends them "
+                "as plain text and passes completions as strings, as TRL does")
+    if isinstance(completions[0], str):
+        return ("\n  the completions are strings because the prompts are plain text (data.chat_template=false): "
+                "data.chat_template=true sends a string prompt as a user message, and passes completions as lists "
+                "of messages")
+    return ""
 
 
 def _bind(name: str, fn, arguments: dict):

@@ -65,6 +65,13 @@ class RolloutBatch:
         """Each completion's token ids, padding removed (TRL's `completion_ids` reward argument)."""
         return [ids[:n] for ids, n in zip(self.completion_ids.tolist(), self.completion_mask.sum(-1).tolist())]
 
+    def prompts(self, examples: list) -> list:
+        """Each completion's prompt as the model saw it: its conversation's (an environment's reset()
+        may have added to it), else its example's (`examples`: one per completion)."""
+        if self.conversations is None:
+            return [e.prompt for e in examples]
+        return [e.prompt if c.prompt is None else c.prompt for c, e in zip(self.conversations, examples)]
+
     def environments(self) -> list | None:
         """Each completion's environment instance (reward functions' `environments`), None without one."""
         if self.conversations is None or self.conversations[0].environment is None:

@@ -26,7 +26,7 @@ import torch
 
 from grpokit.errors import ConfigError
 from grpokit.rollout import RolloutBatch, SamplingParams, encode_prompt, from_completions
-from grpokit.rollout.tools import Tools, call_message, parse_calls
+from grpokit.rollout.tools import ToolResult, Tools, call_message, parse_calls
 
 # Why a rollout ended: the model answered without a tool call, it used its last turn, or the budget ran out.
 STOPS = ("answer", "max_turns", "length")
@@ -43,6 +43,7 @@ class Conversation:
     failures: int = 0  # calls that raised, timed out, named no tool, or were malformed
     stop: str = "answer"  # one of STOPS
     environment: object | None = field(default=None, repr=False, compare=False)
+    prompt: list[dict] | None = None  # the prompt as the model saw it (with the text reset() appended)
 
 
 @dataclass
@@ -118,7 +119,7 @@ class MultiTurn:
                 if appended:  # TRL's rule: reset's text is appended to the last message of the prompt
                     messages[-1]["content"] += appended
                 rollouts.append(_Rollout(self.encode(messages), self.tools.callables(environment),
-                                         Conversation([], environment=environment)))
+                                         Conversation([], environment=environment, prompt=messages)))
         # Rollouts in a row with the same prompt (all of a group, unless reset() told them apart)
         # share one prefill.
         prompts, prompt_index = [], []
@@ -169,21 +170,30 @@ class MultiTurn:
         if turn == self.max_turns - 1:  # its calls are not run: the model would have no turn to read them
             c.stop = "max_turns"
             return False
-        results = []
-        for call in calls:
-            text, failed = self.tools.call(rollout.tools, call)
-            results.append({"role": "tool", "name": call.name, "content": text})
-            c.failures += failed
-        results += [{"role": "tool", "name": "error", "content": problem} for problem in problems]
-        c.calls += len(calls) + len(problems)
-        c.failures += len(problems)
-        segment = self.tool_segment(results, ids[-1] if ids and ids[-1] in self.eos_ids else None)
-        if len(rollout.ids) + len(segment) >= budget:  # no room left for the model to read them
+        results = [self.tools.call(rollout.tools, call) for call in calls]
+        results += [ToolResult("error", problem, failed=True) for problem in problems]
+        c.calls += len(results)
+        c.failures += sum(r.failed for r in results)
+        segment = self.tool_segment([r.message() for r in results], ids[-1] if ids and ids[-1] in self.eos_ids else None)
+        room = budget - len(rollout.ids)
+        if len(segment) >= room:  # no room left for the model to read them: the rollout ends
             rollout.finish, c.stop = "length", "length"
+            c.failures += sum(not r.failed for r in results)  # a result the model never read
+            c.messages += self._cut(results, room)
             return False
         rollout.add(segment, False)
-        c.messages += results
+        c.messages += [r.record() for r in results]
         return True
+
+    def _cut(self, results: list[ToolResult], room: int) -> list[dict]:
+        """The `tool` messages of results that did not fit the token budget, as recorded: each text
+        cut to the `room` tokens left (in turn), marked `truncated`."""
+        messages = []
+        for r in results:
+            ids = self.tokenizer(r.text, add_special_tokens=False)["input_ids"][:max(room, 0)]
+            room -= len(ids)
+            messages.append({"role": "tool", "name": r.name, "content": self.tokenizer.decode(ids), "truncated": True})
+        return messages
 
     def _batch(self, rollouts: list[_Rollout], prompts: list[list[int]], prompt_index: list[int]) -> RolloutBatch:
         counts = torch.bincount(torch.tensor(prompt_index)).tolist()

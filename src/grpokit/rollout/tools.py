@@ -11,7 +11,12 @@
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
 - A call that raises, takes longer than rollout.tool_timeout, names no known tool, has the wrong
   arguments or is not valid JSON answers the model with the error as the tool's result (that is
-  how agents learn to recover) and counts as a failure; the run goes on.
+  how agents learn to recover) and counts as a failure; the run goes on. A tool (or an
+  environment's constructor or reset) that calls sys.exit() or raises KeyboardInterrupt stops the
+  run instead (user_code.UserCodeExit), saved. A tool declared with *args or **kwargs is refused:
+  the model can only call it with named arguments its schema describes.
+- The model reads a result as text (a string as it is, anything else as JSON); reward functions
+  get a list result as the list, as TRL passes it (`ToolResult.record`).
 """
 
 from __future__ import annotations
@@ -39,11 +44,45 @@ class ToolCall:
     arguments: dict
 
 
+@dataclass
+class ToolResult:
+    """One call's result: the text the model reads (the return value as it is when a string, else
+    as JSON), and the return value itself."""
+
+    name: str  # the tool called
+    text: str
+    value: object = None
+    failed: bool = False
+
+    @classmethod
+    def failure(cls, name: str, problem: str) -> ToolResult:
+        return cls(name, f"error: {problem}", failed=True)
+
+    def message(self) -> dict:
+        """The `tool` message the chat template renders for the model."""
+        return {"role": "tool", "name": self.name, "content": self.text}
+
+    def record(self) -> dict:
+        """The `tool` message reward functions and completions.jsonl get: TRL's rule, a list result as
+        the list (TRL passes it through; reward functions test `isinstance(content, list)`), any
+        other as the text the model read."""
+        return {"role": "tool", "name": self.name, "content": self.value if isinstance(self.value, list) else self.text}
+
+
 def schema(fn: Callable, what: str) -> dict:
     """The JSON schema of tool `fn` for the chat template; a ConfigError naming `what` when its
     docstring or type hints cannot say it."""
     from transformers.utils import get_json_schema
 
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin: get_json_schema says what it lacks
+        parameters = ()
+    for p in parameters:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            star = "*" if p.kind is p.VAR_POSITIONAL else "**"
+            raise ConfigError(f"{what}: takes {star}{p.name}, which a tool call cannot fill (the model calls a tool with "
+                              "a JSON object of named arguments, each described in its schema): name every argument")
     try:
         return get_json_schema(fn)
     except Exception as e:  # noqa: BLE001 - DocstringParsingException, TypeHintParsingException, ...
@@ -106,16 +145,25 @@ class Tools:
         use_chat_template(tokenizer, config.model.chat_template, model_name or config.model.name, tools is not None)
         return tools
 
-    def check(self, row: dict) -> None:
-        """Start one rollout of `row` now: an environment whose reset fails on the data says so at start-up."""
+    def check(self, row: dict, prompt_from_reset: bool = False) -> None:
+        """Start one rollout of `row` now: an environment whose reset fails on the data says so at
+        start-up; so does one whose reset returns no text when it must give the prompt."""
         try:
-            self.start(row)
+            _, text = self.start(row)
         except EnvironmentFailed as e:
             raise ConfigError(f"{e} (on the first training prompt)") from None
+        if prompt_from_reset and not (text or "").strip():
+            raise ConfigError(f"environment {self.environment_name!r}: reset() returned {text!r}, and there is no dataset: "
+                              "without one, the text reset() returns is the prompt (TRL's environment_factory without a "
+                              "train_dataset). Return the task's prompt from reset(), or give a dataset (data.path, or "
+                              "dataset= in Python) whose rows reset() receives")
 
     def _new(self):
         try:
-            return self.environment()
+            with user_code.exits_caught(f"the constructor of environment {self.environment_name!r}"):
+                return self.environment()
+        except user_code.UserCodeExit:
+            raise
         except Exception as e:  # noqa: BLE001 - named and re-raised
             raise EnvironmentFailed(f"environment {self.environment_name!r}: its constructor raised "
                                     f"{type(e).__name__}: {e}") from e
@@ -130,7 +178,10 @@ class Tools:
         if not callable(getattr(instance, "reset", None)):
             raise ConfigError(f"{what} has no reset method (TRL's environments reset(**row) for every rollout)")
         try:
-            text = instance.reset(**copy.deepcopy(row))  # the task's own examples stay as they are
+            with user_code.exits_caught(f"{what}: reset()"):
+                text = instance.reset(**copy.deepcopy(row))  # the task's own examples stay as they are
+        except user_code.UserCodeExit:
+            raise
         except Exception as e:  # noqa: BLE001
             raise EnvironmentFailed(f"{what}: reset() raised {type(e).__name__}: {e}") from e
         if text is not None and not isinstance(text, str):
@@ -142,31 +193,32 @@ class Tools:
         """What each tool name calls in a rollout with environment `instance` (or None)."""
         return {**self.functions, **(environment_tools(instance) if instance is not None else {})}
 
-    def call(self, tools: dict[str, Callable], call: ToolCall) -> tuple[str, bool]:
-        """Run one call: (its result as text, whether it failed). A failure's text is the error."""
+    def call(self, tools: dict[str, Callable], call: ToolCall) -> ToolResult:
+        """Run one call. A failure's text is the error, which the model reads."""
         fn = tools.get(call.name)
         if fn is None:
-            return f"error: there is no tool named {call.name!r}; the tools are: {', '.join(tools)}", True
+            return ToolResult.failure(call.name, f"there is no tool named {call.name!r}; the tools are: {', '.join(tools)}")
         what = f"tool {call.name!r}"
         future = None
         try:  # a stop request (SIGTERM) and rollout.tool_timeout end a call that never returns
             with signals.waiting_on(what, self.timeout):
                 if user_code.is_async(fn):  # on the long-lived loop; the wait here is what times out
-                    future = user_code.submit(fn(**call.arguments))
+                    future = user_code.submit(fn(**call.arguments), what)
                     result = future.result()
                 else:
-                    result = fn(**call.arguments)
+                    with user_code.exits_caught(what):
+                        result = fn(**call.arguments)
         except signals.WaitTimedOut:
             if future is not None:
                 future.cancel()
-            return f"error: {what} did not return within {self.timeout:g} s", True
-        except signals.StoppedWhileWaiting:
+            return ToolResult.failure(call.name, f"{what} did not return within {self.timeout:g} s")
+        except (signals.StoppedWhileWaiting, user_code.UserCodeExit):
             if future is not None:
                 future.cancel()
             raise
         except Exception as e:  # noqa: BLE001 - the model reads the error (its own timeouts included), as in production
-            return f"error: {type(e).__name__}: {e}", True
-        return result if isinstance(result, str) else _as_text(result), False
+            return ToolResult.failure(call.name, f"{type(e).__name__}: {e}")
+        return ToolResult(call.name, result if isinstance(result, str) else _as_text(result), result)
 
 
     @staticmethod
@@ -176,9 +228,11 @@ class Tools:
 
     def reward(self) -> tuple[str, Callable]:
         """The environment's get_reward() as a reward function, named after its class (TRL's rule)."""
+        what = f"environment {self.environment_name!r}: get_reward()"
         if self._async_reward:
             async def reward(environments, **kwargs):
-                return list(await asyncio.gather(*(e.get_reward() for e in environments)))
+                return list(await asyncio.gather(*(user_code.exits_caught_async(e.get_reward(), what)
+                                                   for e in environments)))
         else:
             def reward(environments, **kwargs):
                 return [e.get_reward() for e in environments]

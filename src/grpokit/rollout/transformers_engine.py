@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from grpokit import distributed
-from grpokit.logprobs import position_ids
+from grpokit.logprobs import cache_inputs, position_ids
 from grpokit.rollout import RolloutBatch, SamplingParams
 from grpokit.rollout.weights import checksum, named_weights
 
@@ -148,12 +148,12 @@ class TransformersEngine:
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
 
         cache = DynamicCache()
+        cached = cache_inputs(self.model, cache)
         out = self.model(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
             position_ids=position_ids(prompt_mask),
-            past_key_values=cache,
-            use_cache=True,
+            **cached,
             logits_to_keep=1,
         )
         # The completions of a prompt share its prefill: index the cache instead of recomputing.
@@ -187,8 +187,7 @@ class TransformersEngine:
                 input_ids=tok[:, None],
                 attention_mask=attn,
                 position_ids=next_pos[:, None],
-                past_key_values=cache,
-                use_cache=True,
+                **cached,
             )
             next_pos = next_pos + 1
             logits = out.logits[:, -1]

@@ -2,7 +2,8 @@
 position), so a run resumes anywhere; a held-out split (`eval_examples`); and the reward functions
 that score it when reward.functions does not name others.
 
-Built-in tasks are in TASKS (data.task); `reasoning_gym:<name>` is one of reasoning-gym's datasets
+Built-in tasks are in TASKS (data.task); `environment` takes its prompts from the environment's
+reset() (environment.py); `reasoning_gym:<name>` is one of reasoning-gym's datasets
 (reasoning_gym.py); a dataset file (data.path) becomes a task in dataset.py.
 """
 
@@ -18,7 +19,8 @@ class Example:
 
 
 # data.task -> the module and class of a built-in task, imported when chosen.
-TASKS = {"arithmetic": "grpokit.tasks.arithmetic:ArithmeticTask", "calculator": "grpokit.tasks.calculator:CalculatorTask"}
+TASKS = {"arithmetic": "grpokit.tasks.arithmetic:ArithmeticTask", "calculator": "grpokit.tasks.calculator:CalculatorTask",
+         "environment": "grpokit.tasks.environment:EnvironmentTask"}
 
 
 def check_task_name(name: str) -> str | None:
