@@ -481,6 +481,34 @@ def test_a_reward_function_that_exits_stops_the_run_named_saved_and_non_zero(cap
     assert said in doctor and "the state after step 2 is saved in step-2: resuming loses nothing" in doctor
 
 
+def test_a_failure_in_the_first_evaluation_is_recorded_too(capsys, tmp_path):
+    (tmp_path / "broken.py").write_text("def broken(completions, **kw):\n    raise ValueError('no scorer')\n")
+    out = tmp_path / "run"
+    code, err = run(capsys, "train", "--no-progress", *T, "data.eval_size=2", f"reward.functions=[{tmp_path}/broken.py:broken]",
+                    f"train.output_dir={out}")
+    assert code == 1 and "reward function 'broken.py:broken' raised ValueError: no scorer" in err
+    assert json.loads((out / "stop.json").read_text())["reason"] == "error"
+    assert main(["doctor", str(out)]) == 0
+    doctor = capsys.readouterr().out
+    assert "it stopped after step 0 on an error: RewardError: reward function 'broken.py:broken' raised ValueError" in doctor
+    assert "it had completed no step: resuming starts from step 1" in doctor
+
+
+def test_the_stop_record_never_hides_the_error(tmp_path):
+    from grpokit.rundir import read_stop, record_stop
+
+    class Unprintable(Exception):
+        signum = 99  # no such signal
+
+        def __str__(self):
+            raise RuntimeError("cannot print")
+
+    record_stop(tmp_path, 3, 2, Unprintable())  # says nothing, raises nothing
+    assert read_stop(tmp_path) is None
+    record_stop(tmp_path, 3, 2, ValueError("bad"))
+    assert read_stop(tmp_path) == {"step": 3, "checkpoint": 2, "reason": "error", "message": "ValueError: bad"}
+
+
 def test_a_server_url_whose_port_cannot_be_is_refused_at_start(capsys, tmp_path):
     """It waited rollout.server_timeout (300 s) in silence, then crashed with `Port out of range`."""
     for port in ("99999", "0", "eighty"):

@@ -100,6 +100,15 @@ async def leave_later(code: int) -> str:
     import sys
     sys.exit(code)
 
+async def leave_inside(code: int) -> str:
+    """Exit the process, from a task the tool starts itself.
+
+    Args:
+        code: The exit status.
+    """
+    import asyncio
+    return (await asyncio.gather(leave_later(code)))[0]
+
 def verbose(x: str) -> str:
     """A result longer than any budget.
 
@@ -451,6 +460,8 @@ def test_the_calculator_tool():
     ("leave", call("leave", code=3), "tool 'leave' called sys.exit(3), which would have ended the process with nothing saved"),
     ("interrupt", call("interrupt", x="1"), "KeyboardInterrupt, raised by it, stopped tool 'interrupt'"),
     ("leave_later", call("leave_later", code=0), "tool 'leave_later' called sys.exit(0)"),
+    # asyncio lets the exit out of the event loop: the loop's thread goes on, the tool gets it.
+    ("leave_inside", call("leave_inside", code=0), "tool 'leave_inside' called sys.exit(0)"),
 ])
 def test_a_tool_that_exits_stops_the_run_named_and_saved(scripted, monkeypatch, capsys, tool, reply, said):
     """A tool calling sys.exit() ended `grpokit train` with that status and nothing saved (an async one

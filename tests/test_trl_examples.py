@@ -124,7 +124,7 @@ def test_string_prompts_go_as_plain_text_in_a_trl_shaped_call(tmp_path, boxed, c
     with pytest.raises(RewardError) as e:
         grpokit.train(model="tiny-random", reward_functions=reward_func, dataset=STANDARD,
                       **settings(tmp_path, rollout={"engine": "boxed"}, train={"output_dir": str(tmp_path / "other")}))
-    assert "data.chat_template=false sends them as plain text and passes completions as strings, as TRL does" in str(e.value)
+    assert "data.chat_template=false sends them as plain text and passes completions as strings, as TRL" in str(e.value)
 
 
 def logging_reward(completions, ground_truth, log_extra=None, log_metric=None, **kwargs):
@@ -361,6 +361,12 @@ def test_an_environment_with_a_dataset_and_its_reward_alone(tmp_path, scripted):
                            **settings(tmp_path, rollout={"engine": "scripted", "max_completion_length": 200}))
     for s in records(result.run_dir):
         assert s["reward"] == float(s["prompt"][-1]["content"] == "Increment the counter to 3.")
+    # The same with the data named by a config (it was refused there, before the environment was in).
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(row) + "\n" for row in dataset.to_list()))
+    grpokit.train({"data": {"path": str(rows)}}, model="tiny-random", environment=IncrementToTarget,
+                  **settings(tmp_path, rollout={"engine": "scripted", "max_completion_length": 200},
+                             train={"max_steps": 1, "output_dir": str(tmp_path / "from-config")}))
     # No reward at all is refused, naming what would give one.
     class Unscored:
         def reset(self, **kwargs):

@@ -17,6 +17,7 @@ Python can be resumed, evaluated and reported from the command line:
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -177,13 +178,18 @@ def _from_trl_args(args) -> dict:
 
 
 def _config(config, overrides: dict) -> Config:
-    if isinstance(config, Config):  # copied, with the settings it was given, and the overrides on top
-        return load_config(values=overrides, base=config)
+    """The config of the call, not yet checked: the Trainer checks it once the objects given as
+    arguments are in it (a dataset object makes data.path, an environment may be the only reward)."""
+    if isinstance(config, Config):  # copied, with the overrides on top; a value away from its default counts as given
+        defaults = flatten(Config().to_dict())
+        base = copy.deepcopy(config)
+        base.given |= {k for k, v in flatten(config.to_dict()).items() if v != defaults.get(k)}
+        return load_config(values=overrides, base=base, check=False)
     if isinstance(config, dict):
-        return load_config(values={**flatten(config), **flatten(overrides)})
+        return load_config(values={**flatten(config), **flatten(overrides)}, check=False)
     if config is not None and not isinstance(config, (str, Path)):
         raise ConfigError(f"config must be a YAML file's path, a mapping or a grpokit Config, got {type(config).__name__}")
-    return load_config(config, values=overrides)
+    return load_config(config, values=overrides, check=False)
 
 
 # ---------------------------------------------------------------- the model

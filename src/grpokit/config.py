@@ -685,10 +685,11 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (), values: dict | None = None,
-                base: Config | None = None) -> Config:
+                base: Config | None = None, check: bool = True) -> Config:
     """Defaults (or a copy of `base`), then the YAML file, then `key=value` overrides, then `values`
-    (a mapping of sections or dotted keys, as Python gives them); settled and validated. Every
-    problem is reported at once: a key or value that cannot be set does not hide the others."""
+    (a mapping of sections or dotted keys, as Python gives them); settled and validated (with
+    `check`; grpokit.train checks once its arguments are in). Every problem is reported at once: a
+    key or value that cannot be set does not hide the others."""
     config = Config() if base is None else copy.deepcopy(base)
     settings = []
     if path is not None:
@@ -718,7 +719,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), value
             problems.append(str(e))
     config.given |= {key for key, _ in settings}
     config.settle()
-    checked = config.problems()
+    checked = config.problems() if check else []
     if len(problems) == 1 and not checked:
         raise ConfigError(problems[0])
     if problems or checked:

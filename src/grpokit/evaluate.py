@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from grpokit.errors import ConfigError
-from grpokit.rewards import RewardLog, RewardSet, merge_metrics
+from grpokit.rewards import RewardLog, RewardSet, merge_metrics, trainer_state
 from grpokit.rollout import SamplingParams, decode_completions, encode_prompt
 from grpokit.tasks import Example
 
@@ -95,6 +95,14 @@ def summarize(records: list[dict], names: list[str], num_samples: int = 1, prefi
     return metrics
 
 
+def _steps_trained(model: Path, config) -> int:
+    """The steps of training behind a model folder, for reward functions' trainer_state: a run's
+    checkpoints/step-N has N, its final/ the run's train.max_steps, any other model 0."""
+    if model.parent.name == "checkpoints" and model.name.startswith("step-") and model.name[5:].isdigit():
+        return int(model.name[5:])
+    return config.train.max_steps if model.name == "final" and (model.parent / "config.yaml").is_file() else 0
+
+
 def evaluate_model(config, model_path: str, num_samples: int = 1, output: str | None = None) -> dict:
     """`grpokit eval`: score the model in `model_path` on the held-out prompts of `config`'s data."""
     from grpokit.config import reward_specs
@@ -126,7 +134,8 @@ def evaluate_model(config, model_path: str, num_samples: int = 1, output: str | 
     logged = {}
     with torch.no_grad():
         records = score(engine, tokenizer, rewards, task.eval_examples, params, num_samples, seed=config.train.seed,
-                        max_prompt_length=config.data.max_prompt_length, multi_turn=multi_turn, logged=logged)
+                        max_prompt_length=config.data.max_prompt_length, multi_turn=multi_turn, logged=logged,
+                        state=trainer_state(config, _steps_trained(Path(model_path), config)))
     if output:
         with Path(output).open("w") as f:
             for record in records:

@@ -152,7 +152,6 @@ def start_run_dir(run_dir: Path, config: Config, resume_from: Path | None) -> tu
     On resume, the logs (LOGS) are truncated to the checkpoint's step, and interrupted saves are
     removed; on a fresh start they begin empty.
     """
-    (run_dir / STOP_FILE).unlink(missing_ok=True)  # the run goes on: its last stop is past
     saved = run_dir / "config.yaml"
     before = config_changes(saved, config) if resume_from is None and saved.is_file() else []
     _write_atomic(run_dir / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False))
@@ -190,17 +189,22 @@ def _step_of(line: str, otherwise: int) -> int:
 def record_stop(run_dir: Path, step: int, saved: int | None, error: BaseException | None) -> None:
     """Write STOP_FILE: the last completed step, the newest checkpoint's step (None: none), and why
     the run stopped: it finished (`error` None), a signal stopped it, or an error did."""
-    signum = getattr(error, "signum", None)
-    if error is None:
-        why = {"reason": "finished"}
-    elif signum:  # trainer.Interrupted, signals.StoppedWhileWaiting
-        why = {"reason": "signal", "signal": signal.Signals(signum).name, "message": str(error)}
-    else:
-        why = {"reason": "error", "message": f"{type(error).__name__}: {error}"}
-    try:
+    try:  # in the failure path: nothing here may hide the error that stopped the run
+        signum = getattr(error, "signum", None)
+        if error is None:
+            why = {"reason": "finished"}
+        elif signum in set(signal.Signals):  # trainer.Interrupted, signals.StoppedWhileWaiting
+            why = {"reason": "signal", "signal": signal.Signals(signum).name, "message": str(error)}
+        else:
+            why = {"reason": "error", "message": f"{type(error).__name__}: {error}"}
         _write_atomic(run_dir / STOP_FILE, json.dumps({"step": step, "checkpoint": saved, **why}) + "\n")
-    except OSError:  # a full disk: doctor then guesses from the logs, as for a killed run
+    except Exception:  # noqa: BLE001 - a full disk, an error that cannot be printed: doctor guesses, as for a killed run
         pass
+
+
+def clear_stop(run_dir: Path) -> None:
+    """The run trains again: the record of its last stop is past (doctor reads the lock meanwhile)."""
+    (run_dir / STOP_FILE).unlink(missing_ok=True)
 
 
 def read_stop(run_dir: Path) -> dict | None:

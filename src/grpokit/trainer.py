@@ -75,14 +75,15 @@ from grpokit.models import (apply_lora, enable_activation_checkpointing, eos_tok
                             save_model, with_pad_token)
 from grpokit.model_card import write_model_card
 from grpokit.monitor import Monitor
-from grpokit.rewards import RewardError, RewardLog, RewardSet, merge_metrics
+from grpokit.rewards import RewardError, RewardLog, RewardSet, merge_metrics, trainer_state
 from grpokit.rollout import (RolloutBatch, SamplingParams, decode_completions, encode_prompt, engine_class,
                              make_engine)
 from grpokit.rollout.conversation import MultiTurn
 from grpokit.rollout.pipeline import Pipeline, Queued
 from grpokit.rollout.weights import named_weights
 from grpokit.rollout.tools import Tools
-from grpokit.rundir import check_disk_space, open_run_dir, record_stop, release_run_dir, start_run_dir
+from grpokit.rundir import (check_disk_space, clear_stop, open_run_dir, record_stop, release_run_dir,
+                            start_run_dir)
 from grpokit.schedule import lr_multiplier
 from grpokit.tasks import Example, make_task
 
@@ -119,16 +120,10 @@ class Progress:
     examples_seen: int = 0  # prompts drawn from the data stream (its position)
 
     def trainer_state(self, config: Config, task):
-        """The `trainer_state` reward functions receive: a transformers TrainerState in TRL's units,
-        optimizer updates (grpokit's steps x updates_per_step x num_iterations), so that
-        global_step / max_steps is the share of the run done, as in TRL."""
-        from transformers import TrainerState
-
-        per_step = config.train.updates_per_step * config.algorithm.num_iterations
+        """The `trainer_state` reward functions receive now (rewards.trainer_state)."""
         size = len(getattr(task, "train_examples", ()))
-        return TrainerState(global_step=self.step * per_step, max_steps=config.train.max_steps * per_step,
-                            epoch=self.examples_seen / size if size else 0.0, num_input_tokens_seen=self.num_tokens,
-                            is_local_process_zero=distributed.is_main(), is_world_process_zero=distributed.is_main())
+        return trainer_state(config, self.step, epoch=self.examples_seen / size if size else 0.0,
+                             tokens=self.num_tokens, main=distributed.is_main())
 
 
 @dataclass
@@ -349,14 +344,16 @@ class Trainer:
     def train(self) -> TrainResult:
         t = self.config.train
         history = [row for row in self.resumed_rows if "eval/reward" in row]
-        if self.progress.step == 0 and not history:
-            history.append(self.evaluate(step=0))
         # What a failure saves: while a step runs, the state from before it (captured as it starts),
         # as long as no optimizer update of the step has begun (counted by a hook on the optimizer).
         updates_begun = [0]
         hook = self.optimizer.register_step_pre_hook(lambda *_: updates_begun.__setitem__(0, updates_begun[0] + 1))
         in_step = None  # (state before the running step, updates begun before it)
         try:
+            if distributed.is_main():
+                clear_stop(self.run_dir)
+            if self.progress.step == 0 and not history:
+                history.append(self.evaluate(step=0))
             with signals.StopSignals(distributed.is_main()):
                 for step in range(self.progress.step + 1, t.max_steps + 1):
                     if self.ahead is None:

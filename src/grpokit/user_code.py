@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import signal
 import sys
 import threading
 import types
@@ -100,8 +101,20 @@ def submit(coroutine, what: str) -> concurrent.futures.Future:
     global _loop
     if _loop is None:
         _loop = asyncio.new_event_loop()
-        threading.Thread(target=_loop.run_forever, name="grpokit-user-code", daemon=True).start()
+        threading.Thread(target=_run_loop, args=(_loop,), name="grpokit-user-code", daemon=True).start()
     return asyncio.run_coroutine_threadsafe(exits_caught_async(coroutine, what), _loop)
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """The loop's thread. A task the user's code starts itself (its own gather) that calls
+    sys.exit() lets SystemExit out of run_forever; the loop runs on, and the code that awaited
+    that task gets the exit there, inside exits_caught_async."""
+    while True:
+        try:
+            loop.run_forever()
+            return
+        except BaseException:  # noqa: BLE001 - SystemExit / KeyboardInterrupt of a task: its awaiter has it too
+            continue
 
 
 async def exits_caught_async(coroutine, what: str):
@@ -128,6 +141,9 @@ def exits_caught(what: str):
         raise UserCodeExit(f"{what} called sys.exit({e.code!r}), which would have ended the process with nothing "
                            "saved") from None
     except KeyboardInterrupt:
-        # The second Ctrl-C (signals.StopSignals) while the user's code ran, or the code's own.
-        cause = "Ctrl-C, pressed twice," if signals.requested() else "KeyboardInterrupt, raised by it,"
-        raise UserCodeExit(f"{cause} stopped {what}") from None
+        # Ctrl-C itself passes: pressed twice while the run's stop signals are in place (the second
+        # stops at once), or under Python's own handler (no run's signals in place). Raised by the
+        # code while they are, it is the code's.
+        if signals.requested() or signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            raise
+        raise UserCodeExit(f"KeyboardInterrupt, raised by it, stopped {what}") from None

@@ -111,6 +111,17 @@ class RewardLog:
         return {column: values[i] for column, values in self.columns.items()}
 
 
+def trainer_state(config, step: int, epoch: float = 0.0, tokens: int = 0, main: bool = True):
+    """The `trainer_state` reward functions receive after `step` steps of `config`'s run: a
+    transformers TrainerState in TRL's units, optimizer updates (grpokit's steps x updates_per_step
+    x num_iterations), so that global_step / max_steps is the share of the run done, as in TRL."""
+    from transformers import TrainerState
+
+    per_step = config.train.updates_per_step * config.algorithm.num_iterations
+    return TrainerState(global_step=step * per_step, max_steps=config.train.max_steps * per_step, epoch=epoch,
+                        num_input_tokens_seen=tokens, is_local_process_zero=main, is_world_process_zero=main)
+
+
 def merge_metrics(into: dict[str, list[float]], more: dict[str, list[float]]) -> dict[str, list[float]]:
     """Logged metric values of two batches as one."""
     return {name: [*into.get(name, ()), *more.get(name, ())] for name in {**into, **more}}
@@ -313,8 +324,8 @@ def _shape_hint(error: BaseException, kwargs: dict) -> str:
         return ""
     if isinstance(completions[0], list) and "environments" not in kwargs:
         return ("\n  the completions are lists of messages ([{'role': 'assistant', 'content': ...}]) because the "
-                "prompts are chat messages: if the data's prompts are strings, data.chat_template=false sends them "
-                "as plain text and passes completions as strings, as TRL does")
+                "prompts are chat messages: if the data's prompts are strings (and no tools take part), "
+                "data.chat_template=false sends them as plain text and passes completions as strings, as TRL does")
     if isinstance(completions[0], str):
         return ("\n  the completions are strings because the prompts are plain text (data.chat_template=false): "
                 "data.chat_template=true sends a string prompt as a user message, and passes completions as lists "

@@ -178,21 +178,29 @@ class MultiTurn:
         room = budget - len(rollout.ids)
         if len(segment) >= room:  # no room left for the model to read them: the rollout ends
             rollout.finish, c.stop = "length", "length"
-            c.failures += sum(not r.failed for r in results)  # a result the model never read
-            c.messages += self._cut(results, room)
+            c.messages += self._cut(c, results, room - 1 - (len(segment) - self._tokens(results)))
             return False
         rollout.add(segment, False)
         c.messages += [r.record() for r in results]
         return True
 
-    def _cut(self, results: list[ToolResult], room: int) -> list[dict]:
-        """The `tool` messages of results that did not fit the token budget, as recorded: each text
-        cut to the `room` tokens left (in turn), marked `truncated`."""
+    def _tokens(self, results: list[ToolResult]) -> int:
+        return sum(len(self.tokenizer(r.text, add_special_tokens=False)["input_ids"]) for r in results)
+
+    def _cut(self, c: Conversation, results: list[ToolResult], room: int) -> list[dict]:
+        """The `tool` messages of a turn whose results did not fit the token budget, as recorded: in
+        turn, those that fit in the `room` tokens left for their texts (the template's own tokens
+        aside) whole; each that does not, cut there (empty once the room is spent), marked
+        `truncated` and counted as a failure: the model never read it."""
         messages = []
         for r in results:
-            ids = self.tokenizer(r.text, add_special_tokens=False)["input_ids"][:max(room, 0)]
+            ids = self.tokenizer(r.text, add_special_tokens=False)["input_ids"]
+            if len(ids) <= room:
+                messages.append(r.record())
+            else:
+                c.failures += not r.failed
+                messages.append({**r.message(), "content": self.tokenizer.decode(ids[:max(room, 0)]), "truncated": True})
             room -= len(ids)
-            messages.append({"role": "tool", "name": r.name, "content": self.tokenizer.decode(ids), "truncated": True})
         return messages
 
     def _batch(self, rollouts: list[_Rollout], prompts: list[list[int]], prompt_index: list[int]) -> RolloutBatch:
