@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from grpokit import distributed
 from grpokit.errors import ConfigError
 from grpokit.rewards import RewardLog, RewardSet, merge_metrics, trainer_state
 from grpokit.rollout import SamplingParams, decode_completions, encode_prompt
@@ -141,5 +142,4 @@ def evaluate_model(config, model_path: str, num_samples: int = 1, output: str | 
             for record in records:
                 prompt = task.eval_examples[record["index"]].prompt
                 f.write(json.dumps({"prompt": prompt, **record}, default=str) + "\n")
-    return {**summarize(records, rewards.names, num_samples, prefix=""),
-            **{name: sum(values) / len(values) for name, values in sorted(logged.items())}}
+    return {**summarize(records, rewards.names, num_samples, prefix=""), **distributed.means(logged)}

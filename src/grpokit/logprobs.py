@@ -19,6 +19,7 @@ Two variants, the same values and gradients (tests/test_logprobs.py checks both 
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -173,8 +174,13 @@ def cache_inputs(model: torch.nn.Module, cache: DynamicCache) -> dict:
     from transformers import PreTrainedModel
 
     inner = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), model)
-    name = "cache" if "cache" in inspect.signature(type(inner).forward).parameters else "past_key_values"
-    return {name: cache, "use_cache": True}
+    return {_cache_keyword(type(inner)): cache, "use_cache": True}
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    """Read once per model class: every generation and log-prob pass asks."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def _shared_prompt_pass(model, run, prompt_ids, prompt_mask, completion_ids, prompt_index, whole_model) -> torch.Tensor:

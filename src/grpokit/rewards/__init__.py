@@ -75,9 +75,9 @@ OWN_NAMESPACES = ("rewards/", "completions/", "clip_ratio/", "time/", "tools/", 
 
 class RewardLog:
     """What reward functions log through TRL's `log_metric` and `log_extra` while scoring one batch
-    of completions: the values of each metric, and each extra column (one value per completion, None
-    where a call did not log it). A bad name or value raises inside the reward function that logged
-    it, so the error names that function."""
+    of completions: the values of each metric, and each extra column (one value per completion of
+    the batch). A bad name or value raises inside the reward function that logged it, so the error
+    names that function."""
 
     def __init__(self, n: int):
         self.n = n  # completions scored
