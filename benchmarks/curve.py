@@ -4,7 +4,8 @@ the grad_norm alert, with --window 20) over each window of steps.
 
     python benchmarks/curve.py runs/<run> [--window 10]
 
-Also prints the run's median step time and the training time (the sum of step_time).
+Also prints the run's median step time, the training time (the sum of step_time), and the median
+of each part of a step (time/generate, time/logprobs, time/update, time/optimizer).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ def tables(rows: list[dict], window: int) -> str:
     times = [r["step_time"] for r in steps]
     lines.append(f"{len(steps)} steps: median step {statistics.median(times):.1f} s, training {sum(times) / 60:.1f} min "
                  "(the sum of step_time; evaluations and checkpoints aside)")
+    parts = ("time/generate", "time/logprobs", "time/update", "time/optimizer")
+    lines.append("median of each part of a step: " + ", ".join(
+        f"{part} {statistics.median(r[part] for r in steps):.2f} s" for part in parts if all(part in r for r in steps)))
     return "\n".join(lines)
 
 
