@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install train test chromium
+.PHONY: install train test test-quick chromium
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -25,6 +25,11 @@ train: install
 # worker waits.
 test: install chromium
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal $(ARGS)
+
+# The everyday loop: the tests that start no other process (no `grpokit serve`, torchrun, `grpokit
+# train` subprocess or browser: pytest's `process` marker, pyproject.toml).
+test-quick: install
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not process" $(ARGS)
 
 # Headless Chromium opens `grpokit report`'s page in tests/test_report.py. Installed where this user
 # can (root with apt-get, as in CI; a failed install there fails the target); elsewhere that one

@@ -66,9 +66,8 @@ def grpokit_worker(conn, args) -> None:
     conn.send("ready")
     for step in range(1, args.steps + 1):
         conn.recv()
-        examples = [next(trainer.stream) for _ in range(PROMPTS_PER_STEP)]
         start = time.perf_counter()
-        metrics = trainer.train_step(step, examples)
+        metrics = trainer.train_step(step)  # its prompts: the next PROMPTS_PER_STEP of the data stream
         wall = time.perf_counter() - start
         generated = metrics["completions/mean_length"] * PROMPTS_PER_STEP * GENERATIONS
         conn.send({"wall": wall, "generated": generated, "tokens": metrics["num_tokens"],

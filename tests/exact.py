@@ -30,8 +30,9 @@ def update_difference(start: dict, a: dict, b: dict) -> float:
 def step_on(trainer, examples, batch) -> dict:
     """One training step of `trainer` on a fixed rollout `batch` (this process's completions of
     `examples`): its sampling phase handed `batch`, every other phase as in training. Its metrics row."""
-    trainer.sample = lambda _: batch
-    return trainer.train_step(trainer.progress.step + 1, examples)
+    trainer.rollouts.next_prompts = lambda: examples
+    trainer.rollouts.sample = lambda _: batch
+    return trainer.train_step(trainer.progress.step + 1)
 
 
 def with_tool_turns(batch, tool_ids: list[int]):
@@ -74,7 +75,7 @@ def off_the_sampler(trainer, batch):
     moved = copy.copy(batch)
     moved.sampling_logps = batch.sampling_logps + 0.3 * torch.randn(batch.sampling_logps.shape, generator=g,
                                                                     dtype=batch.sampling_logps.dtype)
-    trainer.is_correction = True
+    trainer.rollouts.is_correction = True
     return moved
 
 

@@ -3,6 +3,10 @@
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.process  # the probe runs in a fresh Python process
+
 PROBE = r"""
 import ctypes, sys, torch
 from grpokit.allocator import keep_freed_memory

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from helpers import assert_same_run, free_port, metric_rows, wait_for_rows
 
 from grpokit.cli import main
 from grpokit.tasks.dataset import DataError, read_rows
@@ -14,15 +14,6 @@ from grpokit.tasks.dataset import DataError, read_rows
 # A tiny run, as a new user would start one.
 T = ["model.name=tiny-random", "train.max_steps=2", "rollout.num_generations=4", "train.prompts_per_step=2",
      "rollout.max_completion_length=8", "data.eval_size=0"]
-
-
-def assert_same_run(a, b, steps: int) -> None:
-    """Runs a and b logged the same metrics (timings aside) for `steps` steps and ended with the same weights."""
-    rows = [[{k: v for k, v in json.loads(line).items() if "time" not in k}
-             for line in (run / "metrics.jsonl").read_text().splitlines()] for run in (a, b)]
-    assert rows[0] == rows[1] and [r["step"] for r in rows[0] if "loss" in r] == list(range(1, steps + 1))
-    wa, wb = (load_file(run / "final" / "model.safetensors") for run in (a, b))
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def run(capsys, *args) -> tuple[int, str]:
@@ -132,8 +123,6 @@ def test_a_folder_given_as_config_file_is_named_a_folder(capsys, finished_run):
 
 
 def test_a_refused_start_leaves_no_empty_folder_behind(capsys, tmp_path):
-    from test_distributed import free_port
-
     out = tmp_path / "run"
     code, err = run(capsys, "train", *T, "rollout.engine=server", f"rollout.server_url=http://127.0.0.1:{free_port()}",
                     "rollout.server_timeout=1", f"train.output_dir={out}")
@@ -196,7 +185,7 @@ def test_rewards_that_are_all_none_are_said_at_once_and_stop_the_run(capsys, tmp
     assert code == 1
     assert "the reward functions (none.py:nothing) scored no completion in 3 steps in a row (to step 3)" in err
     assert "resume from step-2" in err
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(out)
     assert [r["step"] for r in rows] == [1, 2]
     state = json.loads((out / "checkpoints" / "step-2" / "trainer_state.json").read_text())
     assert state["unscored_in_a_row"] == 2
@@ -264,6 +253,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(disk)], check=True)
 
 
+@pytest.mark.process  # small_disk runs mount
 def test_a_full_disk_at_a_later_checkpoint_says_where_and_what_is_whole(capsys, tmp_path, small_disk):
     filler = small_disk / "filler"
     (tmp_path / "filling.py").write_text(
@@ -325,6 +315,7 @@ def test_a_reward_call_past_reward_timeout_stops_the_run_as_a_raising_one_does(c
     assert_same_run(out, tmp_path / "uninterrupted", steps=4)
 
 
+@pytest.mark.process
 def test_sigterm_while_a_reward_hangs_saves_the_last_step_and_exits_143(tmp_path, capsys):
     import os
     import signal
@@ -338,10 +329,7 @@ def test_sigterm_while_a_reward_hangs_saves_the_last_step_and_exits_143(tmp_path
     process = subprocess.Popen([sys.executable, "-m", "grpokit", *args, f"train.output_dir={out}"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "GRPOKIT_TEST_HANG": "1"})
-    log, deadline = out / "metrics.jsonl", time.monotonic() + 120
-    while not (log.exists() and len(log.read_text().splitlines()) >= 2):
-        assert time.monotonic() < deadline and process.poll() is None, process.communicate()
-        time.sleep(0.1)
+    wait_for_rows(process, out, 2)
     time.sleep(1.0)  # step 3 is now waiting for the reward function
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=60)
@@ -540,6 +528,7 @@ def test_resumed_logs_keep_one_encoding_of_nan(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[0]["reward"] == "nan"
 
 
+@pytest.mark.process
 def test_the_console_holds_no_third_party_warnings(tmp_path):
     """The default run's console showed transformers' `past_key_values` FutureWarning (twice) and
     DeepSpeed's "Setting accelerator to CPU" at the first checkpoint."""

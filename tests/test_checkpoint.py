@@ -7,7 +7,6 @@ import math
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from helpers import assert_same_final_weights, free_port
 
 from grpokit.checkpoint import (
     checkpoint_step, checkpoints, latest_checkpoint, load_weights, rng_state, set_rng_state, write_checkpoint,
@@ -47,12 +46,6 @@ def launch(out: Path, *extra: str, env: dict | None = None, processes: int = 1) 
     )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def finish(process: subprocess.Popen, out: Path) -> int:
     code = process.wait(timeout=300)
     assert code in (0, 1, 2, 130, 143), out.with_name(out.name + ".log").read_text()[-3000:]
@@ -75,11 +68,11 @@ def without_times(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "step_time"} for r in rows]
 
 
-def assert_same_run(out: Path, reference: Path, metrics: str = "all") -> None:
-    a, b = load_file(out / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+def assert_same_resumed_run(out: Path, reference: Path, metrics: str = "all") -> None:
+    """`out` (stopped and resumed) ended with `reference`'s weights, bit for bit, and logged its
+    metrics as grpokit reads them back (rundir.read_metrics: "nan" a float again), timings (time/*,
+    step_time) aside; metrics="train": the training rows only."""
+    assert_same_final_weights(out, reference)
     if metrics == "all":
         assert without_times(read_metrics(out / "metrics.jsonl")) == without_times(read_metrics(reference / "metrics.jsonl"))
     else:
@@ -98,6 +91,7 @@ def reference(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.process
 def test_sigkill_at_random_moments_then_resume_is_the_uninterrupted_run(reference, tmp_path):
     out = tmp_path / "run"
     moments = random.Random().sample(range(2, 20), 2)  # killed twice: the second time after a resume
@@ -114,7 +108,7 @@ def test_sigkill_at_random_moments_then_resume_is_the_uninterrupted_run(referenc
         assert not (out / "final").exists()
     assert finish(launch(out), out) == 0
     assert "resuming from" in (tmp_path / "run.log").read_text()
-    assert_same_run(out, reference)
+    assert_same_resumed_run(out, reference)
     assert [checkpoint_step(c) for c in checkpoints(out)] == [21, 24]  # train.keep_checkpoints=2
 
 
@@ -125,6 +119,7 @@ def _inode(path: Path) -> int | None:
         return None
 
 
+@pytest.mark.process
 def test_killed_while_writing_a_checkpoint_the_previous_one_loads(reference, tmp_path, tiny):
     out = tmp_path / "run"
     assert finish(launch(out, "train.max_steps=6"), out) == 0  # checkpoints at steps 3 and 6
@@ -141,9 +136,10 @@ def test_killed_while_writing_a_checkpoint_the_previous_one_loads(reference, tmp
     assert finish(launch(out), out) == 0
     assert not partial.exists()
     # The same weights and training rows; the 6-step run's final evaluation (step 6) is extra.
-    assert_same_run(out, reference, metrics="train")
+    assert_same_resumed_run(out, reference, metrics="train")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_stop_signal_saves_the_step_and_exits_with_128_plus_the_signal(reference, tmp_path, signum):
     out = tmp_path / "run"
@@ -162,9 +158,10 @@ def test_a_stop_signal_saves_the_step_and_exits_with_128_plus_the_signal(referen
             capture_output=True, text=True, timeout=300,
         )
         assert resumed.returncode == 0, resumed.stderr[-3000:]
-        assert_same_run(out, reference)
+        assert_same_resumed_run(out, reference)
 
 
+@pytest.mark.process
 def test_two_processes_stop_after_the_same_step_and_resume(tmp_path):
     """torchrun passes SIGTERM to both processes; they agree on the step, save once, and resume."""
     reference, out = tmp_path / "reference", tmp_path / "run"
@@ -176,7 +173,7 @@ def test_two_processes_stop_after_the_same_step_and_resume(tmp_path):
     assert (tmp_path / "run.log").read_text().count("SIGTERM received") == 1  # process 0 speaks
     assert checkpoint_step(latest_checkpoint(out)) == train_rows(out)[-1]["step"] < 9
     assert finish(launch(out, "train.max_steps=9", processes=2), out) == 0
-    assert_same_run(out, reference)
+    assert_same_resumed_run(out, reference)
 
 
 # ---------------------------------------------------------------- start-up checks

@@ -5,8 +5,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
+
+pytestmark = pytest.mark.process  # every test runs the tool in its own process
 
 TOOL = Path(__file__).parent.parent / "tools" / "compare_runs.py"
 

@@ -124,11 +124,11 @@ def test_reference_lists_every_field():
         assert f"  {field}:" in text
 
 
-def test_readme_config_reference_is_current():
+def test_the_docs_config_reference_is_current():
     from pathlib import Path
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    assert describe() in readme, "README's config reference is stale: paste the output of `grpokit config`"
+    readme = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
+    assert describe() in readme, "docs/configuration.md's config reference is stale: paste the output of `grpokit config`"
 
 
 def test_allowed_values_come_from_the_registries(monkeypatch):

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 from exact import rmsnorm_in_input_dtype
+from helpers import tool_call, training_rows
 from transformers.models.llama import modeling_llama
 
 import scripted_engine
@@ -154,10 +155,6 @@ T = ["model.name=tiny-random", "rollout.engine=scripted", "train.max_steps=2", "
      "reward.functions=[exact_answer]", "rollout.tool_timeout=0.5"]
 
 
-def call(name, **arguments):
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
-
-
 @pytest.fixture
 def scripted(monkeypatch, tmp_path):
     """Register the scripted engine, write the tools file and a dataset; return the tools file."""
@@ -171,10 +168,6 @@ def scripted(monkeypatch, tmp_path):
 
 def script(monkeypatch, *replies):
     monkeypatch.setattr(scripted_engine, "SCRIPT", list(replies))
-
-
-def metrics(run):
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "loss" in line]
 
 
 # ---------------------------------------------------------------- the loss over model tokens only
@@ -223,7 +216,7 @@ def test_tool_tokens_get_no_gradient_and_the_loss_is_the_model_tokens_loss(monke
     out = compute_loss(loss_type, LossInputs(logps=logps, mask=trained, advantages=advantages, old_logps=None,
                                              ref_logps=ref, sampling_logps=None, num_sequences=B,
                                              num_tokens=float(trained.sum()), max_completion_length=length),
-                       LossSettings(beta, 0.2, None, "k3", is_cap=2.0))
+                       LossSettings(beta=beta, epsilon=0.2, epsilon_high=None, kl_estimator="k3", is_cap=2.0))
     out.loss.backward()
     assert (logps.grad[trained == 0] == 0).all() and (logps.grad[trained == 1] != 0).all()
     got = {n: p.grad.clone() for n, p in policy.named_parameters()}
@@ -272,7 +265,7 @@ def test_model_tokens_are_kept_exactly_as_sampled(scripted, monkeypatch):
     """A model turn of ids that decode-then-encode would change (one character per token) is
     trained on those very ids; the tool result between the turns is context, not trained."""
     sampler, engine, tokenizer = multi_turn(scripted)
-    text = call("add", a=1, b=2)
+    text = tool_call("add", a=1, b=2)
     odd = [tokenizer(ch, add_special_tokens=False)["input_ids"][0] for ch in text]  # one token per character
     assert tokenizer.decode(odd) == text and tokenizer(text, add_special_tokens=False)["input_ids"] != odd
     script(monkeypatch, odd, "3")
@@ -298,7 +291,7 @@ def test_model_tokens_are_kept_exactly_as_sampled(scripted, monkeypatch):
 
 
 def test_max_turns_and_the_token_budget_end_a_conversation(scripted, monkeypatch):
-    script(monkeypatch, call("add", a=1, b=2))  # calls the tool every turn
+    script(monkeypatch, tool_call("add", a=1, b=2))  # calls the tool every turn
     sampler, engine, _ = multi_turn(scripted, "rollout.max_turns=3")
     batch = sampler.generate(engine, [EXAMPLE], [1], SamplingParams(1000, 1.0), [1])
     c = batch.conversations[0]
@@ -316,7 +309,8 @@ def test_max_turns_and_the_token_budget_end_a_conversation(scripted, monkeypatch
 
 def test_calls_are_parsed_in_the_hermes_format():
     tokenizer = load_tokenizer("tiny-random")
-    content, calls, problems = parse_calls(tokenizer, "Let me add. " + call("add", a=1, b=2) + '<tool_call>{"name": 3}</tool_call>'
+    content, calls, problems = parse_calls(tokenizer, "Let me add. " + tool_call("add", a=1, b=2)
+                                           + '<tool_call>{"name": 3}</tool_call>'
                                            + "<tool_call>{nope}</tool_call><tool_call>")
     assert content == "Let me add. <tool_call>"  # an unclosed call stays text
     assert [(c.name, c.arguments) for c in calls] == [("add", {"a": 1, "b": 2})]
@@ -330,13 +324,14 @@ def test_calls_are_parsed_in_the_hermes_format():
 def test_a_run_with_tools_counts_every_failure_and_finishes(scripted, monkeypatch, capsys):
     """A raising tool, a hanging one, an unknown one, wrong arguments and a malformed call each
     answer the model with their error, are counted, and the run goes on to the end."""
-    script(monkeypatch, " ".join([call("add", a=1, b=2), call("boom", x="1"), call("hang", x="1"), call("nope"),
-                                  call("add", c=1), call("double", n=4), "<tool_call>{bad json</tool_call>"]), "3")
+    script(monkeypatch, " ".join([tool_call("add", a=1, b=2), tool_call("boom", x="1"), tool_call("hang", x="1"),
+                                  tool_call("nope"), tool_call("add", c=1), tool_call("double", n=4),
+                                  "<tool_call>{bad json</tool_call>"]), "3")
     tools = ",".join(f"{scripted}/tools.py:{n}" for n in ("add", "boom", "hang", "double"))
     run = scripted / "run"
     assert main(["train", "--no-progress", *T, f"data.path={scripted}/data.jsonl", f"rollout.tools=[{tools}]",
                  "monitor.log_completions=1", f"train.output_dir={run}"]) == 0
-    rows = metrics(run)
+    rows = training_rows(run)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["tools/calls_per_rollout"] == 7 and r["tools/failures_per_rollout"] == 5
@@ -373,12 +368,12 @@ def test_a_trl_environment_runs_unchanged(scripted, monkeypatch):
         return [0.0] * len(completions)
 
     monkeypatch.setitem(__import__("grpokit.rewards", fromlist=["x"]).REWARD_FUNCTIONS, "sees", sees_environments)
-    script(monkeypatch, call("press", times=2), call("press", times=1), "3")
+    script(monkeypatch, tool_call("press", times=2), tool_call("press", times=1), "3")
     run = scripted / "run"
     assert main(["train", "--no-progress", *T, f"data.path={scripted}/data.jsonl", "reward.functions=[exact_answer,sees]",
                  f"rollout.environment={scripted}/tools.py:Counter", "monitor.log_completions=1",
                  f"train.output_dir={run}"]) == 0
-    rows = metrics(run)
+    rows = training_rows(run)
     assert rows[0]["rewards/Counter/mean"] == 3.0 and rows[0]["reward"] == 4.0  # 3 presses + the right answer
     assert seen == [[3] * 4, [3] * 4]
     sample = json.loads((run / "completions.jsonl").read_text().splitlines()[0])
@@ -457,11 +452,12 @@ def test_the_calculator_tool():
 
 
 @pytest.mark.parametrize("tool, reply, said", [
-    ("leave", call("leave", code=3), "tool 'leave' called sys.exit(3), which would have ended the process with nothing saved"),
-    ("interrupt", call("interrupt", x="1"), "KeyboardInterrupt, raised by it, stopped tool 'interrupt'"),
-    ("leave_later", call("leave_later", code=0), "tool 'leave_later' called sys.exit(0)"),
+    ("leave", tool_call("leave", code=3),
+     "tool 'leave' called sys.exit(3), which would have ended the process with nothing saved"),
+    ("interrupt", tool_call("interrupt", x="1"), "KeyboardInterrupt, raised by it, stopped tool 'interrupt'"),
+    ("leave_later", tool_call("leave_later", code=0), "tool 'leave_later' called sys.exit(0)"),
     # asyncio lets the exit out of the event loop: the loop's thread goes on, the tool gets it.
-    ("leave_inside", call("leave_inside", code=0), "tool 'leave_inside' called sys.exit(0)"),
+    ("leave_inside", tool_call("leave_inside", code=0), "tool 'leave_inside' called sys.exit(0)"),
 ])
 def test_a_tool_that_exits_stops_the_run_named_and_saved(scripted, monkeypatch, capsys, tool, reply, said):
     """A tool calling sys.exit() ended `grpokit train` with that status and nothing saved (an async one
@@ -479,12 +475,12 @@ def gate(x: str) -> str:
     return "go" if len(calls) <= 8 else "now"
 """)
     # Each rollout calls gate, then, when gate answered "now" (step 3), the tool under test.
-    monkeypatch.setattr(scripted_engine, "SCRIPT", [call("gate", x="1"), "3"])
+    monkeypatch.setattr(scripted_engine, "SCRIPT", [tool_call("gate", x="1"), "3"])
     real = scripted_engine.ScriptedEngine.generate
 
     def generate(self, prompts, n, params, seeds=None):
         if any("now" in self.tokenizer.decode(p) for p in prompts):
-            monkeypatch.setattr(scripted_engine, "SCRIPT", [call("gate", x="1"), reply, "3"])
+            monkeypatch.setattr(scripted_engine, "SCRIPT", [tool_call("gate", x="1"), reply, "3"])
         return real(self, prompts, n, params, seeds)
 
     monkeypatch.setattr(scripted_engine.ScriptedEngine, "generate", generate)
@@ -500,12 +496,12 @@ def gate(x: str) -> str:
 
 def test_a_tool_result_over_the_budget_is_counted_and_recorded_cut(scripted, monkeypatch):
     """It ended the rollout with no failure counted and no trace of the result."""
-    script(monkeypatch, call("verbose", x="1"), "3")
+    script(monkeypatch, tool_call("verbose", x="1"), "3")
     run = scripted / "run"
     assert main(["train", "--no-progress", *T, "train.max_steps=1", f"data.path={scripted}/data.jsonl",
                  f"rollout.tools=[{scripted}/tools.py:verbose]", "monitor.log_completions=1",
                  f"train.output_dir={run}"]) == 0
-    row = metrics(run)[0]
+    row = training_rows(run)[0]
     assert row["tools/failures_per_rollout"] == 1 and row["completions/clipped_ratio"] == 1
     sample = json.loads((run / "completions.jsonl").read_text().splitlines()[0])
     tool = sample["completion"][-1]

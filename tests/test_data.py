@@ -103,6 +103,7 @@ def test_long_prompts_dropped_or_truncated_with_a_count(tmp_path):
 
 
 def test_the_trainer_truncates_from_the_left(tmp_path):
+    from grpokit.rollout.rollouts import prompt_ids
     from grpokit.trainer import Trainer
 
     path = write(tmp_path, "jsonl", [{"prompt": "word " * 40, "answer": "1"}] * 4)
@@ -111,8 +112,8 @@ def test_the_trainer_truncates_from_the_left(tmp_path):
                                 "data.long_prompts=truncate", f"train.output_dir={tmp_path / 'run'}"])
     trainer = Trainer(config, progress=False)
     example = trainer.task.train_examples[0]
-    full = trainer.encode(example, truncate=False)
-    assert len(full) > 16 and trainer.encode(example) == full[-16:]  # the end: the generation prompt
+    full = prompt_ids(trainer.tokenizer, trainer.tools, example)
+    assert len(full) > 16 and trainer.rollouts.encode(example) == full[-16:]  # the end: the generation prompt
 
 
 def test_split_and_stream(tmp_path):

@@ -7,76 +7,23 @@ import random
 import statistics
 
 import pytest
-import yaml
+from helpers import SYNTHETIC_STEPS, completions_log, healthy_row, write_synthetic_run
 
 from grpokit.cli import main
 from grpokit.config import Config
 from grpokit.diagnose import RunFacts, Watch, diagnose
-
-STEPS = 80
-
-
-def healthy(step: int, rng: random.Random) -> dict:
-    """A run that learns: reward rising, steady grad_norm, few zero-std groups, short completions."""
-    return {
-        "step": step,
-        "loss": rng.gauss(0, 0.01),
-        "reward": 0.1 + 0.8 * step / STEPS + rng.gauss(0, 0.02),
-        "reward_std": 0.4 + rng.gauss(0, 0.02),
-        "frac_reward_zero_std": 0.2 + rng.gauss(0, 0.05),
-        "grad_norm": 1.0 + rng.gauss(0, 0.1),
-        "clip_ratio/region_mean": 0.01 + abs(rng.gauss(0, 0.005)),
-        "completions/clipped_ratio": 0.1 + abs(rng.gauss(0, 0.03)),
-        "kl": 0.01 + abs(rng.gauss(0, 0.002)),
-    }
-
-
-def broken(kind: str, step: int, row: dict, rng: random.Random) -> dict:
-    late = step > STEPS // 2  # the failure sets in halfway
-    if kind == "grad_norm" and late:
-        row["grad_norm"] = 1.0 + 0.15 * (step - STEPS // 2)  # climbing, while the reward still rises
-    if kind == "clip_ratio" and late:
-        row["clip_ratio/region_mean"] = 0.3 + rng.gauss(0, 0.02)
-    if kind == "zero_std" and late:
-        row["frac_reward_zero_std"] = 0.7 + rng.gauss(0, 0.05)
-    if kind == "reward_flat" and late:
-        row["reward"] = 0.5 + rng.gauss(0, 0.02)  # stalled after halfway
-    if kind == "truncation" and late:
-        row["completions/clipped_ratio"] = 0.8 + rng.gauss(0, 0.03)
-    if kind == "kl" and late:
-        row["kl"] = 0.02 * 1.1 ** (step - STEPS // 2)
-    return row
-
-
-def write_run(folder, kind: str | None, beta: float = 0.0):
-    rng = random.Random(0)
-    folder.mkdir()
-    config = Config()
-    config.algorithm.beta = beta
-    config.train.max_steps = STEPS
-    (folder / "config.yaml").write_text(yaml.safe_dump(config.to_dict()))
-    rows = []
-    for step in range(1, STEPS + 1):
-        row = healthy(step, rng)
-        rows.append(broken(kind, step, row, rng) if kind else row)
-        if step % 10 == 0:  # evaluations follow the reward's trend
-            trend = 0.5 if kind == "reward_flat" and step > STEPS // 2 else 0.1 + 0.8 * step / STEPS
-            rows.append({"step": step, "eval/reward": trend})
-    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return rows
-
 
 KINDS = ["grad_norm", "clip_ratio", "zero_std", "reward_flat", "truncation", "kl"]
 
 
 @pytest.mark.parametrize("kind", [None, *KINDS])
 def test_each_failure_mode_raises_exactly_its_alert_and_finding(tmp_path, kind, capsys):
-    rows = write_run(tmp_path / "run", kind)
+    rows = write_synthetic_run(tmp_path / "run", kind)
     watch = Watch(RunFacts.from_config(Config().to_dict()))
     alerts = [finding for row in rows for finding in watch.add(row)]
     assert [a.kind for a in alerts] == ([kind] if kind else [])
     if kind:
-        assert alerts[0].step > STEPS // 2  # raised after the failure set in, not before
+        assert alerts[0].step > SYNTHETIC_STEPS // 2  # raised after the failure set in, not before
     found = diagnose(rows, RunFacts.from_config(Config().to_dict()))
     assert [first.kind for first, _ in found] == ([kind] if kind else [])
 
@@ -90,10 +37,10 @@ def test_each_failure_mode_raises_exactly_its_alert_and_finding(tmp_path, kind, 
 
 
 def test_grad_norm_suggestions_depend_on_beta(tmp_path, capsys):
-    write_run(tmp_path / "run", "grad_norm", beta=0.0)
+    write_synthetic_run(tmp_path / "run", "grad_norm", beta=0.0)
     main(["doctor", str(tmp_path / "run")])
     assert "set algorithm.beta=0.001" in capsys.readouterr().out
-    write_run(tmp_path / "kl-on", "grad_norm", beta=0.04)
+    write_synthetic_run(tmp_path / "kl-on", "grad_norm", beta=0.04)
     main(["doctor", str(tmp_path / "kl-on")])
     out = capsys.readouterr().out
     assert "raise algorithm.beta (now 0.04)" in out and "grad_norm median x" in out
@@ -115,14 +62,15 @@ def test_grad_norm_growing_as_learning_starts_is_not_an_alert(tmp_path, capsys):
         assert later > 2 * early, name  # it does grow over the first steps
         assert "grad_norm" not in [first.kind for first, _ in diagnose(rows, facts)], name
     rng = random.Random(0)
-    starting = [{**healthy(step, rng), "grad_norm": 0.3 if step <= 20 else 1.0} for step in range(1, STEPS + 1)]
+    starting = [{**healthy_row(step, rng), "grad_norm": 0.3 if step <= 20 else 1.0}
+                for step in range(1, SYNTHETIC_STEPS + 1)]
     assert not diagnose(starting, facts)
     drifting = [{**row, "grad_norm": 1.0 + 0.1 * max(0, row["step"] - 40)} for row in starting]
     assert [first.kind for first, _ in diagnose(drifting, facts)] == ["grad_norm"]
 
 
 def test_doctor_quotes_the_evidence(tmp_path, capsys):
-    write_run(tmp_path / "run", "zero_std")
+    write_synthetic_run(tmp_path / "run", "zero_std")
     main(["doctor", str(tmp_path / "run")])
     out = capsys.readouterr().out
     share = int(out.split("% of groups had zero reward std")[0].rsplit(" ", 1)[-1])
@@ -144,7 +92,7 @@ def test_a_real_run_writes_alerts_completions_and_tensorboard(tmp_path, capsys):
     assert [a["kind"] for a in alerts] == ["truncation"] and alerts[0]["step"] == 20
     assert "ALERT truncation (step 20): 100% of completions stopped at rollout.max_completion_length=6" in printed
 
-    samples = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    samples = completions_log(out)
     assert [s["step"] for s in samples] == [10] * 8 + [20] * 8
     assert {"prompt", "completion", "finish_reason", "reward", "rewards/length"} <= samples[0].keys()
     assert samples[0]["reward"] == samples[0]["rewards/length"] == -abs(20 - len(samples[0]["completion"][0]["content"]))

@@ -4,21 +4,22 @@ accelerate launch, gloo) of a training step on a fixed batch and of `grpokit tra
 
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
-import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 from exact import cut_ragged, off_the_sampler, rmsnorm_in_input_dtype, step_on, update_difference, with_tool_turns
+from helpers import assert_close_metrics, free_port, metric_rows, shortness, untimed_metrics
 from transformers.models.llama import modeling_llama
 
 from grpokit.config import load_config
 from grpokit.distributed import shard_rows
 from grpokit.loss import LOSSES
 from grpokit.rewards import REWARD_FUNCTIONS
+from grpokit.rollout.transformers_engine import TransformersEngine
 from grpokit.tasks.arithmetic import ArithmeticTask
 from grpokit.trainer import Trainer
 
@@ -26,11 +27,6 @@ TESTS = Path(__file__).parent
 # float64 end to end: agreement to ~1e-13 is typical; 1e-9 leaves room and still catches any
 # normalization or accumulation bug, which shows up at 1e-3 or more.
 EXACT = 1e-9
-
-
-def shortness(completions, **columns):
-    """A reward with variance on a random model: shorter completions score higher."""
-    return [-float(len(c[0]["content"])) for c in completions]
 
 
 def test_shard_rows_split_every_update_evenly():
@@ -74,9 +70,9 @@ def one_step(trainer, examples, batch):
 def fixed_batch(trainer, seed=7):
     """A rollout batch of the trainer's first prompts; a random model never samples EOS, so most
     completions are cut to ragged lengths (ending in EOS) for the normalizers to matter."""
-    examples = [next(trainer.stream) for _ in range(trainer.config.train.prompts_per_step)]
-    batch = trainer.engine.generate(
-        [trainer.encode(e) for e in examples], trainer.config.rollout.num_generations, trainer.sampling,
+    examples = [next(trainer.rollouts.stream) for _ in range(trainer.config.train.prompts_per_step)]
+    batch = trainer.rollouts.engine.generate(
+        [trainer.rollouts.encode(e) for e in examples], trainer.config.rollout.num_generations, trainer.rollouts.sampling,
         seeds=range(seed * 1000, seed * 1000 + trainer.config.completions_per_step),
     )
     return examples, cut_ragged(batch, trainer.tokenizer.eos_token_id)
@@ -138,16 +134,19 @@ ACTED = {
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_micro_batch_size_never_changes_a_variant_update(make_trainer, variant):
+def test_micro_batch_size_never_changes_a_variant_update(make_trainer, variant, monkeypatch):
     """Whole / half / single-completion micro-batches give the same update, for every variant."""
     knobs = [*VARIANT_KNOBS, *(o for o in VARIANTS[variant] if o != "off_sampler")]
-    first = make_trainer(*knobs)  # micro_batch_size null: the whole update at once, 8
-    examples, batch = fixed_batch(first)
+    off_sampler = "off_sampler" in VARIANTS[variant]
     results = {}
-    for m in (8, 4, 1):
-        trainer = first if m == 8 else make_trainer(*knobs, f"train.micro_batch_size={m}")
-        results[m] = one_step(trainer, examples,
-                              off_the_sampler(trainer, batch) if "off_sampler" in VARIANTS[variant] else batch)
+    with monkeypatch.context() as patched:
+        if off_sampler:  # sampled by other kernels than the trainer's, as vLLM's (exact.off_the_sampler)
+            patched.setattr(TransformersEngine, "exact_logprobs", False)
+        first = make_trainer(*knobs)  # micro_batch_size null: the whole update at once, 8
+        examples, batch = fixed_batch(first)
+        for m in (8, 4, 1):
+            trainer = first if m == 8 else make_trainer(*knobs, f"train.micro_batch_size={m}")
+            results[m] = one_step(trainer, examples, off_the_sampler(trainer, batch) if off_sampler else batch)
     start, whole, whole_metrics = results[8]
     assert ACTED.get(variant, lambda m: True)(whole_metrics), variant
     _, grpo, _ = one_step(make_trainer(*VARIANT_KNOBS, *(o for o in knobs if "epsilon" in o)), examples, batch)
@@ -201,8 +200,8 @@ def test_old_logps_cost_a_forward_only_when_samples_are_reused(make_trainer, mon
                                 (["train.updates_per_step=2"], 1)):
         trainer = make_trainer("algorithm.beta=0.04", *overrides)
         calls = []
-        original = trainer.batch_logprobs
-        monkeypatch.setattr(trainer, "batch_logprobs", lambda model, *a: calls.append(model) or original(model, *a))
+        original = trainer.logprobs.frozen
+        monkeypatch.setattr(trainer.logprobs, "frozen", lambda model, *a: calls.append(model) or original(model, *a))
         step_on(trainer, *fixed_batch(trainer))
         assert sum(model is trainer.policy for model in calls) == expected, overrides
         assert sum(model is trainer.reference for model in calls) == 1
@@ -212,8 +211,7 @@ def test_same_seed_same_run(make_trainer):
     def run(seed):
         trainer = make_trainer("train.max_steps=2", f"train.seed={seed}", "model.dtype=float32")
         trainer.train()
-        rows = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
-        return [{k: v for k, v in r.items() if "time" not in k} for r in rows]
+        return untimed_metrics(trainer.run_dir)
 
     first = run(0)
     assert run(0) == first
@@ -221,12 +219,6 @@ def test_same_seed_same_run(make_trainer):
 
 
 # ---------------------------------------------------------------- real processes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(nproc: int, args: list[str], cwd: Path, launcher: str = "torchrun") -> subprocess.CompletedProcess:
@@ -243,6 +235,7 @@ def launch(nproc: int, args: list[str], cwd: Path, launcher: str = "torchrun") -
     return result
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("overrides", [
     # 4 completions per update, 2 per process: every group is split across the two processes; each
     # completion has a tool result between two model turns (exact.with_tool_turns).
@@ -266,6 +259,7 @@ def test_two_processes_compute_the_one_process_update(tmp_path, overrides):
         assert one["metrics"]["frac_reward_zero_std"] == 0.5
 
 
+@pytest.mark.process
 def test_two_processes_compute_the_one_process_update_of_every_variant(tmp_path):
     """Each variant of VARIANTS, groups split across the two processes (2 completions each per update)."""
     cases = [["train.prompts_per_step=2", "rollout.num_generations=4", "train.updates_per_step=2",
@@ -280,6 +274,7 @@ def test_two_processes_compute_the_one_process_update_of_every_variant(tmp_path)
                 assert b0["metrics"][key] == pytest.approx(value, rel=1e-9, abs=1e-12, nan_ok=True), (variant, key)
 
 
+@pytest.mark.process
 def test_dynamic_sampling_is_the_same_run_on_two_processes(tmp_path):
     """About half the groups have equal rewards ("parity"): steps sample one or two rounds, or fill
     their batch; 1 and 2 processes log the same metrics and end with the same weights."""
@@ -288,33 +283,24 @@ def test_dynamic_sampling_is_the_same_run_on_two_processes(tmp_path):
                  "algorithm.loss_type=dapo"]
     one, two = run_worker(tmp_path, "train", overrides)
     assert update_difference(one["start"], one["params"], two[0]["params"]) < EXACT
-    rows = [[json.loads(line) for line in (tmp_path / f"p{n}" / "run" / "metrics.jsonl").read_text().splitlines()]
-            for n in (1, 2)]
+    rows = [metric_rows(tmp_path / f"p{n}" / "run") for n in (1, 2)]
     kept = [r["dynamic_sampling/groups_kept"] for r in rows[0]]
     assert 2.0 in kept and min(kept) < 2  # steps that found their groups, and steps that filled their batch
     assert {r["dynamic_sampling/rounds"] for r in rows[0]} == {2.0}  # (filling comes after the last round)
     assert all(r["frac_reward_zero_std"] == (2 - k) / 2 for r, k in zip(rows[0], kept))
-    for a, b in zip(*rows, strict=True):
-        assert a.keys() == b.keys()
-        for key in a:
-            if "time" not in key:
-                assert b[key] == pytest.approx(a[key], rel=1e-9, abs=1e-12), key
+    assert_close_metrics(*rows)
 
 
+@pytest.mark.process
 def test_the_process_count_does_not_change_a_run(tmp_path):
     """Each completion samples from its own seed: 1 and 2 processes make the same 3-step run."""
     overrides = ["train.prompts_per_step=2", "rollout.num_generations=4", "train.max_steps=3",
                  "data.eval_size=5", "train.eval_every=2", "algorithm.beta=0.04"]
     one, two = run_worker(tmp_path, "train", overrides)
     assert update_difference(one["start"], one["params"], two[0]["params"]) < EXACT
-    rows = [[json.loads(line) for line in (tmp_path / f"p{n}" / "run" / "metrics.jsonl").read_text().splitlines()]
-            for n in (1, 2)]
+    rows = [metric_rows(tmp_path / f"p{n}" / "run") for n in (1, 2)]
     assert len(rows[0]) == len(rows[1]) == 6  # 3 steps, evaluations at steps 0, 2 and 3
-    for a, b in zip(*rows):
-        assert a.keys() == b.keys()
-        for key in a:
-            if "time" not in key:
-                assert b[key] == pytest.approx(a[key], rel=1e-9, abs=1e-12), key
+    assert_close_metrics(*rows)
 
 
 def run_worker(tmp_path, mode, overrides):
@@ -342,6 +328,7 @@ def shortness(completions, answer, **columns):
 '''
 
 
+@pytest.mark.process
 def test_two_process_grpokit_train(tmp_path):
     """`grpokit train` on 2 processes: one run directory, metrics of all completions, sharded eval."""
     (tmp_path / "rec.py").write_text(RECORDING_REWARD)
@@ -352,7 +339,7 @@ def test_two_process_grpokit_train(tmp_path):
     runs = list((tmp_path / "runs").iterdir())
     assert len(runs) == 1, runs  # process 1 wrote nothing of its own
     assert (runs[0] / "final" / "model.safetensors").exists()
-    rows = [json.loads(line) for line in (runs[0] / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(runs[0])
     steps = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval/reward" in r]
     assert [r["step"] for r in steps] == [1, 2] and [r["step"] for r in evals] == [0, 2]
@@ -384,7 +371,7 @@ def test_two_process_grpokit_train(tmp_path):
         cwd=tmp_path / "single", capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    single = json.loads((tmp_path / "single" / "one" / "metrics.jsonl").read_text().splitlines()[0])
+    single = metric_rows(tmp_path / "single" / "one")[0]
     assert single["eval/reward"] == pytest.approx(evals[0]["eval/reward"], rel=1e-6)
 
 
@@ -408,6 +395,7 @@ def test_shipped_accelerate_configs_load_in_accelerate(path):
     assert f"examples/accelerate/{path.name}" in path.read_text()  # its own launch command is in it
 
 
+@pytest.mark.process
 def test_the_cpu_accelerate_config_launches_a_run(tmp_path):
     config = TESTS.parent / "examples" / "accelerate" / "cpu-2-processes.yaml"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -418,4 +406,4 @@ def test_the_cpu_accelerate_config_launches_a_run(tmp_path):
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     (run,) = (tmp_path / "runs").iterdir()
-    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert [r["step"] for r in metric_rows(run)] == [1, 2]

@@ -15,10 +15,13 @@ from grpokit.rollout import ENGINES, from_completions
 trl = pytest.importorskip("trl", reason="TRL is in the test extra: pip install -e '.[test]'")
 
 
+# TRL's documented quick-start GRPOConfig (docs/source/quickstart.md), runnable on a CPU.
+QUICK_START = dict(per_device_train_batch_size=1, gradient_accumulation_steps=8, num_generations=4,
+                   max_completion_length=512, bf16=False, use_cpu=True, output_dir="Qwen2-0.5B-GRPO")
+
+
 def quick_start():
-    """TRL's documented quick-start GRPOConfig (docs/source/quickstart.md), runnable on a CPU."""
-    return trl.GRPOConfig(per_device_train_batch_size=1, gradient_accumulation_steps=8, num_generations=4,
-                          max_completion_length=512, bf16=False, use_cpu=True, output_dir="Qwen2-0.5B-GRPO")
+    return trl.GRPOConfig(**QUICK_START)
 
 
 def test_every_grpo_config_field_is_mapped_with_trl_s_default():
@@ -33,10 +36,10 @@ def test_every_grpo_config_field_is_mapped_with_trl_s_default():
     assert len(rows) == len(FIELDS) + 2 and all(f"`{name}`" in table() for name in FIELDS)
 
 
-def test_the_readme_table_is_from_trl_s():
+def test_the_docs_table_is_from_trl_s():
     from pathlib import Path
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (Path(__file__).parent.parent / "docs" / "from-trl.md").read_text()
     start = readme.index("<!-- from_trl table -->\n") + len("<!-- from_trl table -->\n")
     assert readme[start:readme.index("<!-- end from_trl table -->")] == table() + "\n"
 
@@ -49,8 +52,14 @@ def test_the_quick_start_config_carries_over_and_loads():
     assert flat.items() >= {
         "prompts_per_step": 2, "updates_per_step": 1, "micro_batch_size": 1, "num_generations": 4,
         "max_completion_length": 512, "learning_rate": 1e-6, "lr_scheduler": "linear", "seed": 42,
-        "loss_type": "dapo", "scale_rewards": "group", "beta": 0.0, "epsilon": 0.2, "is_level": "sequence",
-        "is_mode": "mask", "is_cap": 3.0, "eval_every": 0, "save_every": 500, "output_dir": "Qwen2-0.5B-GRPO"}.items()
+        "loss_type": "dapo", "scale_rewards": "group", "beta": 0.0, "epsilon": 0.2,
+        "eval_every": 0, "save_every": 500, "output_dir": "Qwen2-0.5B-GRPO"}.items()
+    # Generating in-process (use_vllm=False), the trainer's own log-probs leave the rollout
+    # importance weight nothing to correct: its settings are not carried. With vLLM they are.
+    assert not {"is_level", "is_mode", "is_cap", "is_min"} & flat.keys()
+    with_vllm, _ = from_trl(trl.GRPOConfig(**{**QUICK_START, "use_vllm": True}))
+    assert with_vllm["rollout"].items() >= {"engine": "vllm", "is_level": "sequence", "is_mode": "mask",
+                                            "is_cap": 3.0}.items()
     # eval_strategy="no": no evaluation, nothing held out of the data; string prompts as plain text, as TRL sends them.
     assert config["data"] == {"eval_size": 0, "chat_template": False}
     assert [(n.field, n.value) for n in not_carried] == [("max_steps", -1)]  # epochs need the dataset's size

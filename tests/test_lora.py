@@ -2,10 +2,9 @@
 (adapters off), no second copy; a stopped LoRA run resumes exactly; final/ loads for evaluation and
 --merge writes the merged model; a rollout server gets the merged weights."""
 
-import json
-
 import pytest
 import torch
+from helpers import get_health, untimed_metrics
 from safetensors.torch import load_file
 
 from grpokit.cli import main
@@ -16,11 +15,6 @@ pytest.importorskip("peft", reason="LoRA needs: pip install 'grpokit[lora]'")
 RUN = ["--no-progress", "model.name=tiny-random", "model.lora_rank=4", "reward.functions=[length]",
        "train.prompts_per_step=2", "rollout.num_generations=4", "data.eval_size=2", "algorithm.beta=0.04",
        "train.learning_rate=1e-2"]
-
-
-def rows(run):
-    return [{k: v for k, v in json.loads(line).items() if "time" not in k}
-            for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_only_adapters_train_and_the_reference_is_the_base_model(tmp_path):
@@ -38,11 +32,10 @@ def test_only_adapters_train_and_the_reference_is_the_base_model(tmp_path):
         assert (not torch.equal(p, before[name])) == (name in trainable), name
     # The adapters' off-switch gives the base model's log-probs exactly.
     base = load_model("tiny-random").requires_grad_(False)  # frozen, as under the adapters (same CPU kernels)
-    batch = trainer.sample([next(trainer.stream) for _ in range(2)])
+    batch = trainer.rollouts.sample(trainer.rollouts.next_prompts())
     active = torch.ones(len(batch.finish_reasons), dtype=torch.bool)
-    ref = trainer.reference_logprobs(batch, active)
-    trainer.policy = base
-    assert torch.equal(ref, trainer.batch_logprobs(base, batch, active))
+    ref = trainer.logprobs.ref(batch, active)
+    assert torch.equal(ref, trainer.logprobs.frozen(base, batch, active))
 
     checkpoint = tmp_path / "run" / "checkpoints" / "step-2"
     assert not (checkpoint / "model.safetensors").exists()
@@ -55,7 +48,8 @@ def test_a_stopped_lora_run_resumes_exactly(tmp_path):
     assert main(["train", *RUN, "train.max_steps=4", f"train.output_dir={straight}"]) == 0
     assert main(["train", *RUN, "train.max_steps=2", f"train.output_dir={resumed}"]) == 0
     assert main(["train", *RUN, "train.max_steps=4", f"train.output_dir={resumed}"]) == 0
-    train = lambda run: [r for r in rows(run) if "loss" in r]  # noqa: E731 - the 2-step run also evaluated at step 2
+    # (The 2-step run also evaluated at step 2.)
+    train = lambda run: [r for r in untimed_metrics(run) if "loss" in r]  # noqa: E731
     assert train(resumed) == train(straight) and len(train(straight)) == 4
     a, b = (load_file(r / "final" / "adapter_model.safetensors") for r in (straight, resumed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -113,20 +107,16 @@ def test_a_rollout_engine_gets_the_merged_weights_under_the_base_names(tiny):
     assert {t.dtype for _, t in named_weights(bf16)} == {torch.bfloat16}
 
 
-def test_a_lora_run_through_a_rollout_server(tmp_path):
+@pytest.mark.process
+def test_a_lora_run_through_a_rollout_server(tmp_path, server):
     """The server holds plain weights: each push sends the merged ones, checked by checksum."""
     pytest.importorskip("fastapi")
-    from test_server import Server, get
-
     from grpokit.rollout.weights import checksum, named_weights
 
-    server = Server()
-    try:
-        run = tmp_path / "run"
-        assert main(["train", *RUN, "train.max_steps=2", "rollout.engine=server", f"rollout.server_url={server.url}",
-                     f"train.output_dir={run}"]) == 0
-        health = get(server.url)
-        assert health["weights_version"] == 3  # before the first evaluation, after each of 2 updates
-        assert health["checksum"] == checksum(named_weights(load_model(str(run / "final"))))
-    finally:
-        server.stop()
+    s = server()
+    run = tmp_path / "run"
+    assert main(["train", *RUN, "train.max_steps=2", "rollout.engine=server", f"rollout.server_url={s.url}",
+                 f"train.output_dir={run}"]) == 0
+    health = get_health(s.url)
+    assert health["weights_version"] == 3  # before the first evaluation, after each of 2 updates
+    assert health["checksum"] == checksum(named_weights(load_model(str(run / "final"))))

@@ -105,6 +105,7 @@ def test_wandb_missing_is_a_clear_startup_error(tmp_path, monkeypatch, capsys):
     assert "monitor.wandb=true needs the wandb package: pip install wandb" in capsys.readouterr().err
 
 
+@pytest.mark.process
 def test_trackio_logs_every_metric_locally(tmp_path):
     """monitor.trackio=true: Trackio's local database holds what metrics.jsonl holds."""
     pytest.importorskip("trackio", reason="trackio is in the test extra: pip install -e '.[test]'")

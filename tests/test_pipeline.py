@@ -2,7 +2,6 @@
 The schedule (which weights sample which step) is fixed, read back from the server's answers; a run
 is reproducible; killed (SIGKILL) and resumed, it is the uninterrupted run."""
 
-import os
 import signal
 import subprocess
 import sys
@@ -11,15 +10,15 @@ from concurrent.futures import Future
 
 import pytest
 import torch
-from test_server import (RUN, THREADS, assert_same_final_weights, get, metrics, server,  # noqa: F401 - server is a fixture
-                         train_in_background, wait_for_rows)
+from helpers import (SERVER_RUN, assert_same_run, get_health, same_threads_env, train_in_background, untimed_metrics,
+                     wait_for_rows)
 
 from grpokit.cli import main
 from grpokit.rollout.pipeline import Pipeline, Queued, ScheduleError
 
 pytest.importorskip("fastapi", reason="the server needs: pip install 'grpokit[server]'")
 
-ASYNC = [*RUN, "train.max_steps=4", "rollout.engine=server", "train.learning_rate=1e-3"]
+ASYNC = [*SERVER_RUN, "train.max_steps=4", "rollout.engine=server", "train.learning_rate=1e-3"]
 
 
 def test_the_schedule_samples_step_n_with_the_weights_after_step_n_minus_1_minus_k():
@@ -36,9 +35,10 @@ def test_completions_sampled_with_other_weights_than_the_schedule_are_refused():
 
 
 def staleness(run) -> list[int]:
-    return [r["staleness"] for r in metrics(run) if "loss" in r]
+    return [r["staleness"] for r in untimed_metrics(run) if "loss" in r]
 
 
+@pytest.mark.process
 def test_async_steps_follow_the_schedule_and_are_reproducible(server, tmp_path):
     s = server()
     for k, name in ((1, "a"), (1, "b"), (2, "k2")):
@@ -47,25 +47,25 @@ def test_async_steps_follow_the_schedule_and_are_reproducible(server, tmp_path):
     # Read from the server's answers: step n sampled with the weights after step max(0, n-1-k).
     assert staleness(tmp_path / "a") == [0, 1, 1, 1]
     assert staleness(tmp_path / "k2") == [0, 1, 2, 2]
-    assert get(s.url)["weights_step"] == 4  # the final evaluation's: the weights after the last step
-    assert metrics(tmp_path / "a") == metrics(tmp_path / "b")
-    assert_same_final_weights(tmp_path / "a", tmp_path / "b")
+    assert get_health(s.url)["weights_step"] == 4  # the final evaluation's: the weights after the last step
+    assert_same_run(tmp_path / "a", tmp_path / "b")
     # The lag is corrected for (the trainer's old log-probs against the sampling ones), and it learns
     # from other completions than the synchronous run's.
-    rows = [r for r in metrics(tmp_path / "a") if "loss" in r]
+    rows = [r for r in untimed_metrics(tmp_path / "a") if "loss" in r]
     assert all("sampling/importance_sampling_ratio/mean" in r for r in rows)
     assert rows[1]["sampling/importance_sampling_ratio/mean"] != 1.0
     assert main(["train", *ASYNC, f"rollout.server_url={s.url}", f"train.output_dir={tmp_path / 'sync'}"]) == 0
-    sync = [r for r in metrics(tmp_path / "sync") if "loss" in r]
+    sync = [r for r in untimed_metrics(tmp_path / "sync") if "loss" in r]
     assert "staleness" not in sync[0] and sync[0]["reward"] == rows[0]["reward"] and sync[2]["reward"] != rows[2]["reward"]
 
 
+@pytest.mark.process
 def test_an_async_run_killed_and_resumed_is_the_uninterrupted_run(server, tmp_path):
     s = server()
     run = [*ASYNC, "train.max_steps=8", "train.save_every=2", f"rollout.server_url={s.url}", "rollout.max_staleness=1"]
     killed = tmp_path / "killed"
     command = [sys.executable, "-m", "grpokit", "train", *run, f"train.output_dir={killed}"]
-    env = {**os.environ, "OMP_NUM_THREADS": THREADS}
+    env = same_threads_env()
     trainer = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     deadline = time.monotonic() + 120
     while not (killed / "checkpoints" / "step-4").is_dir():  # written whole, then renamed into place
@@ -77,10 +77,10 @@ def test_an_async_run_killed_and_resumed_is_the_uninterrupted_run(server, tmp_pa
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert main(["train", *run, f"train.output_dir={tmp_path / 'whole'}"]) == 0
-    assert metrics(killed) == metrics(tmp_path / "whole")
-    assert_same_final_weights(killed, tmp_path / "whole")
+    assert_same_run(killed, tmp_path / "whole")
 
 
+@pytest.mark.process
 def test_a_server_lost_mid_run_loses_no_trained_step(server, tmp_path):
     """The only server dies: the run stops with its error, the state after the last trained step is
     saved (the steps whose generation ahead failed held by their seeds), and, resumed with a server
@@ -94,7 +94,7 @@ def test_a_server_lost_mid_run_loses_no_trained_step(server, tmp_path):
     said, err = trainer.communicate(timeout=120)
     assert trainer.returncode == 1 and "Traceback" not in err, err[-3000:]
     assert f"the rollout server at {s.url} cannot be reached" in err
-    trained = len(metrics(out))
+    trained = len(untimed_metrics(out))
     assert f"the run stopped after step {trained}; that state is saved in" in said
     assert f"generating step(s) [{trained + 1}] ahead failed: a resumed run generates them again" in said
     s.start()
@@ -108,5 +108,6 @@ def test_a_server_lost_mid_run_loses_no_trained_step(server, tmp_path):
      "with rollout.dynamic_sampling is not supported"),
 ])
 def test_contradictory_async_settings_are_refused(setting, message, tmp_path, capsys):
-    assert main(["train", *RUN, "rollout.max_staleness=1", *setting, f"train.output_dir={tmp_path / 'run'}"]) == 2
+    assert main(["train", *SERVER_RUN, "rollout.max_staleness=1", *setting,
+                 f"train.output_dir={tmp_path / 'run'}"]) == 2
     assert message in capsys.readouterr().err

@@ -9,6 +9,7 @@ import subprocess
 
 import numpy as np
 import pytest
+from helpers import completions_log, write_synthetic_run
 from matplotlib.image import imread
 
 from grpokit.cli import main
@@ -44,7 +45,7 @@ def test_report_writes_every_plot_and_a_self_contained_page(run, capsys):
         assert image[..., :3].std() > 0.05  # not a blank canvas
     assert "kl is logged only when algorithm.beta &gt; 0" in page
     # Sample completions: the logged steps' completions, escaped, with their rewards.
-    samples = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    samples = completions_log(run)
     assert {s["step"] for s in samples} == {1, 2, 3}
     for s in samples:
         text = s["completion"][0]["content"]
@@ -61,6 +62,7 @@ def test_report_is_regenerated_in_place(run):
     assert not list(run.glob("*.tmp"))
 
 
+@pytest.mark.process
 @pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (Debian: apt-get install chromium); "
                                              "`make test` installs it where it can")
 def test_report_opens_in_headless_chromium_and_shows_the_plots(run, tmp_path):
@@ -90,13 +92,11 @@ def test_report_opens_in_headless_chromium_and_shows_the_plots(run, tmp_path):
 
 
 def test_alerts_are_drawn_on_the_timeline_and_listed(tmp_path):
-    from test_diagnose import write_run
-
     from grpokit.config import Config
     from grpokit.diagnose import RunFacts, Watch
 
     run = tmp_path / "run"
-    rows = write_run(run, "grad_norm")
+    rows = write_synthetic_run(run, "grad_norm")
     assert main(["report", str(run)]) == 0
     quiet = imread(run / "plots" / "reward.png")
     watch = Watch(RunFacts.from_config(Config().to_dict()))

@@ -13,20 +13,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import TESTS, assert_same_run_to_rounding, free_port, get_health, untimed_metrics
 from safetensors.torch import load_file
-from test_distributed import free_port
 
 pytest.importorskip("deepspeed", reason="the DeepSpeed tests need: pip install 'grpokit[deepspeed]'")
+pytestmark = pytest.mark.process  # every test launches `grpokit train` processes
 
-TESTS = Path(__file__).parent
 EXAMPLES = TESTS.parent / "examples" / "accelerate"
-REWARD = "def shortness(completions, **columns):\n    return [-float(len(c[0]['content'])) for c in completions]\n"
-# A KL term (so a sharded reference model too), evaluation, a reward that moves the weights, two
+# A KL term (so a sharded reference model too), evaluation, a reward that moves the weights (helpers.shortness), two
 # micro-batches per process to accumulate, two iterations (old log-probs), warm-up and weight decay.
-RUN = ["--no-progress", "model.name=tiny-random", "reward.functions=[short.py:shortness]", "train.prompts_per_step=2",
-       "rollout.num_generations=4", "data.eval_size=5", "train.eval_every=2", "algorithm.beta=0.04",
-       "train.learning_rate=1e-3", "train.micro_batch_size=2", "algorithm.num_iterations=2", "train.warmup_steps=2",
-       "train.weight_decay=0.1"]
+RUN = ["--no-progress", "model.name=tiny-random", f"reward.functions=[{TESTS / 'helpers.py'}:shortness]",
+       "train.prompts_per_step=2", "rollout.num_generations=4", "data.eval_size=5", "train.eval_every=2",
+       "algorithm.beta=0.04", "train.learning_rate=1e-3", "train.micro_batch_size=2", "algorithm.num_iterations=2",
+       "train.warmup_steps=2", "train.weight_decay=0.1"]
 
 
 def accelerate_launch(config: Path, args: list[str], cwd: Path, nproc: int | None = None,
@@ -39,7 +38,6 @@ def accelerate_launch(config: Path, args: list[str], cwd: Path, nproc: int | Non
 
 
 def train(cwd: Path, out: str, *extra: str, config: Path | None = None, hooks: Path | None = None) -> subprocess.CompletedProcess:
-    (cwd / "short.py").write_text(REWARD)
     args = ["-m", "grpokit", "train", *RUN, f"train.output_dir={out}", *extra]
     if config is None:
         result = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=600,
@@ -48,40 +46,6 @@ def train(cwd: Path, out: str, *extra: str, config: Path | None = None, hooks: P
         result = accelerate_launch(config, args, cwd, hooks=hooks)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return result
-
-
-def metrics(run: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if "time" not in k} for r in rows]
-
-
-def assert_same_run(run: Path, reference: Path, weights_tol: float = 2e-5, evals: bool = True) -> None:
-    """The same metrics (to float32 reduction order) and final weights; the same optimizer state.
-    evals=False: the training rows only (a run stopped at max_steps also evaluated there).
-    weights_tol is 2% of one update (learning rate 1e-3): a sharded run's log-prob pass splits the
-    sequence elsewhere (logprobs.py), FSDP2 steps torch's per-weight AdamW where one process steps
-    the fused one, and chunked log-probs sum in another order; all float32 rounding, which AdamW's
-    division by tiny second moments amplifies. A wrong update is off by a whole update."""
-    mine, theirs = metrics(run), metrics(reference)
-    if not evals:
-        mine, theirs = ([r for r in rows if "loss" in r] for rows in (mine, theirs))
-    assert [r["step"] for r in mine] == [r["step"] for r in theirs]
-    for a, b in zip(mine, theirs):
-        assert a.keys() == b.keys()
-        for key in a:
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
-    w, v = load_file(run / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
-    assert w.keys() == v.keys()
-    assert max((w[k] - v[k]).abs().max().item() for k in w) < weights_tol
-    step = max(r["step"] for r in theirs)
-    o, p = (torch.load(r / "checkpoints" / f"step-{step}" / "optimizer.pt", weights_only=True)["optimizer"]
-            for r in (run, reference))
-    assert o["state"].keys() == p["state"].keys() and len(o["state"]) > 0
-    for name in o["state"]:
-        assert o["state"][name]["step"] == p["state"][name]["step"]
-        for moment in ("exp_avg", "exp_avg_sq"):
-            mine, theirs = o["state"][name][moment], p["state"][name][moment]
-            assert (mine - theirs).norm() <= 1e-3 * theirs.norm(), (name, moment)
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +88,7 @@ def test_a_sharded_run_equals_the_one_process_run(name, one_process, tmp_path):
     config = variant(tmp_path, shipped, **changes) if changes else EXAMPLES / shipped
     result = train(tmp_path, "run", "train.max_steps=3", *extra, config=config)
     assert described in result.stderr + result.stdout  # sharded as asked, and said so
-    assert_same_run(tmp_path / "run", one_process)
+    assert_same_run_to_rounding(tmp_path / "run", one_process)
     from grpokit.models import load_model
 
     load_model(str(tmp_path / "run" / "final"))  # a plain Hugging Face folder
@@ -140,23 +104,18 @@ def test_a_run_resumes_across_engines(one_process, tmp_path):
     for steps, config in ((1, fsdp2), (2, zero2), (3, EXAMPLES / "cpu-2-processes-zero3.yaml")):
         result = train(tmp_path, "run", f"train.max_steps={steps}", config=config)
         assert f"resuming from {Path('run', 'checkpoints', f'step-{steps - 1}')}" in result.stderr + result.stdout
-    assert_same_run(tmp_path / "run", one_process, evals=False)
+    assert_same_run_to_rounding(tmp_path / "run", one_process, evals=False)
 
 
-def test_a_rollout_server_gets_the_gathered_weights(one_process, tmp_path):
+def test_a_rollout_server_gets_the_gathered_weights(one_process, tmp_path, server):
     """rollout.engine=server under FSDP2: every push (checksum-verified by the client) carries
     the whole weights, gathered from both processes; the run is the 1-process in-process run."""
     pytest.importorskip("fastapi", reason="the server needs: pip install 'grpokit[server]'")
-    from test_server import Server, get
-
-    server = Server()
-    try:
-        train(tmp_path, "run", "train.max_steps=3", "rollout.engine=server", f"rollout.server_url={server.url}",
-              config=EXAMPLES / "cpu-2-processes-fsdp2.yaml")
-        assert get(server.url)["session"] is not None
-    finally:
-        server.stop()
-    assert_same_run(tmp_path / "run", one_process)
+    s = server()
+    train(tmp_path, "run", "train.max_steps=3", "rollout.engine=server", f"rollout.server_url={s.url}",
+          config=EXAMPLES / "cpu-2-processes-fsdp2.yaml")
+    assert get_health(s.url)["session"] is not None
+    assert_same_run_to_rounding(tmp_path / "run", one_process)
 
 
 def refused(result: subprocess.CompletedProcess) -> bool:
@@ -238,7 +197,7 @@ def test_deepspeed_skips_a_non_finite_update_as_grpokit_does(tmp_path):
               config=EXAMPLES / "cpu-2-processes-zero3.yaml", hooks=tmp_path / "hook")
     finally:
         del os.environ["GRPOKIT_TEST_INFINITE_CALLS"]
-    rows = [r for r in metrics(tmp_path / "run") if "loss" in r]
+    rows = [r for r in untimed_metrics(tmp_path / "run") if "loss" in r]
     assert [r["skipped_steps"] for r in rows] == [0, 1] and float(rows[1]["loss"]) == float("inf")
     before, after = (tmp_path / "run" / "checkpoints" / f"step-{n}" for n in (1, 2))
     w, v = load_file(before / "model.safetensors"), load_file(after / "model.safetensors")
@@ -247,18 +206,13 @@ def test_deepspeed_skips_a_non_finite_update_as_grpokit_does(tmp_path):
     assert all(torch.equal(o[n]["exp_avg"], p[n]["exp_avg"]) and o[n]["step"] == p[n]["step"] for n in o)
 
 
-def test_steps_generated_ahead_under_fsdp2(tmp_path):
+def test_steps_generated_ahead_under_fsdp2(tmp_path, server):
     """rollout.max_staleness=1 under FSDP2: the weight copies pushed ahead are gathered from both
     processes (a collective at each step's start); the run is the 1-process run through the server."""
     pytest.importorskip("fastapi", reason="the server needs: pip install 'grpokit[server]'")
-    from test_server import Server
-
-    server = Server()
-    try:
-        ahead = ["train.max_steps=3", "rollout.engine=server", f"rollout.server_url={server.url}", "rollout.max_staleness=1"]
-        train(tmp_path, "one", *ahead)
-        train(tmp_path, "run", *ahead, config=EXAMPLES / "cpu-2-processes-fsdp2.yaml")
-    finally:
-        server.stop()
-    assert [r["staleness"] for r in metrics(tmp_path / "run") if "loss" in r] == [0, 1, 1]
-    assert_same_run(tmp_path / "run", tmp_path / "one")
+    s = server()
+    ahead = ["train.max_steps=3", "rollout.engine=server", f"rollout.server_url={s.url}", "rollout.max_staleness=1"]
+    train(tmp_path, "one", *ahead)
+    train(tmp_path, "run", *ahead, config=EXAMPLES / "cpu-2-processes-fsdp2.yaml")
+    assert [r["staleness"] for r in untimed_metrics(tmp_path / "run") if "loss" in r] == [0, 1, 1]
+    assert_same_run_to_rounding(tmp_path / "run", tmp_path / "one")

@@ -5,15 +5,11 @@ import json
 import pytest
 import torch
 import yaml
+from helpers import shortness
 
 from grpokit.config import load_config
 from grpokit.rewards import RewardSet
 from grpokit.trainer import Trainer
-
-
-def shortness(completions, **columns):
-    """A test reward with variance on a random model: shorter completions score higher."""
-    return [-float(len(c[0]["content"])) for c in completions]
 
 
 @pytest.fixture
@@ -27,7 +23,7 @@ def make_trainer(tmp_path, monkeypatch):
             f"train.output_dir={tmp_path / 'run'}", *overrides,
         ])
         trainer = Trainer(config, progress=False)
-        trainer.rewards = RewardSet(((reward, 1.0, {}),))
+        trainer.rewards = trainer.scorer.rewards = RewardSet(((reward, 1.0, {}),))
         return trainer
 
     return make
@@ -235,8 +231,8 @@ def test_a_failure_inside_a_step_saves_the_step_before_unless_an_update_had_begu
     after_step_1 = {}
     train_step = trainer.train_step
 
-    def recording_step(step, examples, *queued):
-        row = train_step(step, examples, *queued)
+    def recording_step(step):
+        row = train_step(step)
         after_step_1.update({n: p.detach().clone() for n, p in trainer.policy.named_parameters()})
         return row
 

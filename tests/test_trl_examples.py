@@ -11,6 +11,7 @@ import re
 import sqlite3
 
 import pytest
+from helpers import completions_log, metric_rows, tool_call
 
 import grpokit
 import scripted_engine
@@ -29,14 +30,6 @@ def settings(tmp_path, **sections):
     return {**{k: {**v, **sections.get(k, {})} for k, v in TINY.items()},
             **{k: v for k, v in sections.items() if k not in TINY}, "progress": False,
             "train": {**TINY["train"], "output_dir": str(tmp_path / "run"), **sections.get("train", {})}}
-
-
-def records(run):
-    return [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
-
-
-def metrics(run):
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 BOXED = [" The solution is \\boxed{2}.", " The solution is \\boxed{6}."]
@@ -69,10 +62,6 @@ def scripted(monkeypatch):
     return script
 
 
-def call(name, **arguments):
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
-
-
 # ---------------------------------------------------------------- the quick start and the reward examples
 
 
@@ -88,7 +77,7 @@ def test_the_quick_start_a_single_reward_function_and_trl_s_argument_names(tmp_p
                                                max_completion_length=4, bf16=False, use_cpu=True, report_to="none",
                                                eval_strategy="no", output_dir=str(tmp_path / "run")),
                            progress=False)
-    assert "rewards/trl.rewards.accuracy_rewards:accuracy_reward/mean" in metrics(result.run_dir)[0]
+    assert "rewards/trl.rewards.accuracy_rewards:accuracy_reward/mean" in metric_rows(result.run_dir)[0]
     # grpokit's names take one function too; both names at once are refused.
     with pytest.raises(ConfigError, match="reward_functions= and reward_funcs= .TRL's name for it. are both given"):
         grpokit.train(model="tiny-random", reward_functions=accuracy_reward, reward_funcs=accuracy_reward)
@@ -117,7 +106,7 @@ def test_string_prompts_go_as_plain_text_in_a_trl_shaped_call(tmp_path, boxed, c
                            **settings(tmp_path, rollout={"engine": "boxed", "max_completion_length": 16}))
     assert "string prompts are sent as plain text, as TRL does (data.chat_template=false" in capsys.readouterr().err
     assert "chat_template: false" in (result.run_dir / "config.yaml").read_text()
-    for r in records(result.run_dir):
+    for r in completions_log(result.run_dir):
         assert isinstance(r["prompt"], str) and isinstance(r["completion"], str)
         truth = next(row["ground_truth"] for row in STANDARD if row["prompt"] == r["prompt"])
         assert r["reward"] == float(re.search(r"\\boxed\{(.*?)\}", r["completion"]).group(1) == truth)
@@ -154,7 +143,7 @@ def test_trainer_state_log_metric_and_log_extra_reach_reward_functions(tmp_path,
     result = grpokit.train(model="tiny-random", reward_funcs=[logging_reward, curriculum], train_dataset=STANDARD,
                            **settings(tmp_path, rollout={"engine": "boxed", "max_completion_length": 16},
                                       data={"eval_size": 2}, train={"eval_every": 1}))
-    rows = metrics(result.run_dir)
+    rows = metric_rows(result.run_dir)
     train = [r for r in rows if "loss" in r]
     # TRL's units: optimizer updates, so global_step / max_steps is the share of the run done.
     assert [r["progress"] for r in train] == [0.0, 0.5]
@@ -162,7 +151,7 @@ def test_trainer_state_log_metric_and_log_extra_reach_reward_functions(tmp_path,
     assert [r["rewards/test_trl_examples:curriculum/mean"] for r in train] == [0.0, 1.0]
     assert all(r["accuracy"] == r["rewards/test_trl_examples:logging_reward/mean"] for r in train)
     assert [r["eval/progress"] for r in rows if "eval/reward" in r] == [0.0, 0.5, 1.0]
-    samples = records(result.run_dir)
+    samples = completions_log(result.run_dir)
     assert {(s["step"], s["global_step"]) for s in samples} == {(1, 0), (2, 1)}
     for s in samples:
         assert s["golden_answer"] in ("2", "5") and s["extracted_answer"] in ("2", "6")
@@ -263,13 +252,13 @@ def test_tool_results_reach_reward_functions_as_the_tool_returned_them(tmp_path,
     with sqlite3.connect("biogrid.db") as db:
         db.execute("CREATE TABLE interactions (gene TEXT, partner TEXT)")
         db.execute("INSERT INTO interactions VALUES ('JNKK', 'MAPK8')")
-    scripted(call("query_biogrid", sql_command="SELECT partner FROM interactions WHERE gene = 'JNKK'"), "*Yes*")
+    scripted(tool_call("query_biogrid", sql_command="SELECT partner FROM interactions WHERE gene = 'JNKK'"), "*Yes*")
     dataset = [{"prompt": [{"role": "user", "content": "Does the gene JNKK interact with MAPK8?"}], "answer": "yes"},
                {"prompt": [{"role": "user", "content": "Does the gene JNKK interact with TP53?"}], "answer": "no"}]
     result = grpokit.train(model="tiny-random", tools=[query_biogrid], train_dataset=dataset,
                            reward_funcs=[correctness_reward, query_reward],
                            **settings(tmp_path, rollout={"engine": "scripted", "max_completion_length": 200}))
-    for r in records(result.run_dir):
+    for r in completions_log(result.run_dir):
         tool = next(m for m in r["completion"] if m["role"] == "tool")
         assert tool["content"] == [["MAPK8"]]  # the list (its tuple written as JSON)
         yes = "MAPK8" in r["prompt"][-1]["content"]
@@ -308,16 +297,16 @@ class IncrementEnv:
 
 
 def test_an_environment_without_a_dataset_brings_the_prompts(tmp_path, scripted):
-    scripted(call("increment", step=3), "Done.")
+    scripted(tool_call("increment", step=3), "Done.")
     result = grpokit.train(model="tiny-random", environment_factory=IncrementEnv,
                            args=trl.GRPOConfig(max_steps=2, num_generations=4, per_device_train_batch_size=8,
                                                max_completion_length=200, bf16=False, use_cpu=True, report_to="none",
                                                output_dir=str(tmp_path / "run")),
                            rollout={"engine": "scripted"}, monitor={"log_completions": 1}, progress=False)
     assert "task: environment" in (result.run_dir / "config.yaml").read_text()
-    row = metrics(result.run_dir)[-1]
+    row = metric_rows(result.run_dir)[-1]
     assert [k for k in row if k.startswith("rewards/") and k.endswith("/mean")] == ["rewards/IncrementEnv/mean"]
-    samples = records(result.run_dir)
+    samples = completions_log(result.run_dir)
     assert len(samples) == 2 * 8
     targets = set()
     for s in samples:  # the prompt is reset()'s text, and get_reward() scored the counter it reached
@@ -356,10 +345,10 @@ def test_an_environment_with_a_dataset_and_its_reward_alone(tmp_path, scripted):
             self.counter = 0
             self.target = target
 
-    scripted(call("increment", step=3), "Done.")
+    scripted(tool_call("increment", step=3), "Done.")
     result = grpokit.train(model="tiny-random", train_dataset=dataset, environment_factory=IncrementToTarget,
                            **settings(tmp_path, rollout={"engine": "scripted", "max_completion_length": 200}))
-    for s in records(result.run_dir):
+    for s in completions_log(result.run_dir):
         assert s["reward"] == float(s["prompt"][-1]["content"] == "Increment the counter to 3.")
     # The same with the data named by a config (it was refused there, before the environment was in).
     rows = tmp_path / "rows.jsonl"

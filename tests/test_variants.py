@@ -6,11 +6,12 @@ import math
 
 import pytest
 import torch
-from test_loss import loss_of, random_batch
+from helpers import loss_of, random_batch
 
 from grpokit.advantages import advantages, normalized_sum, rloo_advantages
 from grpokit.loss import IS_MAX, IS_MEAN, IS_OUTSIDE
 from grpokit.schedule import lr_multiplier
+from grpokit.scoring import high_entropy_tokens, loss_mask
 
 sig = lambda x: 1 / (1 + torch.exp(-x))  # noqa: E731
 
@@ -324,10 +325,9 @@ def test_sync_ref_model_mixes_the_reference_towards_the_policy(tmp_path):
                                 f"train.output_dir={tmp_path}/run"])
     trainer = Trainer(config, progress=False)
     initial = [p.detach().clone() for p in trainer.reference.parameters()]
-    examples = [next(trainer.stream) for _ in range(2)]
-    trainer.train_step(1, examples)  # one update: not yet
+    trainer.train_step(1)  # one update: not yet
     assert all(torch.equal(a, b) for a, b in zip(initial, trainer.reference.parameters()))
-    trainer.train_step(2, examples)  # the second: mixed
+    trainer.train_step(2)  # the second: mixed
     for ref, start, policy in zip(trainer.reference.parameters(), initial, trainer.policy.parameters()):
         torch.testing.assert_close(ref, 0.25 * policy + 0.75 * start, rtol=0, atol=1e-15)
     assert any(not torch.equal(a, b) for a, b in zip(initial, trainer.reference.parameters()))
@@ -349,7 +349,7 @@ def test_mask_truncated_completions_leave_the_loss(tmp_path):
     for masked in (False, True):
         trainer = trainer_on(tmp_path / str(masked), f"algorithm.mask_truncated_completions={masked}")
         start = [p.detach().clone() for p in trainer.policy.parameters()]
-        row = trainer.train_step(1, [next(trainer.stream) for _ in range(2)])
+        row = trainer.train_step(1)
         assert row["completions/clipped_ratio"] == 1.0 and row["reward_std"] > 0
         unchanged = all(torch.equal(a, b) for a, b in zip(start, trainer.policy.parameters()))
         assert unchanged == masked and (row["loss"] == 0) == masked
@@ -357,11 +357,10 @@ def test_mask_truncated_completions_leave_the_loss(tmp_path):
 
 def test_top_entropy_quantile_keeps_that_share_of_the_update_tokens(tmp_path):
     trainer = trainer_on(tmp_path, "algorithm.top_entropy_quantile=0.25")
-    examples = [next(trainer.stream) for _ in range(2)]
-    batch = trainer.sample(examples)
-    mask = trainer.loss_mask(batch)
+    batch = trainer.rollouts.sample(trainer.rollouts.next_prompts())
+    mask = loss_mask(batch, mask_truncated=False)
     rows = torch.arange(8)
-    chosen = trainer.high_entropy_tokens(batch, mask, rows)
+    chosen = high_entropy_tokens(batch, mask, rows, 0.25, "transformers")
     entropies = batch.entropies[mask.bool()]
     threshold = torch.quantile(entropies.double(), 0.75)
     assert chosen.sum() == (entropies.double() >= threshold).sum() and 0.2 <= chosen.sum() / mask.sum() <= 0.3

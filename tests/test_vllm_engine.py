@@ -269,6 +269,7 @@ class LLM:
 '''
 
 
+@pytest.mark.process
 def test_data_parallel_replicas_split_the_groups_and_each_load_the_weights(tmp_path, monkeypatch, tiny):
     """`grpokit serve --engine vllm --data-parallel-size 2 --tensor-parallel-size 2`: two replica processes,
     each on its own 2 GPUs with vLLM's tensor parallelism; answers in the prompts' order, whichever

@@ -31,6 +31,7 @@ from exact import cut_ragged, float64_everywhere, off_the_sampler, step_on, with
 from grpokit import distributed
 from grpokit.config import load_config
 from grpokit.rewards import REWARD_FUNCTIONS
+from grpokit.rollout.transformers_engine import TransformersEngine
 from grpokit.trainer import Trainer
 
 SILENT_PROMPTS: set = set()
@@ -63,6 +64,8 @@ def run(out: str, mode: str, overrides: list[str]) -> dict:
     flags = ("half_constant", "multi_turn", "off_sampler", "ragged")
     half_constant, multi_turn, off_sampler, ragged = (flag in overrides for flag in flags)
     overrides = [o for o in overrides if o not in flags]
+    # off_sampler: sampled by other kernels than the trainer's, as vLLM's (exact.off_the_sampler).
+    TransformersEngine.exact_logprobs = not off_sampler
     config = load_config(None, [
         "model.name=tiny-random", "model.dtype=float64", "reward.functions=[shortness]",
         "rollout.max_completion_length=6", "train.learning_rate=1e-3", "data.eval_size=0",
@@ -72,11 +75,11 @@ def run(out: str, mode: str, overrides: list[str]) -> dict:
     start = {k: v.detach().clone() for k, v in trainer.policy.named_parameters()}
     if mode == "learn":
         P = config.train.prompts_per_step
-        examples = [next(trainer.stream) for _ in range(P)]
+        examples = [next(trainer.rollouts.stream) for _ in range(P)]
         if half_constant:
             SILENT_PROMPTS.update(str(e.prompt) for e in examples[P // 2 :])
-        whole = trainer.engine.generate(
-            [trainer.encode(e) for e in examples], config.rollout.num_generations, trainer.sampling,
+        whole = trainer.rollouts.engine.generate(
+            [trainer.rollouts.encode(e) for e in examples], config.rollout.num_generations, trainer.rollouts.sampling,
             seeds=range(config.completions_per_step),
         )
         if ragged:
@@ -85,12 +88,12 @@ def run(out: str, mode: str, overrides: list[str]) -> dict:
             whole = with_tool_turns(whole, trainer.tokenizer("<tool_response>\n42\n</tool_response>")["input_ids"])
         if off_sampler:
             whole = off_the_sampler(trainer, whole)
-        metrics = step_on(trainer, examples, whole.select(trainer.rows))
+        metrics = step_on(trainer, examples, whole.select(trainer.rollouts.rows))
     else:
         trainer.train()
         metrics = None
     params = {k: v.detach().clone() for k, v in trainer.policy.named_parameters()}
-    return {"start": start, "params": params, "metrics": metrics, "rows": trainer.rows}
+    return {"start": start, "params": params, "metrics": metrics, "rows": trainer.rollouts.rows}
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ step: on a small CPU machine, a large share of the update. keep_freed_memory() s
 allocation from malloc's heap and never shrinks it, so freed tensors' pages are reused. The cost
 is memory that stays with the process once freed, in the middle of the heap included: a somewhat
 higher peak resident memory, which creeps up in steps over a run instead of going up and down
-(the README's "Speed" section has the measured figures, and the commands that give them).
+(docs/speed-and-memory.md, "Speed: grpokit against TRL", has the measured figures, and the
+commands that give them).
 
 It changes malloc for the whole process, so the library leaves the choice to the program:
 `grpokit train` calls it, and so may any program that builds a Trainer itself.

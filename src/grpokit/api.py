@@ -24,40 +24,14 @@ import os
 import shutil
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from grpokit import user_code
 from grpokit.config import Config, ConfigError, flatten, load_config
 from grpokit.rewards import BUILTIN_REWARDS, REWARD_FUNCTIONS
+from grpokit.rundir import TrainResult
 
-
-@dataclass
-class TrainResult:
-    """What a run leaves: its folder, its evaluations, and the trained model (loaded from final/ on
-    first use, on the CPU; a LoRA run's comes with its adapters merged in)."""
-
-    run_dir: Path
-    eval_history: list[dict]  # one row per evaluation: {"step": ..., "eval/reward": ...}
-    dtype: str = "float32"
-    _loaded: dict = field(default_factory=dict, repr=False)
-
-    @property
-    def model(self):
-        if "model" not in self._loaded:
-            from grpokit.models import load_model
-
-            self._loaded["model"] = load_model(str(self.run_dir / "final"), self.dtype).eval()
-        return self._loaded["model"]
-
-    @property
-    def tokenizer(self):
-        if "tokenizer" not in self._loaded:
-            from grpokit.models import load_tokenizer
-
-            self._loaded["tokenizer"] = load_tokenizer(str(self.run_dir / "final"))
-        return self._loaded["tokenizer"]
 
 
 def train(
@@ -103,6 +77,20 @@ def train(
         _one_of(ours, value, trl_names) for ours, value in zip(TRL_NAMES.values(), (
             config, reward_functions, dataset, environment, tokenizer)))
     config = _config(config, overrides)
+    created = _take_objects(config, trl_names, model=model, tokenizer=tokenizer, reward_functions=reward_functions,
+                            tools=tools, environment=environment, dataset=dataset, eval_dataset=eval_dataset)
+    try:
+        return run(config, model=model if not isinstance(model, (str, Path)) else None, tokenizer=tokenizer,
+                   progress=progress)
+    except BaseException:
+        _remove_if_unused(created)
+        raise
+
+
+def _take_objects(config: Config, trl_names: dict, *, model, tokenizer, reward_functions, tools, environment, dataset,
+                  eval_dataset) -> Path | None:
+    """`config` with the objects of train()'s arguments in it (each recorded by name, and counted
+    as given), settled. Returns the run folder when this call created it (for the datasets)."""
     _take_model(config, model, tokenizer)
     _take_code(config, reward_functions, tools, environment)
     if trl_names and "data.chat_template" not in config.given:
@@ -112,19 +100,18 @@ def train(
                                             ("rollout.environment", environment), ("data.path", dataset),
                                             ("data.eval_path", eval_dataset)) if value is not None}
     config.settle()
-    try:
-        return run(config, model=model if not isinstance(model, (str, Path)) else None, tokenizer=tokenizer,
-                   progress=progress)
-    except BaseException:
-        # A refused start leaves no folder behind, as from the CLI: the run folder this call made
-        # for its datasets goes while it holds nothing else.
-        if (created is not None and os.environ.get("RANK", "0") == "0" and created.is_dir()
-                and {p.name for p in created.iterdir()} <= {"data"}):
-            from grpokit.rundir import release_run_dir
+    return created
 
-            release_run_dir(created)
-            shutil.rmtree(created, ignore_errors=True)
-        raise
+
+def _remove_if_unused(created: Path | None) -> None:
+    """A refused start leaves no folder behind, as from the CLI: the run folder this call made for
+    its datasets (`created`) goes while it holds nothing else."""
+    if (created is not None and os.environ.get("RANK", "0") == "0" and created.is_dir()
+            and {p.name for p in created.iterdir()} <= {"data"}):
+        from grpokit.rundir import release_run_dir
+
+        release_run_dir(created)
+        shutil.rmtree(created, ignore_errors=True)
 
 
 def run(config: Config, *, model=None, tokenizer=None, progress: bool = True) -> TrainResult:

@@ -147,9 +147,28 @@ def _serve(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = _parse(_parser(), argv)
+    try:
+        return args.run(args)
+    except StartupError as e:  # nothing was trained, nothing was written over
+        if os.environ.get("RANK", "0") == "0":  # every process of a launch fails alike; say it once
+            print(f"grpokit: {e}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpokit", description="GRPO training for language models")
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_train(commands)
+    _add_eval(commands)
+    _add_run_readers(commands)
+    _add_serve(commands)
+    p = commands.add_parser("config", help="print every config field with its default and meaning")
+    p.set_defaults(run=lambda args: print(describe()) or 0)
+    return parser
 
+
+def _add_train(commands) -> None:
     p = commands.add_parser("train", help="train a model with GRPO")
     p.add_argument("--config", help="YAML config file; the overrides that follow win over it")
     p.add_argument("overrides", nargs="*", metavar="section.field=value", help="e.g. train.max_steps=50")
@@ -158,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="with model.lora_rank > 0: also write final/merged, the model with the adapters merged in")
     p.set_defaults(run=_train)
 
+
+def _add_eval(commands) -> None:
     p = commands.add_parser("eval", help="score a model on held-out prompts (mean rewards, pass@k)")
     p.add_argument("--model", required=True, help="model folder (e.g. runs/.../final), a built-in name, or a Hub id")
     p.add_argument("--task", help="built-in task (data.task)")
@@ -168,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", metavar="section.field=value")
     p.set_defaults(run=_eval)
 
+
+def _add_run_readers(commands) -> None:
+    """`doctor` and `report`: what a run folder alone says."""
     p = commands.add_parser(
         "doctor", help="diagnose a run from its folder alone (finished, running or stopped)",
         description="Reads <run_dir>/metrics.jsonl and config.yaml and prints the run's status and "
@@ -186,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dir", type=Path)
     p.set_defaults(run=_report)
 
+
+def _add_serve(commands) -> None:
     p = commands.add_parser(
         "serve", help="run a rollout server for rollout.engine=server (generation, weight sync)",
         description="Loads --model and serves generation over HTTP; a trainer with rollout.engine=server "
@@ -205,9 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                         "prompt groups are split among them, weights pushed to each")
     p.set_defaults(run=_serve)
 
-    p = commands.add_parser("config", help="print every config field with its default and meaning")
-    p.set_defaults(run=lambda args: print(describe()) or 0)
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     # Overrides may come on either side of a flag (`train a=1 --merge b=2`): argparse stops a
     # positional list at the first flag, so the rest arrive here.
     args, rest = parser.parse_known_args(argv)
@@ -215,12 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *rest]
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    try:
-        return args.run(args)
-    except StartupError as e:  # nothing was trained, nothing was written over
-        if os.environ.get("RANK", "0") == "0":  # every process of a launch fails alike; say it once
-            print(f"grpokit: {e}", file=sys.stderr)
-        return 2
+    return args
 
 
 if __name__ == "__main__":

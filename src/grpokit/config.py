@@ -15,6 +15,7 @@ import math
 import re
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -387,149 +388,76 @@ def choices() -> dict[str, tuple]:
     }
 
 
+class _Problems(list):
+    """The messages of the checks that failed."""
+
+    def need(self, ok: bool, message: str) -> None:
+        if not ok:
+            self.append(message)
+
+
 def _check_ranges(c: Config) -> list[str]:
+    """Every value allowed and in its range, no setting set for a variant that is off, and no two
+    settings that contradict each other; each message names its field and a fix."""
+    return [*_check_choices(c), *_check_task(c), *_check_sampling(c), *_check_algorithm(c), *_check_variants(c),
+            *_check_unused(c), *_check_engine(c), *_check_rollout(c), *_check_data(c), *_check_train(c),
+            *_check_reward_functions(c.reward.functions)]
+
+
+def _check_choices(c: Config) -> list[str]:
     errors = []
     for key, allowed in choices().items():
-        section, name = key.split(".")
-        value = getattr(getattr(c, section), name)
+        value = _value(c, key)
         if value not in allowed:
             errors.append(f"{key}={value!r} is not one of: {', '.join('null' if a is None else a for a in allowed)}")
-
-    def need(ok: bool, message: str) -> None:
-        if not ok:
-            errors.append(message)
-
-    from grpokit.tasks import check_task_name
-
-    task_problem = check_task_name(c.data.task)
-    need(task_problem is None, task_problem)
-    need(not c.data.task_args or (c.data.path is None and c.data.task.startswith("reasoning_gym:")),
-         f"data.task_args={c.data.task_args!r} is only read by data.task=reasoning_gym:<name>, and data.path is null")
-    r, a, t = c.rollout, c.algorithm, c.train
-    need(r.num_generations >= 2, f"rollout.num_generations={r.num_generations}: must be >= 2, "
-         "group-relative advantages compare several completions of the same prompt")
-    need(r.max_completion_length >= 1, "rollout.max_completion_length must be >= 1")
-    need(r.temperature > 0, f"rollout.temperature={r.temperature}: must be > 0 for training "
-         "(0 is greedy: every completion of a group would be identical)")
-    need(0 < r.top_p <= 1, f"rollout.top_p={r.top_p}: must be in (0, 1]")
-    need(r.top_k >= 0, f"rollout.top_k={r.top_k}: must be >= 0 (0 turns it off)")
-    need(a.beta >= 0, f"algorithm.beta={a.beta}: must be >= 0")
-    need(a.epsilon > 0, f"algorithm.epsilon={a.epsilon}: must be > 0")
-    need(a.epsilon_high is None or a.epsilon_high > 0,
-         f"algorithm.epsilon_high={a.epsilon_high}: must be > 0, or null to use algorithm.epsilon")
-    need(a.num_iterations >= 1, f"algorithm.num_iterations={a.num_iterations}: must be >= 1")
-    need(a.sapo_temperature_pos > 0 and a.sapo_temperature_neg > 0,
-         "algorithm.sapo_temperature_pos and algorithm.sapo_temperature_neg must be > 0")
-    need(0 <= a.top_entropy_quantile <= 1, f"algorithm.top_entropy_quantile={a.top_entropy_quantile}: must be in "
-         "[0, 1] (1 trains every token)")
-    need(0 < a.ref_model_mixup_alpha <= 1, f"algorithm.ref_model_mixup_alpha={a.ref_model_mixup_alpha}: must be in (0, 1]")
-    need(a.ref_model_sync_steps >= 1, f"algorithm.ref_model_sync_steps={a.ref_model_sync_steps}: must be >= 1")
-    errors += _check_variants(c)
-    # Contradictions: a setting that the rest of the config switches off (a KL estimator without a KL term,
-    # a server URL without the server engine) is refused, never silently ignored.
-    need(a.kl_estimator is None or a.beta > 0,
-         f"algorithm.kl_estimator={a.kl_estimator} is set but algorithm.beta=0 turns the KL term off (and "
-         "no reference model is loaded): set algorithm.beta > 0 (e.g. 0.001) or remove algorithm.kl_estimator")
-    need(r.engine != "server" or bool(r.server_url),
-         "rollout.engine=server needs rollout.server_url (start a server with: grpokit serve --model <model.name>)")
-    need(r.server_url is None or r.engine == "server",
-         f"rollout.server_url is set but rollout.engine={r.engine} does not use it: set rollout.engine=server or "
-         "remove rollout.server_url")
-    for address in r.server_url or ():
-        errors += _url_problems(address)
-    need(len({u.rstrip("/") for u in r.server_url or ()}) == len(r.server_url or ()),
-         f"rollout.server_url={r.server_url} names a server twice: one trainer, one weight group per server")
-    need(r.max_staleness >= 0, f"rollout.max_staleness={r.max_staleness}: must be >= 0 (0: synchronous steps)")
-    if r.max_staleness > 0:
-        need(r.engine == "server", f"rollout.max_staleness={r.max_staleness} generates the next steps while this one "
-             f"trains, in another process: it needs rollout.engine=server (rollout.engine={r.engine} generates in the "
-             "trainer's own process); start one with: grpokit serve --model <model.name>")
-        need(not r.dynamic_sampling, f"rollout.max_staleness={r.max_staleness} with rollout.dynamic_sampling is not "
-             "supported: which prompts a step draws depends on the rewards of the step before; turn one of them off")
-    need(r.server_timeout > 0, f"rollout.server_timeout={r.server_timeout}: must be > 0")
-    need(r.is_cap >= 1, f"rollout.is_cap={r.is_cap}: must be >= 1 (a cap below 1 shrinks every weight)")
-    need(r.is_min is None or 0 < r.is_min <= 1, f"rollout.is_min={r.is_min}: must be in (0, 1], or null")
-    need(0 <= r.min_p < 1, f"rollout.min_p={r.min_p}: must be in [0, 1) (0 turns it off)")
-    need(r.max_sampling_rounds >= 1, f"rollout.max_sampling_rounds={r.max_sampling_rounds}: must be >= 1")
-    need(0 < r.vllm_gpu_memory_utilization <= 1,
-         f"rollout.vllm_gpu_memory_utilization={r.vllm_gpu_memory_utilization}: must be in (0, 1]")
-    need(r.top_k != 1, "rollout.top_k=1 samples greedily: every completion of a group would be the same and "
-         "no group would have a learning signal; use 0 (off) or a larger k")
-    need(r.max_turns >= 1, f"rollout.max_turns={r.max_turns}: must be >= 1")
-    need(r.tool_timeout is None or r.tool_timeout > 0, f"rollout.tool_timeout={r.tool_timeout}: must be > 0, or null")
-    need(r.tools is None or all(isinstance(n, str) for n in r.tools),
-         "rollout.tools: a list of names, each 'package.module:function' or 'path/to/file.py:function'")
-    d = c.data
-    need(d.eval_size >= 0, f"data.eval_size={d.eval_size}: must be >= 0")
-    need(d.max_prompt_length is None or d.max_prompt_length >= 1,
-         f"data.max_prompt_length={d.max_prompt_length}: must be >= 1, or null")
-    need(d.eval_path is None or d.path is not None, "data.eval_path is set but data.path is not: set both")
-    need(d.eval_path is None or d.eval_size > 0,
-         f"data.eval_path={d.eval_path} is set but data.eval_size=0 turns evaluation off: set data.eval_size > 0 or remove data.eval_path")
-    need(d.path is None or c.reward.functions is not None or r.environment is not None,
-         "data.path is set but reward.functions is not: a dataset brings no rewards, name them (e.g. "
-         "reward.functions=[math_accuracy])")
-    need(d.task != "environment" or r.environment is not None or d.path is not None,
-         "data.task=environment takes its prompts from rollout.environment's reset(), but rollout.environment is not "
-         "set: name an environment class, or another data.task")
-    need(c.reward.timeout is None or c.reward.timeout > 0, f"reward.timeout={c.reward.timeout}: must be > 0, or null")
-    need(t.prompts_per_step >= 1, f"train.prompts_per_step={t.prompts_per_step}: must be >= 1")
-    need(t.learning_rate > 0, f"train.learning_rate={t.learning_rate}: must be > 0")
-    need(t.max_steps >= 0, f"train.max_steps={t.max_steps}: must be >= 0")
-    need(t.max_grad_norm >= 0, f"train.max_grad_norm={t.max_grad_norm}: must be >= 0 (0 turns clipping off)")
-    m = c.model
-    need(m.lora_rank >= 0, f"model.lora_rank={m.lora_rank}: must be >= 0 (0 trains every weight)")
-    need(0 <= m.lora_dropout < 1, f"model.lora_dropout={m.lora_dropout}: must be in [0, 1)")
-    need(m.lora_alpha > 0, f"model.lora_alpha={m.lora_alpha}: must be > 0")
-    need(t.logprob_chunk_size is None or t.logprob_chunk_size >= 1,
-         f"train.logprob_chunk_size={t.logprob_chunk_size}: must be >= 1, or null")
-    need(t.keep_checkpoints is None or t.keep_checkpoints >= 1,
-         f"train.keep_checkpoints={t.keep_checkpoints}: must be >= 1, or null to keep every checkpoint")
-    need(c.monitor.log_completions >= 0, f"monitor.log_completions={c.monitor.log_completions}: must be >= 0")
-    for name in ("warmup_steps", "eval_every", "save_every", "max_skipped_steps"):
-        value = getattr(t, name)
-        need(value >= 0, f"train.{name}={value}: must be >= 0")
-    if t.updates_per_step < 1:
-        errors.append(f"train.updates_per_step={t.updates_per_step}: must be >= 1")
-    elif t.prompts_per_step >= 1 and c.completions_per_step % t.updates_per_step:
-        errors.append(
-            f"train.updates_per_step={t.updates_per_step} does not divide the "
-            f"{c.completions_per_step} completions of a step (train.prompts_per_step="
-            f"{t.prompts_per_step} x rollout.num_generations={r.num_generations}): choose a divisor"
-        )
-    if t.micro_batch_size is not None and t.micro_batch_size < 1:
-        errors.append(f"train.micro_batch_size={t.micro_batch_size}: must be >= 1, or null")
-    errors += _check_reward_functions(c.reward.functions)
     return errors
 
 
-def _url_problems(address: str) -> list[str]:
-    """What is wrong with a rollout.server_url entry (urlparse reads a port only when asked, and
-    raises then): checked at start-up, not after server_timeout seconds of retrying."""
-    url = urlparse(address)
-    if url.scheme not in ("http", "https") or not url.hostname:
-        return [f"rollout.server_url={address}: must be a URL with its scheme and host, e.g. http://127.0.0.1:8000"]
-    try:
-        port = url.port
-    except ValueError:
-        port = -1
-    if port is not None and not 1 <= port <= 65535:
-        return [f"rollout.server_url={address}: the port must be a number from 1 to 65535 "
-                f"(grpokit serve --port says where the server listens)"]
-    return []
+def _check_task(c: Config) -> list[str]:
+    from grpokit.tasks import check_task_name
+
+    p = _Problems()
+    task_problem = check_task_name(c.data.task)
+    p.need(task_problem is None, task_problem)
+    p.need(not c.data.task_args or (c.data.path is None and c.data.task.startswith("reasoning_gym:")),
+           f"data.task_args={c.data.task_args!r} is only read by data.task=reasoning_gym:<name>, and data.path is null")
+    return p
+
+
+def _check_sampling(c: Config) -> list[str]:
+    r, p = c.rollout, _Problems()
+    p.need(r.num_generations >= 2, f"rollout.num_generations={r.num_generations}: must be >= 2, "
+           "group-relative advantages compare several completions of the same prompt")
+    p.need(r.max_completion_length >= 1, "rollout.max_completion_length must be >= 1")
+    p.need(r.temperature > 0, f"rollout.temperature={r.temperature}: must be > 0 for training "
+           "(0 is greedy: every completion of a group would be identical)")
+    p.need(0 < r.top_p <= 1, f"rollout.top_p={r.top_p}: must be in (0, 1]")
+    p.need(r.top_k >= 0, f"rollout.top_k={r.top_k}: must be >= 0 (0 turns it off)")
+    return p
+
+
+def _check_algorithm(c: Config) -> list[str]:
+    a, p = c.algorithm, _Problems()
+    p.need(a.beta >= 0, f"algorithm.beta={a.beta}: must be >= 0")
+    p.need(a.epsilon > 0, f"algorithm.epsilon={a.epsilon}: must be > 0")
+    p.need(a.epsilon_high is None or a.epsilon_high > 0,
+           f"algorithm.epsilon_high={a.epsilon_high}: must be > 0, or null to use algorithm.epsilon")
+    p.need(a.num_iterations >= 1, f"algorithm.num_iterations={a.num_iterations}: must be >= 1")
+    p.need(a.sapo_temperature_pos > 0 and a.sapo_temperature_neg > 0,
+           "algorithm.sapo_temperature_pos and algorithm.sapo_temperature_neg must be > 0")
+    p.need(0 <= a.top_entropy_quantile <= 1, f"algorithm.top_entropy_quantile={a.top_entropy_quantile}: must be in "
+           "[0, 1] (1 trains every token)")
+    p.need(0 < a.ref_model_mixup_alpha <= 1,
+           f"algorithm.ref_model_mixup_alpha={a.ref_model_mixup_alpha}: must be in (0, 1]")
+    p.need(a.ref_model_sync_steps >= 1, f"algorithm.ref_model_sync_steps={a.ref_model_sync_steps}: must be >= 1")
+    return p
 
 
 def _check_variants(c: Config) -> list[str]:
     """Settings of the GRPO variants that contradict each other: each message names both."""
-    from grpokit.loss import LOSSES
-
     a, errors = c.algorithm, []
-    loss = LOSSES.get(a.loss_type)
     high = a.epsilon if a.epsilon_high is None else a.epsilon_high
-    if a.delta is not None and loss is not None and not getattr(loss, "clips", True):
-        errors.append(f"algorithm.delta={a.delta} caps the clipped ratio of grpo, dapo and dr_grpo, but "
-                      f"algorithm.loss_type={a.loss_type} has no clip: remove algorithm.delta or change the loss")
-    elif a.delta is not None and a.delta <= 1 + high:
+    if a.delta is not None and VARIANT_SETTINGS["algorithm.delta"].on(c) and a.delta <= 1 + high:
         errors.append(f"algorithm.delta={a.delta} must be > 1 + algorithm.epsilon_high = {1 + high:g}: a smaller delta "
                       "never binds (the clip already bounds those ratios)")
     if a.importance_sampling_level == "sequence" and a.top_entropy_quantile < 1:
@@ -551,6 +479,251 @@ def _check_variants(c: Config) -> list[str]:
         errors.append(f"algorithm.sync_ref_model with model.lora_rank={c.model.lora_rank}: with LoRA the reference is "
                       "the policy with its adapters off, nothing to move; remove one of them")
     return errors
+
+
+def _check_unused(c: Config) -> list[str]:
+    """A setting that the rest of the config switches off (a KL estimator without a KL term, a server
+    URL without the server engine) is refused, never silently ignored."""
+    return [VARIANT_SETTINGS[key].problem(c, key) for key in unused_settings(c)]
+
+
+def _check_engine(c: Config) -> list[str]:
+    r, p = c.rollout, _Problems()
+    p.need(r.engine != "server" or bool(r.server_url),
+           "rollout.engine=server needs rollout.server_url (start a server with: grpokit serve --model <model.name>)")
+    for address in r.server_url or ():
+        p += _url_problems(address)
+    p.need(len({u.rstrip("/") for u in r.server_url or ()}) == len(r.server_url or ()),
+           f"rollout.server_url={r.server_url} names a server twice: one trainer, one weight group per server")
+    p.need(r.max_staleness >= 0, f"rollout.max_staleness={r.max_staleness}: must be >= 0 (0: synchronous steps)")
+    if r.max_staleness > 0:
+        p.need(r.engine == "server", f"rollout.max_staleness={r.max_staleness} generates the next steps while this one "
+               f"trains, in another process: it needs rollout.engine=server (rollout.engine={r.engine} generates in the "
+               "trainer's own process); start one with: grpokit serve --model <model.name>")
+        p.need(not r.dynamic_sampling, f"rollout.max_staleness={r.max_staleness} with rollout.dynamic_sampling is not "
+               "supported: which prompts a step draws depends on the rewards of the step before; turn one of them off")
+    p.need(r.server_timeout > 0, f"rollout.server_timeout={r.server_timeout}: must be > 0")
+    return p
+
+
+def _check_rollout(c: Config) -> list[str]:
+    r, p = c.rollout, _Problems()
+    p.need(r.is_cap >= 1, f"rollout.is_cap={r.is_cap}: must be >= 1 (a cap below 1 shrinks every weight)")
+    p.need(r.is_min is None or 0 < r.is_min <= 1, f"rollout.is_min={r.is_min}: must be in (0, 1], or null")
+    p.need(0 <= r.min_p < 1, f"rollout.min_p={r.min_p}: must be in [0, 1) (0 turns it off)")
+    p.need(r.max_sampling_rounds >= 1, f"rollout.max_sampling_rounds={r.max_sampling_rounds}: must be >= 1")
+    p.need(0 < r.vllm_gpu_memory_utilization <= 1,
+           f"rollout.vllm_gpu_memory_utilization={r.vllm_gpu_memory_utilization}: must be in (0, 1]")
+    p.need(r.top_k != 1, "rollout.top_k=1 samples greedily: every completion of a group would be the same and "
+           "no group would have a learning signal; use 0 (off) or a larger k")
+    p.need(r.max_turns >= 1, f"rollout.max_turns={r.max_turns}: must be >= 1")
+    p.need(r.tool_timeout is None or r.tool_timeout > 0, f"rollout.tool_timeout={r.tool_timeout}: must be > 0, or null")
+    p.need(r.tools is None or all(isinstance(n, str) for n in r.tools),
+           "rollout.tools: a list of names, each 'package.module:function' or 'path/to/file.py:function'")
+    return p
+
+
+def _check_data(c: Config) -> list[str]:
+    d, p = c.data, _Problems()
+    p.need(d.eval_size >= 0, f"data.eval_size={d.eval_size}: must be >= 0")
+    p.need(d.max_prompt_length is None or d.max_prompt_length >= 1,
+           f"data.max_prompt_length={d.max_prompt_length}: must be >= 1, or null")
+    p.need(d.eval_path is None or d.path is not None, "data.eval_path is set but data.path is not: set both")
+    p.need(d.eval_path is None or d.eval_size > 0, f"data.eval_path={d.eval_path} is set but data.eval_size=0 turns "
+           "evaluation off: set data.eval_size > 0 or remove data.eval_path")
+    p.need(d.path is None or c.reward.functions is not None or c.rollout.environment is not None,
+           "data.path is set but reward.functions is not: a dataset brings no rewards, name them (e.g. "
+           "reward.functions=[math_accuracy])")
+    p.need(d.task != "environment" or c.rollout.environment is not None or d.path is not None,
+           "data.task=environment takes its prompts from rollout.environment's reset(), but rollout.environment is not "
+           "set: name an environment class, or another data.task")
+    p.need(c.reward.timeout is None or c.reward.timeout > 0, f"reward.timeout={c.reward.timeout}: must be > 0, or null")
+    return p
+
+
+def _check_train(c: Config) -> list[str]:
+    t, m, p = c.train, c.model, _Problems()
+    p.need(t.prompts_per_step >= 1, f"train.prompts_per_step={t.prompts_per_step}: must be >= 1")
+    p.need(t.learning_rate > 0, f"train.learning_rate={t.learning_rate}: must be > 0")
+    p.need(t.max_steps >= 0, f"train.max_steps={t.max_steps}: must be >= 0")
+    p.need(t.max_grad_norm >= 0, f"train.max_grad_norm={t.max_grad_norm}: must be >= 0 (0 turns clipping off)")
+    p.need(m.lora_rank >= 0, f"model.lora_rank={m.lora_rank}: must be >= 0 (0 trains every weight)")
+    p.need(0 <= m.lora_dropout < 1, f"model.lora_dropout={m.lora_dropout}: must be in [0, 1)")
+    p.need(m.lora_alpha > 0, f"model.lora_alpha={m.lora_alpha}: must be > 0")
+    p.need(t.logprob_chunk_size is None or t.logprob_chunk_size >= 1,
+           f"train.logprob_chunk_size={t.logprob_chunk_size}: must be >= 1, or null")
+    p.need(t.keep_checkpoints is None or t.keep_checkpoints >= 1,
+           f"train.keep_checkpoints={t.keep_checkpoints}: must be >= 1, or null to keep every checkpoint")
+    p.need(c.monitor.log_completions >= 0, f"monitor.log_completions={c.monitor.log_completions}: must be >= 0")
+    for name in ("warmup_steps", "eval_every", "save_every", "max_skipped_steps"):
+        value = getattr(t, name)
+        p.need(value >= 0, f"train.{name}={value}: must be >= 0")
+    if t.updates_per_step < 1:
+        p.append(f"train.updates_per_step={t.updates_per_step}: must be >= 1")
+    elif t.prompts_per_step >= 1 and c.completions_per_step % t.updates_per_step:
+        p.append(
+            f"train.updates_per_step={t.updates_per_step} does not divide the "
+            f"{c.completions_per_step} completions of a step (train.prompts_per_step="
+            f"{t.prompts_per_step} x rollout.num_generations={c.rollout.num_generations}): choose a divisor"
+        )
+    if t.micro_batch_size is not None and t.micro_batch_size < 1:
+        p.append(f"train.micro_batch_size={t.micro_batch_size}: must be >= 1, or null")
+    return p
+
+
+def _url_problems(address: str) -> list[str]:
+    """What is wrong with a rollout.server_url entry (urlparse reads a port only when asked, and
+    raises then): checked at start-up, not after server_timeout seconds of retrying."""
+    url = urlparse(address)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        return [f"rollout.server_url={address}: must be a URL with its scheme and host, e.g. http://127.0.0.1:8000"]
+    try:
+        port = url.port
+    except ValueError:
+        port = -1
+    if port is not None and not 1 <= port <= 65535:
+        return [f"rollout.server_url={address}: the port must be a number from 1 to 65535 "
+                f"(grpokit serve --port says where the server listens)"]
+    return []
+
+
+# ---------------------------------------------------------------- settings of a variant that is off
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A part of the run that some settings belong to: they are read only while it is on."""
+
+    switch: str  # the setting that turns it on
+    on: Callable[[Config], bool]  # whether a config has it on
+    turn_on: str | Callable[[], str]  # what to set to turn it on (a callable: read from a registry when asked)
+    effect: str = "does not use it"  # what the switch, as it is, does to the variant's settings
+
+    def problem(self, config: Config, key: str) -> str:
+        """The message refusing `key`, set while this variant is off in `config`."""
+        value = _value(config, key)
+        shown = "" if isinstance(value, (list, dict)) else f"={_show(value)}"  # a list is not repeated
+        turn_on = self.turn_on() if callable(self.turn_on) else self.turn_on
+        return (f"{key}{shown} is set but {self.switch}={_show(_value(config, self.switch))} {self.effect}: set "
+                f"{turn_on} or remove {key}")
+
+
+def _has_tools(c: Config) -> bool:
+    """Whether the run has tools (rollout.tools, or the task's own when null) or an environment, as
+    Tools.from_config decides."""
+    from grpokit.tasks import task_tools
+
+    r = c.rollout
+    return bool(r.tools if r.tools is not None else task_tools(c.data)) or r.environment is not None
+
+
+def _read_by_loss(name: str) -> Variant:
+    """The losses whose objective reads LossSettings' `name` (loss.Loss.reads)."""
+
+    def on(c: Config) -> bool:
+        from grpokit.loss import LOSSES
+
+        loss = LOSSES.get(c.algorithm.loss_type)  # unknown (a name not registered, a plain function): it may read it
+        return not hasattr(loss, "reads") or name in loss.reads
+
+    def turn_on() -> str:
+        from grpokit.loss import LOSSES
+
+        first, *others = [n for n, loss in LOSSES.items() if name in getattr(loss, "reads", ())] or ["?"]
+        return f"algorithm.loss_type={first}" + (f" (or {', '.join(others)})" if others else "")
+
+    return Variant("algorithm.loss_type", on, turn_on)
+
+
+_LORA = Variant("model.lora_rank", lambda c: c.model.lora_rank > 0, "model.lora_rank > 0")
+_PROMPT_LIMIT = Variant("data.max_prompt_length", lambda c: c.data.max_prompt_length is not None,
+                        "data.max_prompt_length (in tokens)")
+_SERVER = Variant("rollout.engine", lambda c: c.rollout.engine == "server", "rollout.engine=server")
+_VLLM = Variant("rollout.engine", lambda c: c.rollout.engine == "vllm", "rollout.engine=vllm")
+def _corrected(c: Config) -> bool:
+    """Whether the rollout importance weight can apply: rollout.is_correction on, and sampling
+    log-probs that may differ from the trainer's (an engine whose class says its log-probs are the
+    trainer's own needs none, unless it generates ahead; a server's say so only once connected)."""
+    from grpokit.rollout import ENGINES, engine_class
+
+    r = c.rollout
+    exact = r.engine in ENGINES and getattr(engine_class(r.engine), "exact_logprobs", None) is True
+    return r.is_correction and (not exact or r.max_staleness > 0)
+
+
+class _Correction(Variant):
+    """The rollout importance weight: off with rollout.is_correction=false, or with nothing to correct."""
+
+    def problem(self, config: Config, key: str) -> str:
+        if config.rollout.is_correction:
+            return (f"{key}={_show(_value(config, key))} is set but rollout.engine={config.rollout.engine} samples "
+                    "with the trainer's own code, so the rollout importance weight has nothing to correct: use "
+                    f"rollout.engine=vllm or a server, or remove {key}")
+        return super().problem(config, key)
+
+
+_CORRECTION = _Correction("rollout.is_correction", _corrected, "rollout.is_correction=true")
+_TOOLS = Variant("rollout.tools", _has_tools,
+                 "rollout.tools (or rollout.environment, or a data.task with tools of its own)")
+_DYNAMIC = Variant("rollout.dynamic_sampling", lambda c: c.rollout.dynamic_sampling, "rollout.dynamic_sampling=true")
+_KL = Variant("algorithm.beta", lambda c: c.algorithm.beta > 0, "algorithm.beta > 0 (e.g. 0.001)",
+              "turns the KL term off (and no reference model is loaded)")
+_REF_SYNC = Variant("algorithm.sync_ref_model", lambda c: c.algorithm.sync_ref_model, "algorithm.sync_ref_model=true")
+
+# Each setting that one variant alone reads -> that variant. Set away from its default while the
+# variant is off, it is refused (a setting at its default asks for nothing: a run's config.yaml
+# records every field). The rollout importance weight's settings count while the weight can apply:
+# rollout.is_correction on and an engine that does not sample with the trainer's own kernels (a
+# server's say whether they do only once connected: they count). Not here:
+# monitor.wandb_project and monitor.trackio_project, which a run's config.yaml keeps when its
+# tracker is switched off on resume (rundir.RESUMABLE_CHANGES).
+VARIANT_SETTINGS: dict[str, Variant] = {
+    "model.lora_alpha": _LORA,
+    "model.lora_dropout": _LORA,
+    "model.lora_target_modules": _LORA,
+    "data.long_prompts": _PROMPT_LIMIT,
+    "rollout.server_url": _SERVER,
+    "rollout.server_timeout": _SERVER,
+    "rollout.vllm_gpu_memory_utilization": _VLLM,
+    "rollout.vllm_sleep": _VLLM,
+    "rollout.is_level": _CORRECTION,
+    "rollout.is_mode": _CORRECTION,
+    "rollout.is_cap": _CORRECTION,
+    "rollout.is_min": _CORRECTION,
+    "rollout.max_turns": _TOOLS,
+    "rollout.tool_timeout": _TOOLS,
+    "rollout.max_sampling_rounds": _DYNAMIC,
+    "algorithm.kl_estimator": _KL,
+    "algorithm.delta": _read_by_loss("delta"),
+    "algorithm.sapo_temperature_pos": _read_by_loss("sapo_temperature_pos"),
+    "algorithm.sapo_temperature_neg": _read_by_loss("sapo_temperature_neg"),
+    "algorithm.ref_model_mixup_alpha": _REF_SYNC,
+    "algorithm.ref_model_sync_steps": _REF_SYNC,
+}
+
+
+def unused_settings(config: Config, every: bool = False) -> list[str]:
+    """The settings of VARIANT_SETTINGS that `config` sets away from their defaults while their
+    variant is off (with `every`, those at their defaults too)."""
+    defaults = Config()
+    return [key for key, variant in VARIANT_SETTINGS.items()
+            if (every or _value(config, key) != _value(defaults, key)) and not variant.on(config)]
+
+
+def _value(config: Config, key: str) -> Any:
+    section, name = key.split(".")
+    return getattr(getattr(config, section), name)
+
+
+def _show(value: Any) -> str:
+    """A value as the user writes it: null, true, 0 (a float without a fraction), a list in brackets."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, list):
+        return f"[{', '.join(map(str, value))}]"
+    return str(value)
 
 
 def _check_reward_functions(functions) -> list[str]:

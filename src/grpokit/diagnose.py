@@ -11,8 +11,8 @@ compares windows of WINDOW steps (medians or means, robust to a single odd step)
   Seen in the field in long runs with beta = 0, while the reward still rose (a small beta > 0
   cured it). The first WINDOW steps are not the baseline: a fresh policy's groups mostly score
   alike (advantage 0, no gradient), and its completions shorten as it learns (a token's share of
-  the loss grows), so grad_norm grows over them with nothing drifting (the README shows it on the
-  default run).
+  the loss grows), so grad_norm grows over them with nothing drifting (docs/monitoring.md shows
+  it on the default run).
 - `clip_ratio`: the mean clip_ratio/region_mean of the last WINDOW steps exceeds both GROWTH x its
   mean over the first WINDOW steps and that mean + 0.1.
 - `zero_std`: over the last WINDOW steps, on average at least half the groups had zero reward std:

@@ -233,3 +233,63 @@ def _shared_prompt_pass(model, run, prompt_ids, prompt_mask, completion_ids, pro
     out = run(0, **rest, attention_mask=attention, position_ids=start + torch.arange(rest_ids.shape[1], device=start.device),
               **cached)  # (B, T - 1 + last, ...)
     return torch.cat([first, out], dim=1) if whole_model else out  # (B, T, ...)
+
+
+class LogProbs:
+    """The reference, old and policy passes of a step: log-probs (n, T) of a batch's completions,
+    each pass through `of`, the one place where a batch's model inputs meet the model."""
+
+    def __init__(self, policy, reference, temperature: float, chunk_size: int | None, checkpointing: bool,
+                 whole_model: bool, micro_batch: int, device: torch.device):
+        """reference: the frozen reference model, or None (with LoRA, the policy without its
+        adapters is the reference); checkpointing: the policy recomputes its activations in the
+        backward pass; whole_model: see completion_logprobs; micro_batch: completions per no-grad pass."""
+        self.policy, self.reference = policy, reference
+        self.temperature, self.chunk_size, self.checkpointing = temperature, chunk_size, checkpointing
+        self.whole_model, self.micro_batch, self.device = whole_model, micro_batch, device
+
+    def of(self, model, batch, rows: torch.Tensor) -> torch.Tensor:
+        """Log-probs (len(rows), T) under `model` of the completions `rows` of `batch` (a
+        rollout.RolloutBatch), each distinct prompt run once."""
+        groups, prompt_index = torch.unique(batch.prompt_index[rows], return_inverse=True)
+        # One row per distinct prompt; which one does not matter, they hold the same prompt tokens.
+        first = torch.empty_like(groups)
+        first[prompt_index] = rows
+        return completion_logprobs(
+            model, batch.prompt_ids[first], batch.prompt_mask[first],
+            batch.completion_ids[rows], prompt_index.to(self.device), self.temperature,
+            chunk_size=self.chunk_size,
+            # Checkpointed layers drop the key/value cache in training mode: run completions whole.
+            share_prompt=not (self.checkpointing and model.training),
+            whole_model=self.whole_model,
+        )
+
+    def old(self, batch, active: torch.Tensor) -> torch.Tensor:
+        """The policy's log-probs (n, T) before the step's first update."""
+        return self.frozen(self.policy, batch, active)
+
+    def ref(self, batch, active: torch.Tensor) -> torch.Tensor:
+        """The reference model's log-probs (n, T): its own copy, or, with LoRA, the policy without adapters."""
+        if self.reference is not None:
+            return self.frozen(self.reference, batch, active)
+        with self.policy.disable_adapter():
+            return self.frozen(self.policy, batch, active)
+
+    @torch.no_grad()
+    def frozen(self, model, batch, active: torch.Tensor) -> torch.Tensor:
+        """Log-probs (n, T) under `model` of the `active` completions, in micro-batches, no gradient;
+        the inactive rows (never used) are 0."""
+        was_training = model.training
+        model.eval()
+        try:
+            # completion_logprobs returns float32 for 16-bit models, the model's dtype otherwise.
+            dtype = torch.promote_types(model.dtype, torch.float32)
+            out = torch.zeros(batch.completion_ids.shape, dtype=dtype, device=self.device)  # (n, T)
+            rows = torch.nonzero(active).view(-1)
+            for mb in rows.split(self.micro_batch) if len(rows) else ():
+                out[mb] = self.of(model, batch, mb)  # (M, T)
+            return out
+        finally:
+            model.train(was_training)
+            if hasattr(model, "reshard"):  # FSDP2: no backward follows to free the gathered outer weights
+                model.reshard()

@@ -50,8 +50,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # LossSettings.from_config reads one; the config imports this module's registries
+    from grpokit.config import Config
 
 # The names of the loss's per-token metrics (TRL's), summed over tokens in LossOutput.token_sums.
 CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
@@ -82,6 +86,15 @@ class LossSettings:
     @property
     def eps_high(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @classmethod
+    def from_config(cls, config: Config) -> LossSettings:
+        """A run's settings: `config`'s algorithm.* and rollout.is_* (algorithm.kl_estimator null is k3)."""
+        a, r = config.algorithm, config.rollout
+        return cls(beta=a.beta, epsilon=a.epsilon, epsilon_high=a.epsilon_high, kl_estimator=a.kl_estimator or "k3",
+                   importance_sampling_level=a.importance_sampling_level, delta=a.delta,
+                   sapo_temperature_pos=a.sapo_temperature_pos, sapo_temperature_neg=a.sapo_temperature_neg,
+                   is_level=r.is_level, is_mode=r.is_mode, is_cap=r.is_cap, is_min=r.is_min)
 
 
 @dataclass(frozen=True)
@@ -220,12 +233,13 @@ def sapo(ratio, logps, advantages, s: LossSettings):
 @dataclass(frozen=True)
 class Loss:
     """A registered loss: its objective, its normalizer, the names of the objective's metrics, and
-    whether it clips the ratio (so that algorithm.delta means something)."""
+    the LossSettings fields that only its objective reads (the config refuses one set for a loss
+    that does not read it: algorithm.delta means something only to a clipped ratio)."""
 
     objective: Callable
     normalize: Callable
     metrics: tuple[str, ...]
-    clips: bool = False
+    reads: tuple[str, ...] = ()
 
     def __call__(self, inputs: LossInputs, settings: LossSettings) -> LossOutput:
         return surrogate_loss(inputs, settings, self)
@@ -233,11 +247,11 @@ class Loss:
 
 # algorithm.loss_type -> the loss. A variant with another per-token objective registers a Loss here.
 LOSSES: dict[str, Callable[[LossInputs, LossSettings], LossOutput]] = {
-    "grpo": Loss(clipped, per_sequence_mean, CLIP_METRICS, clips=True),
-    "dapo": Loss(clipped, token_mean, CLIP_METRICS, clips=True),
-    "dr_grpo": Loss(clipped, constant_normalizer, CLIP_METRICS, clips=True),
+    "grpo": Loss(clipped, per_sequence_mean, CLIP_METRICS, reads=("delta",)),
+    "dapo": Loss(clipped, token_mean, CLIP_METRICS, reads=("delta",)),
+    "dr_grpo": Loss(clipped, constant_normalizer, CLIP_METRICS, reads=("delta",)),
     "cispo": Loss(cispo, token_mean, (CISPO_CLIP,)),
-    "sapo": Loss(sapo, per_sequence_mean, ()),
+    "sapo": Loss(sapo, per_sequence_mean, (), reads=("sapo_temperature_pos", "sapo_temperature_neg")),
 }
 
 

@@ -18,6 +18,7 @@ was trained with, with tools in the Hermes format.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 import shutil
@@ -297,3 +298,31 @@ def save_model(model, tokenizer, folder: Path, weights: list | None = None) -> N
     finally:
         if shown:
             logging.enable_progress_bar()
+
+
+def load_policy(config, device: torch.device, model=None):
+    """The policy (`model`, or model.name's) on `device`, the same on every process, and the
+    reference model (None without a KL term, and with LoRA)."""
+    from grpokit import distributed
+    from grpokit.logprobs import check_chunkable
+
+    m = config.model
+    policy = (load_model(m.name, m.dtype) if model is None else model.train()).to(device)
+    distributed.broadcast_parameters(policy)
+    # The reference model is the initial policy, so it is copied before a checkpoint's weights
+    # are loaded. With LoRA it is the policy itself with its adapters switched off: no second
+    # copy of the weights.
+    reference = None
+    if m.lora_rank:
+        policy = apply_lora(policy, m, m.name)
+        distributed.broadcast_parameters(policy)  # the adapters' random initialisation
+    elif config.algorithm.beta > 0:
+        reference = copy.deepcopy(policy).eval().requires_grad_(False)
+    if m.gradient_checkpointing:  # after the reference copy, which never trains
+        enable_activation_checkpointing(policy)
+    if config.train.logprob_chunk_size is not None:
+        try:
+            check_chunkable(policy)
+        except ValueError as e:
+            raise StartupError(str(e)) from None
+    return policy, reference

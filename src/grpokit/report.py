@@ -188,9 +188,17 @@ def report(run_dir: Path) -> Path:
     config, rows = read_run(run_dir)
     alerts = read_metrics(run_dir / "alerts.jsonl")
     train_rows = [r for r in rows if "loss" in r]
-    evals = [r for r in rows if "eval/reward" in r]
+    images, absent = _write_plots(run_dir / "plots", rows, alerts)
+    parts = [f"<h1>grpokit run: {html.escape(str(run_dir.resolve()))}</h1>",
+             _table(None, [[html.escape(k), html.escape(str(v))] for k, v in _facts(run_dir, config, rows)]),
+             *_alerts_html(alerts, len(train_rows)), *_curves_html(images, absent),
+             *_samples_html(run_dir / "completions.jsonl")]
+    return _write_page(run_dir, parts)
 
-    plots_dir = run_dir / "plots"
+
+def _write_plots(plots_dir: Path, rows: list[dict], alerts: list[dict]) -> tuple[list, list[str]]:
+    """plots/<panel>.png for each panel whose metrics the run logged: ((panel, path) of each drawn,
+    the names of those not drawn)."""
     plots_dir.mkdir(exist_ok=True)
     images, absent = [], []
     for panel in PANELS:
@@ -200,7 +208,13 @@ def report(run_dir: Path) -> Path:
         else:
             path.unlink(missing_ok=True)  # a stale plot from an earlier report of a different run
             absent.append(panel.name)
+    return images, absent
 
+
+def _facts(run_dir: Path, config: dict, rows: list[dict]) -> list[tuple[str, str]]:
+    """The run at a glance: its status, model, data, batch, algorithm and rewards."""
+    train_rows = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval/reward" in r]
     # A partial or hand-written config.yaml: what it does not say shows as "?".
     a, r, t, m, d = ({**dict.fromkeys(keys, "?"), **(config.get(section) if isinstance(config.get(section), dict) else {})}
                      for section, keys in (("algorithm", ("loss_type", "beta")), ("rollout", ("num_generations",)),
@@ -219,10 +233,11 @@ def report(run_dir: Path) -> Path:
                                                f"{last['eval/reward']:.3f} at step {last['step']}"))
     if train_rows:
         facts.append(("train reward, last step", f"{train_rows[-1]['reward']:.3f} at step {train_rows[-1]['step']}"))
+    return facts
 
-    parts = [f"<h1>grpokit run: {html.escape(str(run_dir.resolve()))}</h1>",
-             _table(None, [[html.escape(k), html.escape(str(v))] for k, v in facts])]
-    parts.append("<h2>Alerts</h2>")
+
+def _alerts_html(alerts: list[dict], steps: int) -> list[str]:
+    parts = ["<h2>Alerts</h2>"]
     if alerts:
         parts.append(_table(["alert", "step", "evidence", "suggestion"],
                             [[html.escape(x["kind"]), str(x["step"]), html.escape(x["evidence"]),
@@ -230,9 +245,13 @@ def report(run_dir: Path) -> Path:
         parts.append('<p class="note">Each plot marks these steps with a dashed magenta line. '
                      "<code>grpokit doctor</code> says which still hold at the last step.</p>")
     else:
-        parts.append(f'<p class="note">No alert was raised in {len(train_rows)} steps '
+        parts.append(f'<p class="note">No alert was raised in {steps} steps '
                      f"(the checks compare windows of {WINDOW} steps).</p>")
-    parts.append("<h2>Curves</h2><div class=\"plots\">")
+    return parts
+
+
+def _curves_html(images: list, absent: list[str]) -> list[str]:
+    parts = ["<h2>Curves</h2><div class=\"plots\">"]
     for panel, path in images:
         data = base64.b64encode(path.read_bytes()).decode()
         parts.append(f'<img id="plot-{panel.name}" alt="{html.escape(panel.title)}" src="data:image/png;base64,{data}">')
@@ -241,9 +260,12 @@ def report(run_dir: Path) -> Path:
         why = {"kl": "kl is logged only when algorithm.beta > 0 (a reference model)"}
         parts.append('<p class="note">Not in this run\'s metrics: ' +
                      "; ".join(html.escape(why.get(name, name)) for name in absent) + ".</p>")
+    return parts
 
-    parts.append("<h2>Sample completions</h2>")
-    samples = _samples(run_dir / "completions.jsonl")
+
+def _samples_html(path: Path) -> list[str]:
+    parts = ["<h2>Sample completions</h2>"]
+    samples = _samples(path)
     if samples:
         functions = list(dict.fromkeys(k for s in samples for k in s if k.startswith("rewards/")))
         parts.append(_table(
@@ -256,7 +278,10 @@ def report(run_dir: Path) -> Path:
                      f"{SAMPLE_STEPS} logged steps (monitor.log_completions).</p>")
     else:
         parts.append('<p class="note">No completions.jsonl (monitor.log_completions=0).</p>')
+    return parts
 
+
+def _write_page(run_dir: Path, parts: list[str]) -> Path:
     page = (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>grpokit report: '
             f"{html.escape(run_dir.name)}</title><style>{STYLE}</style></head><body>\n" + "\n".join(parts) +
             "\n</body></html>\n")

@@ -16,6 +16,7 @@ to step N: the resumed run then logs exactly the rows the uninterrupted run woul
 from __future__ import annotations
 
 import datetime
+from dataclasses import dataclass, field
 import fcntl
 import json
 import os
@@ -294,3 +295,28 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+@dataclass
+class TrainResult:
+    """What a run leaves: its folder, its evaluations, and the trained model (loaded from final/ on
+    first use, on the CPU; a LoRA run's comes with its adapters merged in)."""
+
+    run_dir: Path
+    eval_history: list[dict]  # one row per evaluation: {"step": ..., "eval/reward": ...}
+    dtype: str = "float32"
+    _loaded: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def model(self):
+        if "model" not in self._loaded:
+            from grpokit.models import load_model
+
+            self._loaded["model"] = load_model(str(self.run_dir / "final"), self.dtype).eval()
+        return self._loaded["model"]
+
+    @property
+    def tokenizer(self):
+        if "tokenizer" not in self._loaded:
+            from grpokit.models import load_tokenizer
+
+            self._loaded["tokenizer"] = load_tokenizer(str(self.run_dir / "final"))
+        return self._loaded["tokenizer"]

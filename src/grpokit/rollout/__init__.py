@@ -1,4 +1,4 @@
-"""Rollout engines: one protocol (RolloutEngine), several engines (ENGINES), and what they share.
+"""Rollout engines: their protocols, several engines (ENGINES), and what they share.
 
 An engine turns tokenized prompts into G sampled completions each and reports, for every
 completion, its tokens, its mask, why it ended and the log-probs it was sampled with. Nothing
@@ -12,15 +12,23 @@ downstream infers a mask from a pad id (the pad id of SmolLM2 *is* its EOS id).
     conversation.py         multi-turn rollouts (tools, environments) on top of any engine
     tools.py                tools and environments: loading, schemas, parsing and running calls
 
-To add an engine: a class with the protocol's attributes and methods, registered in ENGINES.
+The protocols are the contract between the engines and their callers (tests/test_protocols.py
+checks every engine against those it must satisfy):
+
+    RolloutEngine   what the trainer asks of every engine of ENGINES
+    PipelineEngine  a RolloutEngine that generates ahead of training (rollout.max_staleness > 0):
+                    the server engine
+    ServedEngine    what `grpokit serve` asks of the engine it serves (the engines not `remote`)
+
+To add an engine: a class with the protocols' attributes and methods, registered in ENGINES.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
-from typing import Protocol
+from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -121,15 +129,23 @@ class RolloutBatch:
                                for f in fields(RolloutBatch)})
 
 
+@runtime_checkable
 class RolloutEngine(Protocol):
-    """Everything the trainer asks of an engine. Engines are registered in ENGINES; each is built
-    from the config by its `from_config`."""
+    """Everything the trainer asks of an engine (trainer.py, rollout/rollouts.py; evaluate.py,
+    conversation.py and the CLI use a part): every engine of ENGINES is one. Each is built from the
+    config by its `from_config`.
 
-    # The engine's log-probs come from the trainer's own code (no importance-sampling correction needed).
+    An engine is used from one thread at a time: the trainer's, or the pipeline's worker
+    (pipeline.py) when generation runs ahead of training."""
+
+    # The engine's log-probs come from the trainer's own code (no importance-sampling correction
+    # needed). Read from the engine made: it may depend on what the engine connected to.
     exact_logprobs: bool
     # Generation happens in another process that only the trainer's process 0 talks to: that
-    # process generates the whole step and shares it; the other processes make no engine.
-    remote: bool
+    # process generates the whole step and shares it; the other processes make no engine. Read
+    # from the class (engine_class), before any engine is made; `grpokit serve` serves only the
+    # engines that are not remote (a server cannot serve a server).
+    remote: ClassVar[bool]
 
     @classmethod
     def from_config(cls, rollout, model, tokenizer, eos_ids: list[int], model_name: str,
@@ -172,6 +188,67 @@ class RolloutEngine(Protocol):
 
     def close(self) -> None:
         """The run is over: release connections and groups."""
+        ...
+
+
+@runtime_checkable
+class PipelineEngine(RolloutEngine, Protocol):
+    """A RolloutEngine that can generate ahead of training (rollout.max_staleness > 0, pipeline.py):
+    it samples in another process, so the steps queued ahead generate while the trainer trains,
+    and it says which weights each generation was sampled with. The config accepts
+    rollout.max_staleness > 0 with rollout.engine=server alone: ServerEngine (client.py).
+
+    The pipeline uses it from its worker thread only, in the order the schedule queued the work:
+    weight copies (`use_weights`) and generations (`generate`, then `weights_step`)."""
+
+    # The trainer step of the weights the last `generate` sampled with, as the generating side
+    # reports it (the `step` of the `use_weights` they came from); None: not labelled (weights
+    # not handed over by `use_weights`, or a server too old to say). The pipeline reads it right
+    # after each generation and stops the run when it is not the schedule's.
+    weights_step: int | None
+
+    def use_weights(self, weights: list[tuple[str, torch.Tensor]], step: int | None = None) -> None:
+        """Generate with `weights`, (name, tensor), from the next generation on: a sharded policy's
+        gathered weights (RolloutEngine.use_weights), or the pipeline's host copy of the weights
+        after trainer step `step`, with which later generations are labelled (`weights_step`)."""
+        ...
+
+
+@runtime_checkable
+class ServedEngine(Protocol):
+    """What `grpokit serve` (server.py) asks of the engine it serves: the RolloutEngines that are
+    not `remote` (transformers, vllm), and vLLM spread over several replicas (DataParallelVLLM).
+    The server, not a trainer, owns it: its weights arrive as pushes (`load_weights`), checked by
+    checksum, rather than read from a policy module. The server calls it under one lock: a
+    generation and a weight load never overlap."""
+
+    # Where it computes. The server reports "cpu" or the CUDA device's id in /health, and a
+    # trainer picks the weight transfer's backend (gloo or NCCL) from it.
+    device: torch.device
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int | Sequence[int],
+        params: SamplingParams,
+        seeds: Sequence[int] | None = None,
+    ) -> RolloutBatch:
+        """As RolloutEngine.generate, with the weights last loaded (or those it was built with)."""
+        ...
+
+    def weights_checksum(self) -> str | None:
+        """The checksum (weights.checksum) of the weights it generates with, reported in /health;
+        None where the engine cannot compute it before a load (vLLM keeps its own fused tensors)."""
+        ...
+
+    def load_weights(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> str:
+        """Load the (name, tensor) pairs of a push as they arrive (`pairs` may be a generator over
+        the transfer: one tensor in flight), and return the checksum of what it loaded, which
+        the trainer compares with its own."""
+        ...
+
+    def close(self) -> None:
+        """The server is stopping: end what the engine started (vLLM replicas' processes)."""
         ...
 
 

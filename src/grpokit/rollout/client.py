@@ -229,10 +229,12 @@ class RolloutServer:
 
 
 class ServerEngine:
-    """The rollout engine over one or more rollout servers (`rollout.server_url`)."""
+    """The rollout engine over one or more rollout servers (`rollout.server_url`): a RolloutEngine,
+    and the PipelineEngine that generates ahead of training (rollout.max_staleness)."""
 
     remote = True  # the trainer gathers a step's prompts on process 0 and shares the completions
     exact_logprobs: bool  # every server runs the trainer's own sampling code on the same kind of device
+    weights_step: int | None  # the trainer step of the weights the last generation used (PipelineEngine)
 
     @classmethod
     def from_config(cls, rollout, model, tokenizer, eos_ids, model_name, lockstep) -> ServerEngine:

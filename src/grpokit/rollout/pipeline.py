@@ -29,7 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, fields
 
-from grpokit.rollout import RolloutBatch
+from grpokit.rollout import PipelineEngine, RolloutBatch
 
 
 class ScheduleError(RuntimeError):
@@ -65,7 +65,8 @@ class Queued:
 
 
 class Pipeline:
-    def __init__(self, engine, max_staleness: int, generate: Callable[[list, list[int]], RolloutBatch]):
+    def __init__(self, engine: PipelineEngine | None, max_staleness: int,
+                 generate: Callable[[list, list[int]], RolloutBatch]):
         """engine: the rollout engine (None on the processes that have none: they draw the same
         prompts and seeds, and are handed their completions); generate(examples, seeds): a step's
         completions, run in the worker thread."""

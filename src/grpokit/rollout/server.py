@@ -30,7 +30,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from grpokit.errors import StartupError
-from grpokit.rollout import STALE_WEIGHTS, TAKEN_OVER, SamplingParams
+from grpokit.rollout import STALE_WEIGHTS, TAKEN_OVER, SamplingParams, ServedEngine
 from grpokit.rollout.weights import WeightGroup, device_id, fingerprint_differences, layout_hash
 
 
@@ -73,9 +73,10 @@ class UpdateRequest(BaseModel):
 
 
 class RolloutService:
-    """The server's state: one engine, its weights' version and checksum, and the weight group."""
+    """The server's state: one engine (a ServedEngine), its weights' version and checksum, and the
+    weight group."""
 
-    def __init__(self, engine, engine_name: str, model_name: str, fingerprint: dict, vocab_size: int):
+    def __init__(self, engine: ServedEngine, engine_name: str, model_name: str, fingerprint: dict, vocab_size: int):
         self.engine, self.engine_name, self.model_name = engine, engine_name, model_name
         self.fingerprint, self.vocab_size = fingerprint, vocab_size
         self.boot_id = uuid.uuid4().hex

@@ -64,6 +64,8 @@ def sample_next(
 
 
 class TransformersEngine:
+    """A RolloutEngine (the trainer's default), and the ServedEngine of `grpokit serve`."""
+
     exact_logprobs = True
     remote = False
 
@@ -127,28 +129,23 @@ class TransformersEngine:
             model.train(was_training)
 
     def _generate(self, prompts, n, params, seeds) -> RolloutBatch:
-        device = next(self.model.parameters()).device
-        counts = torch.tensor([n] * len(prompts) if isinstance(n, int) else list(n))  # (P,)
-        if counts.shape != (len(prompts),) or (counts < 1).any():
-            raise ValueError(f"n must be a positive int or one positive count per prompt ({len(prompts)}), got {n}")
-        N = int(counts.sum())
-        uniforms = None  # (N, max_tokens): completion i's random stream
-        if params.temperature > 0:
-            if seeds is None or len(seeds) != N:
-                raise ValueError(f"sampling needs one seed per completion ({N}), got {seeds if seeds is None else len(seeds)}")
-            uniforms = torch.stack([
-                torch.rand(params.max_tokens, generator=torch.Generator().manual_seed(int(s))) for s in seeds
-            ]).to(device)
-        width = max(len(p) for p in prompts)
-        prompt_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        prompt_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            prompt_ids[i, width - len(p) :] = torch.tensor(p)
-            prompt_mask[i, width - len(p) :] = 1
-        prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-
+        """Prefill each prompt once, share its key/value cache among its completions, then decode
+        every completion together, one token a step."""
+        device = self.device
+        counts = _completion_counts(prompts, n)  # (P,)
+        uniforms = _random_streams(params, seeds, int(counts.sum()), device)
         cache = DynamicCache()
         cached = cache_inputs(self.model, cache)
+        prompt_index, prompt_ids, prompt_mask, logits = self._prefill(prompts, counts, cache, cached, device)
+        decoded = self._decode(logits, prompt_mask, params, uniforms, cached, device)
+        return decoded.batch(prompt_index, prompt_ids, prompt_mask)
+
+    def _prefill(self, prompts, counts, cache, cached, device):
+        """Run the prompts, left-padded, through the model once, then repeat each prompt's rows of
+        `cache` for its counts[i] completions (the completions of a prompt share its prefill).
+        Returns prompt_index (N,) on the host, the prompt ids and mask (N, Lp) and the logits
+        (N, V) of every completion's first token."""
+        prompt_ids, prompt_mask = _left_padded(prompts, self.pad_id, device)
         out = self.model(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
@@ -156,51 +153,110 @@ class TransformersEngine:
             **cached,
             logits_to_keep=1,
         )
-        # The completions of a prompt share its prefill: index the cache instead of recomputing.
         prompt_index = torch.repeat_interleave(torch.arange(len(prompts)), counts)  # (N,)
         index = prompt_index.to(device)
-        cache.batch_select_indices(index)
-        logits = out.logits[:, -1][index]  # (N, V)
-        prompt_ids, prompt_mask = prompt_ids[index], prompt_mask[index]  # (N, Lp)
+        cache.batch_select_indices(index)  # index the cache instead of recomputing
+        return prompt_index, prompt_ids[index], prompt_mask[index], out.logits[:, -1][index]
 
-        eos_ids = self.eos_ids.to(device)
+    def _decode(self, logits, prompt_mask, params, uniforms, cached, device) -> _Decoded:
+        """Sample token t of every completion from `logits` (N, V), then run the tokens through the
+        model for the logits of token t + 1, until every completion has ended: an EOS, or
+        params.max_tokens tokens."""
+        N = logits.shape[0]
+        decoded = _Decoded(N, self.pad_id, self.eos_ids.to(device), device)
         attn = prompt_mask
         next_pos = prompt_mask.sum(-1)  # (N,)
-        finished = torch.zeros(N, dtype=torch.bool, device=device)
-        tokens, logps, entropies, masks = [], [], [], []
         for t in range(params.max_tokens):
-            tok, lp, ent = sample_next(logits, params, None if uniforms is None else uniforms[:, t])
-            alive = ~finished
-            tok = torch.where(alive, tok, torch.full_like(tok, self.pad_id))
-            tokens.append(tok)
-            logps.append(torch.where(alive, lp, torch.zeros_like(lp)))
-            entropies.append(torch.where(alive, ent, torch.zeros_like(ent)))
-            masks.append(alive)
-            finished = finished | torch.isin(tok, eos_ids)
-            unfinished = (~finished).sum()
-            if self.lockstep:  # sharded weights: decode until every process's completions are done
-                unfinished = distributed.all_reduce(unfinished)
-            if unfinished.item() == 0 or t == params.max_tokens - 1:  # the last token needs no logits after it
+            tok = decoded.add(*sample_next(logits, params, None if uniforms is None else uniforms[:, t]))
+            if self._all_finished(decoded.finished) or t == params.max_tokens - 1:  # the last token needs no logits after it
                 break
             attn = torch.cat([attn, torch.ones((N, 1), dtype=attn.dtype, device=device)], dim=1)
-            out = self.model(
-                input_ids=tok[:, None],
-                attention_mask=attn,
-                position_ids=next_pos[:, None],
-                **cached,
-            )
+            logits = self._next_logits(tok, attn, next_pos, cached)
             next_pos = next_pos + 1
-            logits = out.logits[:, -1]
+        return decoded
 
-        completion_ids = torch.stack(tokens, dim=1)  # (N, T)
-        completion_mask = torch.stack(masks, dim=1).long()  # (N, T)
+    def _all_finished(self, finished: torch.Tensor) -> bool:
+        """Whether every completion has ended; with sharded weights (lockstep), every process's:
+        each decodes until all are done, since every forward call is a collective."""
+        unfinished = (~finished).sum()
+        if self.lockstep:
+            unfinished = distributed.all_reduce(unfinished)
+        return unfinished.item() == 0
+
+    def _next_logits(self, tok: torch.Tensor, attn: torch.Tensor, next_pos: torch.Tensor, cached: dict) -> torch.Tensor:
+        """One decoding step: the tokens just sampled (N,) through the model, at positions
+        `next_pos` (N,) over the cache; the logits (N, V) of the tokens after them."""
+        out = self.model(
+            input_ids=tok[:, None],
+            attention_mask=attn,
+            position_ids=next_pos[:, None],
+            **cached,
+        )
+        return out.logits[:, -1]
+
+
+def _completion_counts(prompts: list[list[int]], n: int | Sequence[int]) -> torch.Tensor:
+    """The engine's `n` as one count per prompt (P,), each at least 1."""
+    counts = torch.tensor([n] * len(prompts) if isinstance(n, int) else list(n))  # (P,)
+    if counts.shape != (len(prompts),) or (counts < 1).any():
+        raise ValueError(f"n must be a positive int or one positive count per prompt ({len(prompts)}), got {n}")
+    return counts
+
+
+def _random_streams(params: SamplingParams, seeds: Sequence[int] | None, N: int,
+                    device: torch.device) -> torch.Tensor | None:
+    """(N, max_tokens): completion i's uniforms, from its own generator seeded by seeds[i]; None
+    when greedy (no randomness, no seeds needed)."""
+    if not params.temperature > 0:
+        return None
+    if seeds is None or len(seeds) != N:
+        raise ValueError(f"sampling needs one seed per completion ({N}), got {seeds if seeds is None else len(seeds)}")
+    return torch.stack([
+        torch.rand(params.max_tokens, generator=torch.Generator().manual_seed(int(s))) for s in seeds
+    ]).to(device)
+
+
+def _left_padded(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts' ids, padded on the left with `pad_id`, and their mask (1 on prompt tokens): (P, Lp) each."""
+    width = max(len(p) for p in prompts)
+    prompt_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        prompt_ids[i, width - len(p) :] = torch.tensor(p)
+        prompt_mask[i, width - len(p) :] = 1
+    return prompt_ids.to(device), prompt_mask.to(device)
+
+
+class _Decoded:
+    """The completions being decoded: per step, each one's token, its log-prob and the entropy it
+    was sampled from, and whether the completion was still going (its mask)."""
+
+    def __init__(self, N: int, pad_id: int, eos_ids: torch.Tensor, device: torch.device):
+        self.pad_id, self.eos_ids = pad_id, eos_ids
+        self.finished = torch.zeros(N, dtype=torch.bool, device=device)  # (N,) an EOS was sampled
+        self.tokens, self.logps, self.entropies, self.masks = [], [], [], []
+
+    def add(self, tok: torch.Tensor, lp: torch.Tensor, ent: torch.Tensor) -> torch.Tensor:
+        """Record one step's samples (N,) each: a completion that had ended gets the pad id, with
+        log-prob and entropy 0 and mask 0. Returns the tokens recorded."""
+        alive = ~self.finished
+        tok = torch.where(alive, tok, torch.full_like(tok, self.pad_id))
+        self.tokens.append(tok)
+        self.logps.append(torch.where(alive, lp, torch.zeros_like(lp)))
+        self.entropies.append(torch.where(alive, ent, torch.zeros_like(ent)))
+        self.masks.append(alive)
+        self.finished = self.finished | torch.isin(tok, self.eos_ids)
+        return tok
+
+    def batch(self, prompt_index: torch.Tensor, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> RolloutBatch:
+        """The completions decoded, (N, T) each, after their prompts."""
         return RolloutBatch(
             prompt_index=prompt_index,
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
-            completion_ids=completion_ids,
-            completion_mask=completion_mask,
-            sampling_logps=torch.stack(logps, dim=1),
-            entropies=torch.stack(entropies, dim=1),
-            finish_reasons=["stop" if f else "length" for f in finished.tolist()],
+            completion_ids=torch.stack(self.tokens, dim=1),
+            completion_mask=torch.stack(self.masks, dim=1).long(),
+            sampling_logps=torch.stack(self.logps, dim=1),
+            entropies=torch.stack(self.entropies, dim=1),
+            finish_reasons=["stop" if f else "length" for f in self.finished.tolist()],
         )

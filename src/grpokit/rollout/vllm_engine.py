@@ -137,8 +137,11 @@ def _load_into_worker(worker, pairs):
 
 
 class VLLMEngine:
+    """A RolloutEngine in the training process, and the ServedEngine of `grpokit serve --engine vllm`."""
+
     exact_logprobs = False  # vLLM's kernels: the trainer needs the importance-sampling correction
     remote = False
+    device: torch.device  # CUDA (ServedEngine)
 
     @classmethod
     def from_config(cls, rollout, model, tokenizer, eos_ids, model_name, lockstep) -> VLLMEngine:
@@ -239,7 +242,7 @@ class VLLMEngine:
 
 class DataParallelVLLM:
     """`replicas` VLLMEngines (for `grpokit serve`), each in a process of its own on its own
-    `tensor_parallel_size` GPUs; what a server asks of an engine: generate, load_weights, checksum."""
+    `tensor_parallel_size` GPUs: a ServedEngine (what a server asks of an engine), not a RolloutEngine."""
 
     exact_logprobs = False
     remote = False
