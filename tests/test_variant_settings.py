@@ -27,13 +27,13 @@ CASES = {
                                ["rollout.engine=server", "rollout.server_url=http://127.0.0.1:8000"]),
     "rollout.vllm_gpu_memory_utilization": ("0.5", [], "rollout.engine=transformers", ["rollout.engine=vllm"]),
     "rollout.vllm_sleep": ("false", [], "rollout.engine=transformers", ["rollout.engine=vllm"]),
-    "rollout.is_level": ("sequence", ["rollout.is_correction=false"], "rollout.is_correction=false",
+    "rollout.is_level": ("sequence", ["rollout.is_correction=false", "rollout.engine=vllm"], "rollout.is_correction=false",
                          ["rollout.is_correction=true", "rollout.engine=vllm"]),
-    "rollout.is_mode": ("mask", ["rollout.is_correction=false"], "rollout.is_correction=false",
+    "rollout.is_mode": ("mask", ["rollout.is_correction=false", "rollout.engine=vllm"], "rollout.is_correction=false",
                         ["rollout.is_correction=true", "rollout.engine=vllm"]),
-    "rollout.is_cap": ("2.0", ["rollout.is_correction=false"], "rollout.is_correction=false",
+    "rollout.is_cap": ("2.0", ["rollout.is_correction=false", "rollout.engine=vllm"], "rollout.is_correction=false",
                        ["rollout.is_correction=true", "rollout.engine=vllm"]),
-    "rollout.is_min": ("0.5", ["rollout.is_correction=false"], "rollout.is_correction=false",
+    "rollout.is_min": ("0.5", ["rollout.is_correction=false", "rollout.engine=vllm"], "rollout.is_correction=false",
                        ["rollout.is_correction=true", "rollout.engine=vllm"]),
     "rollout.max_turns": ("3", [], "rollout.tools=null", ["data.task=calculator"]),  # the task's own tools
     "rollout.tool_timeout": ("null", ["data.task=calculator", "rollout.tools=[]"], "rollout.tools=[]",
@@ -61,6 +61,35 @@ def test_an_importance_weight_setting_with_an_engine_that_samples_with_the_train
                                           f"correct: use rollout.engine=vllm or a server, or remove {key}"):
         load_config(None, [f"{key}={value}"])
     load_config(None, [f"{key}={value}", "rollout.engine=server", "rollout.server_url=http://127.0.0.1:8000"])
+    with pytest.raises(ConfigError, match=f"{key}=.* is set but rollout.is_correction=false, and rollout.engine="
+                                          "transformers samples with the trainer's own code, so the rollout importance "
+                                          "weight has nothing to correct: set rollout.is_correction=true and "
+                                          f"rollout.engine=vllm \\(or a server\\), or remove {key}"):
+        load_config(None, [f"{key}={value}", "rollout.is_correction=false"])
+
+
+def test_a_run_s_config_evaluated_with_a_variant_switched_off_loads(tmp_path, capsys):
+    """`grpokit eval` of a calculator run on the arithmetic task: the run's rollout.max_turns (read
+    only with tools) is put back at its default, not refused; one given on the command line still is."""
+    assert main(["eval", "--model", "tiny-random", "--config", str(ROOT / "examples" / "calculator.yaml"),
+                 "--task", "arithmetic", "data.eval_size=2", "rollout.max_completion_length=2"]) == 0
+    assert "rewards/exact_answer/mean" in capsys.readouterr().out  # the arithmetic task's reward
+    assert main(["eval", "--model", "tiny-random", "--config", str(ROOT / "examples" / "calculator.yaml"),
+                 "--task", "arithmetic", "rollout.max_turns=4"]) == 2
+    assert "rollout.max_turns=4 is set but rollout.tools=null does not use it" in capsys.readouterr().err
+
+
+def test_a_run_that_set_a_setting_for_nothing_resumes_without_it(tmp_path):
+    """A run started before such settings were refused (rollout.is_cap with the transformers engine):
+    its config.yaml is refused now, and without the setting it resumes (rundir.config_changes)."""
+    from grpokit.rundir import config_changes
+
+    saved = tmp_path / "config.yaml"
+    saved.write_text(yaml.safe_dump({**Config().to_dict(), "rollout": {**Config().to_dict()["rollout"], "is_cap": 2.0}}))
+    with pytest.raises(ConfigError, match="rollout.is_cap=2 is set but rollout.engine=transformers"):
+        load_config(saved)
+    assert config_changes(saved, load_config(None)) == []
+    assert config_changes(saved, load_config(None, ["rollout.engine=vllm"])) != []  # read there: a change
 
 
 def test_every_variant_setting_is_tested():

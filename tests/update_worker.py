@@ -3,7 +3,7 @@
     update_worker.py OUT MODE OVERRIDES_JSON
 
 MODE "learn": every process builds the same global rollout batch (same prompts, same per-completion
-seeds), keeps the completions it owns (`trainer.rows`) and runs a training step on them (exact.step_on):
+seeds), keeps the completions it owns (`trainer.rollouts.rows`) and runs a training step on them (exact.step_on):
 one step's updates on a fixed rollout batch. MODE "learn-each": "learn" for each of a list of
 override lists, one after the other in the same processes. MODE "train": `Trainer.train()`, a whole
 (short) run. Each process saves its starting and final parameters and the metrics to OUT/rank<r>.pt

@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from grpokit.config import ConfigError, StartupError, describe, load_config
+from grpokit.config import ConfigError, StartupError, describe, load_config, reset_unused
 
 
 def _train(args) -> int:
@@ -92,7 +92,11 @@ def _eval(args) -> int:
         # A run's final/ or checkpoint: its own data settings give the same held-out split.
         config_path = run_config
         print(f"using the run's config: {run_config}")
-    config = load_config(config_path, overrides)
+    config = load_config(config_path, overrides, check=False)
+    # A run's settings of the variants these overrides switch off (rollout.max_turns after
+    # data.task=arithmetic on a calculator run) are read by nothing here: back to their defaults.
+    reset_unused(config, keep={o.split("=", 1)[0] for o in overrides})
+    config.validate()
     if args.num_samples < 1:
         raise ConfigError(f"--num-samples={args.num_samples}: must be >= 1")
     from grpokit.evaluate import evaluate_model

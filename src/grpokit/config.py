@@ -640,26 +640,38 @@ _PROMPT_LIMIT = Variant("data.max_prompt_length", lambda c: c.data.max_prompt_le
                         "data.max_prompt_length (in tokens)")
 _SERVER = Variant("rollout.engine", lambda c: c.rollout.engine == "server", "rollout.engine=server")
 _VLLM = Variant("rollout.engine", lambda c: c.rollout.engine == "vllm", "rollout.engine=vllm")
-def _corrected(c: Config) -> bool:
-    """Whether the rollout importance weight can apply: rollout.is_correction on, and sampling
-    log-probs that may differ from the trainer's (an engine whose class says its log-probs are the
-    trainer's own needs none, unless it generates ahead; a server's say so only once connected)."""
+
+
+def _nothing_to_correct(c: Config) -> bool:
+    """Whether rollout.engine's class says its log-probs are the trainer's own and it does not
+    generate ahead: the rollout importance weight would be exactly 1 (a server's say so only once
+    connected: they may need it)."""
     from grpokit.rollout import ENGINES, engine_class
 
     r = c.rollout
     exact = r.engine in ENGINES and getattr(engine_class(r.engine), "exact_logprobs", None) is True
-    return r.is_correction and (not exact or r.max_staleness > 0)
+    return exact and r.max_staleness == 0
+
+
+def _corrected(c: Config) -> bool:
+    """Whether the rollout importance weight can apply: rollout.is_correction on, and sampling
+    log-probs that may differ from the trainer's."""
+    return c.rollout.is_correction and not _nothing_to_correct(c)
 
 
 class _Correction(Variant):
     """The rollout importance weight: off with rollout.is_correction=false, or with nothing to correct."""
 
     def problem(self, config: Config, key: str) -> str:
+        shown = f"{key}={_show(_value(config, key))}"
+        exact = (f"rollout.engine={config.rollout.engine} samples with the trainer's own code, so the rollout "
+                 "importance weight has nothing to correct")
         if config.rollout.is_correction:
-            return (f"{key}={_show(_value(config, key))} is set but rollout.engine={config.rollout.engine} samples "
-                    "with the trainer's own code, so the rollout importance weight has nothing to correct: use "
-                    f"rollout.engine=vllm or a server, or remove {key}")
-        return super().problem(config, key)
+            return f"{shown} is set but {exact}: use rollout.engine=vllm or a server, or remove {key}"
+        if not _nothing_to_correct(config):
+            return super().problem(config, key)
+        return (f"{shown} is set but rollout.is_correction=false, and {exact}: set rollout.is_correction=true and "
+                f"rollout.engine=vllm (or a server), or remove {key}")
 
 
 _CORRECTION = _Correction("rollout.is_correction", _corrected, "rollout.is_correction=true")
@@ -708,6 +720,17 @@ def unused_settings(config: Config, every: bool = False) -> list[str]:
     defaults = Config()
     return [key for key, variant in VARIANT_SETTINGS.items()
             if (every or _value(config, key) != _value(defaults, key)) and not variant.on(config)]
+
+
+def reset_unused(config: Config, keep: set[str] = frozenset()) -> None:
+    """Put back at their defaults the settings of variants that `config` has off, but those in
+    `keep`: a run's config.yaml given other settings to evaluate with (data.task=arithmetic after a
+    calculator run), whose settings of the variants they switch off nothing reads."""
+    defaults = Config()
+    for key in unused_settings(config):
+        if key not in keep:
+            section, name = key.split(".")
+            setattr(getattr(config, section), name, _value(defaults, key))
 
 
 def _value(config: Config, key: str) -> Any:

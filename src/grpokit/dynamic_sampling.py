@@ -13,8 +13,9 @@ Everything here works on whole rounds (every process's completions, in global or
 keeps depends only on the round's advantages (a group is informative when they are not all 0:
 with several reward functions aggregated by normalize_then_sum, that is not the same as "its
 summed rewards differ"): the batch is the same on any number of processes. The prompts
-drawn and the sampling seeds come from the trainer's data stream and seed stream, which the
-checkpoint holds, so a resumed run samples the same rounds.
+drawn and the sampling seeds come from the data stream and seed stream of the run's Rollouts
+(rollout/rollouts.py, which runs the rounds), which the checkpoint holds, so a resumed run samples
+the same rounds.
 """
 
 from __future__ import annotations

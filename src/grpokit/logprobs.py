@@ -13,8 +13,11 @@ Two variants, the same values and gradients (tests/test_logprobs.py checks both 
   recomputed in the backward pass), so the memory of this step grows with the chunk, not with
   completion tokens x vocabulary.
 - `share_prompt=False`: each completion runs whole, prompt included. Activation checkpointing
-  (model.gradient_checkpointing) drops the key/value cache in training mode, so the trainer uses
-  this path for the policy's forward when it is on.
+  (model.gradient_checkpointing) drops the key/value cache in training mode, so the policy's
+  forward takes this path when it is on.
+
+`LogProbs` runs a step's passes (reference, old, policy) through one method, `LogProbs.of`: the
+one place where a batch's model inputs meet the model.
 """
 
 from __future__ import annotations

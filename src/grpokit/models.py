@@ -19,6 +19,7 @@ was trained with, with tools in the Hermes format.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import os
 import shutil
@@ -122,11 +123,22 @@ def check_source(name: str) -> None:
 def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
+    if name in (BUNDLED, TINY):  # a copy of the one read: the cached conversion does not change
+        return copy.deepcopy(_bundled_tokenizer())
     check_source(name)
     with _loading(name):
-        source = bundled_model_path() if name in (BUNDLED, TINY) else name
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(name)
     return with_pad_token(tokenizer)
+
+
+@functools.cache
+def _bundled_tokenizer():
+    """The bundled model's tokenizer (tiny-random's too), read once per process."""
+    from transformers import AutoTokenizer
+
+    check_source(BUNDLED)
+    with _loading(BUNDLED):
+        return with_pad_token(AutoTokenizer.from_pretrained(bundled_model_path()))
 
 
 def with_pad_token(tokenizer):

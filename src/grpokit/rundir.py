@@ -28,7 +28,7 @@ from pathlib import Path
 import yaml
 
 from grpokit.checkpoint import CHECKPOINTS, checkpoint_step, checkpoints, newest_whole_checkpoint, set_aside
-from grpokit.config import Config, flatten
+from grpokit.config import VARIANT_SETTINGS, Config, flatten
 from grpokit.errors import ConfigError, StartupError
 
 # Settings a resumed run may change: they change neither the trajectory nor the update
@@ -253,7 +253,11 @@ def config_changes(saved_config: Path, config: Config) -> list[tuple[str, object
     was = {k: saved.get(k, defaults.get(k)) for k in saved.keys() | now.keys()}
     # With a decaying learning rate, the number of steps sets every update's rate.
     resumable = RESUMABLE_CHANGES - ({"train.max_steps"} if now.get("train.lr_scheduler") != "constant" else set())
-    return [(k, was[k], now.get(k)) for k in sorted(was) if k not in resumable and was[k] != now.get(k)]
+    # A setting of a variant that is off now is read by nothing (config.VARIANT_SETTINGS): a run
+    # that set one for nothing, refused since, resumes without it.
+    unread = {k for k, variant in VARIANT_SETTINGS.items() if not variant.on(config)}
+    return [(k, was[k], now.get(k)) for k in sorted(was)
+            if k not in resumable | unread and was[k] != now.get(k)]
 
 
 def check_resumable(saved_config: Path, config: Config) -> None:

@@ -290,9 +290,9 @@ class Trainer:
                 record_stop(self.run_dir, self.progress.step, self.progress.saved_step, None)
         finally:
             failure.close()
-            self.rollouts.close()
             self.monitor.close()
             release_run_dir(self.run_dir)
+            self.rollouts.close()  # last: closing a server's weight group may wait on it
         return TrainResult(self.run_dir, [h for h in history if h], self.config.model.dtype)
 
     def _run_step(self, step: int, history: list[dict], failure: _FailureSave) -> None:
@@ -329,6 +329,7 @@ class Trainer:
     def train_step(self, step: int) -> dict:
         """Step `step` (the same on every process): its metrics row."""
         a = self.config.algorithm
+        self.rollouts.queue(step)  # generating ahead: the steps to step + k queued (not the step's time)
         start = time.perf_counter()
         sampled = self.rollouts.step(step, self.scorer, self.progress.trainer_state(self.config, self.task))
         batch, scored = sampled.batch, sampled.scored
@@ -607,8 +608,6 @@ class _FailureSave:
 
     def close(self) -> None:
         self.hook.remove()
-
-
 
 
 class _LossMetrics:

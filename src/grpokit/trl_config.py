@@ -637,7 +637,7 @@ def _leave_out_unread(out: dict, given: dict) -> None:
 
 
 def table() -> str:
-    """The README's table: every GRPOConfig field, its grpokit key or why there is none."""
+    """The table of docs/from-trl.md: every GRPOConfig field, its grpokit key or why there is none."""
     rows = ["| TRL GRPOConfig field | grpokit | note |", "|---|---|---|"]
     for name, field in FIELDS.items():
         if field.key == "batch":

@@ -131,8 +131,8 @@ class RolloutBatch:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """Everything the trainer asks of an engine (trainer.py, rollout/rollouts.py; evaluate.py,
-    conversation.py and the CLI use a part): every engine of ENGINES is one. Each is built from the
+    """Everything training asks of an engine (rollout/rollouts.py; evaluate.py, conversation.py
+    and the CLI use a part): every engine of ENGINES is one. Each is built from the
     config by its `from_config`.
 
     An engine is used from one thread at a time: the trainer's, or the pipeline's worker

@@ -122,8 +122,8 @@ class Rollouts:
         (state: the reward functions' trainer_state)."""
         if self.config.rollout.dynamic_sampling:
             return self._informative(step, scorer, state)
-        if self.ahead is not None:  # queue up to step + k, then take this step's (waiting for it)
-            self.ahead.fill(step, self.config.train.max_steps, step - 1, self._draw_ahead, self._weights_snapshot)
+        if self.ahead is not None:  # queued up to step + k; this step's taken (waiting for it)
+            self.queue(step)
             queued = self.ahead.take(step)
             batch = self._own_rows(distributed.on_main(queued.result))
             return Sampled(queued.examples, batch, scorer.score(queued.examples, batch, state),
@@ -131,6 +131,12 @@ class Rollouts:
         examples = self.next_prompts()
         batch = self.sample(examples)
         return Sampled(examples, batch, scorer.score(examples, batch, state), {}, len(examples))
+
+    def queue(self, step: int) -> None:
+        """Generating ahead, before step `step` trains: queue the steps up to step + k not queued
+        yet, with a host copy of the weights after step - 1 (a collective when sharded)."""
+        if self.ahead is not None:
+            self.ahead.fill(step, self.config.train.max_steps, step - 1, self._draw_ahead, self._weights_snapshot)
 
     def next_prompts(self) -> list[Example]:
         """A step's prompts, the next train.prompts_per_step of the data stream (the same on every process)."""

@@ -218,7 +218,7 @@ class DatasetTask:
                 kept.append(e)
             elif cfg.long_prompts == "drop":
                 dropped += 1
-            else:  # the trainer keeps the last max_prompt_length tokens when it encodes them
+            else:  # the last max_prompt_length tokens are kept when it is encoded (rollouts.prompt_ids)
                 kept.append(e)
                 truncated += 1
         if dropped:
