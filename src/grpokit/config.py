@@ -611,10 +611,9 @@ class Variant:
 def _has_tools(c: Config) -> bool:
     """Whether the run has tools (rollout.tools, or the task's own when null) or an environment, as
     Tools.from_config decides."""
-    from grpokit.tasks import task_tools
+    from grpokit.tasks import tool_names
 
-    r = c.rollout
-    return bool(r.tools if r.tools is not None else task_tools(c.data)) or r.environment is not None
+    return bool(tool_names(c)) or c.rollout.environment is not None
 
 
 def _read_by_loss(name: str) -> Variant:

@@ -124,7 +124,8 @@ def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
     if name in (BUNDLED, TINY):  # a copy of the one read: the cached conversion does not change
-        return copy.deepcopy(_bundled_tokenizer())
+        with _loading(name):
+            return copy.deepcopy(_bundled_tokenizer())
     check_source(name)
     with _loading(name):
         tokenizer = AutoTokenizer.from_pretrained(name)
@@ -136,9 +137,7 @@ def _bundled_tokenizer():
     """The bundled model's tokenizer (tiny-random's too), read once per process."""
     from transformers import AutoTokenizer
 
-    check_source(BUNDLED)
-    with _loading(BUNDLED):
-        return with_pad_token(AutoTokenizer.from_pretrained(bundled_model_path()))
+    return with_pad_token(AutoTokenizer.from_pretrained(bundled_model_path()))
 
 
 def with_pad_token(tokenizer):

@@ -16,13 +16,13 @@ to step N: the resumed run then logs exactly the rows the uninterrupted run woul
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass, field
 import fcntl
 import json
 import os
 import shutil
 import signal
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml

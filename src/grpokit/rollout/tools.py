@@ -137,10 +137,10 @@ class Tools:
         None without any; gives `tokenizer`, model.name's or `model_name`'s, the chat template they
         need (models.use_chat_template). A model trained with tools was saved with that template."""
         from grpokit.models import use_chat_template
-        from grpokit.tasks import task_tools
+        from grpokit.tasks import tool_names
 
         r = config.rollout
-        names = list(r.tools) if r.tools is not None else list(task_tools(config.data))
+        names = tool_names(config)
         tools = cls(names, r.environment, r.tool_timeout) if names or r.environment else None
         use_chat_template(tokenizer, config.model.chat_template, model_name or config.model.name, tools is not None)
         return tools

@@ -41,11 +41,15 @@ def _task_class(name: str):
     return getattr(importlib.import_module(module), cls)
 
 
-def task_tools(data) -> tuple[str, ...]:
-    """The tools the task of `data` (a DataConfig) brings: a built-in task's own, none for a dataset."""
+def tool_names(config) -> list[str]:
+    """The tools of a run (a Config): rollout.tools, or when null the task's own (a built-in task's;
+    none for a dataset)."""
+    if config.rollout.tools is not None:
+        return list(config.rollout.tools)
+    data = config.data
     if data.path is not None or data.task not in TASKS:
-        return ()
-    return getattr(_task_class(data.task), "tools", ())
+        return []
+    return list(getattr(_task_class(data.task), "tools", ()))
 
 
 def make_task(data, seed: int, prompt_length):
