@@ -10,14 +10,27 @@ def rmsnorm_in_input_dtype(self, hidden_states):
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
 
+def rotary_in_input_dtype(q, k, cos, sin):
+    """Qwen2.5-VL's vision rotary embedding, without its rounding to float32."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import rotate_half
+
+    cos, sin = cos.unsqueeze(-2).to(q.dtype), sin.unsqueeze(-2).to(q.dtype)
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
 def float64_everywhere() -> None:
-    """transformers' LlamaRMSNorm rounds to float32 even in a float64 model; make it keep float64.
+    """transformers' LlamaRMSNorm rounds to float32 even in a float64 model; make it keep float64
+    (and Qwen2.5-VL's norm and vision rotary embedding, which do the same).
 
     With float32 rounding inside the norm, two batch layouts that differ by 1e-16 can round apart by
     1e-7, and AdamW's first step (about lr * sign(grad)) can turn that into a full lr on an
     element whose gradient is near 0. With this patch the whole model is float64.
     """
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
+
     modeling_llama.LlamaRMSNorm.forward = rmsnorm_in_input_dtype
+    modeling_qwen2_5_vl.Qwen2_5_VLRMSNorm.forward = rmsnorm_in_input_dtype
+    modeling_qwen2_5_vl.apply_rotary_pos_emb_vision = rotary_in_input_dtype
 
 
 def update_difference(start: dict, a: dict, b: dict) -> float:

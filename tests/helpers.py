@@ -18,6 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -299,3 +300,36 @@ def write_synthetic_run(folder: Path, kind: str | None, beta: float = 0.0) -> li
             rows.append({"step": step, "eval/reward": trend})
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return rows
+
+
+# ---------------------------------------------------------------- multi-process runs (update_worker.py)
+
+TESTS = Path(__file__).parent
+
+
+def launch(nproc: int, args: list[str], cwd: Path, launcher: str = "torchrun") -> subprocess.CompletedProcess:
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--master_port={free_port()}", *args]
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={nproc}",
+               "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no",
+               f"--main_process_port={free_port()}", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS)}
+    result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result
+
+
+def run_worker(tmp_path, mode, overrides):
+    """update_worker.py on 1 and on 2 processes, at the same time (one thread each)."""
+    with ThreadPoolExecutor(2) as pool:
+        for nproc in (1, 2):
+            (tmp_path / f"p{nproc}").mkdir()
+        runs = [pool.submit(launch, nproc, [str(TESTS / "update_worker.py"), str(tmp_path / f"p{nproc}"), mode,
+                                            json.dumps(overrides)], tmp_path) for nproc in (1, 2)]
+        for run in runs:
+            run.result()
+    one = torch.load(tmp_path / "p1" / "rank0.pt")
+    two = [torch.load(tmp_path / "p2" / f"rank{r}.pt") for r in (0, 1)]
+    return one, two

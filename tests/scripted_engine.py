@@ -15,14 +15,14 @@ class ScriptedEngine:
     remote = False
 
     @classmethod
-    def from_config(cls, rollout, model, tokenizer, eos_ids, model_name, lockstep):
+    def from_config(cls, rollout, model, tokenizer, eos_ids, model_name, lockstep, vision=None):
         return cls(tokenizer, eos_ids[0])
 
     def __init__(self, tokenizer, eos_id):
         self.tokenizer, self.eos_id = tokenizer, eos_id
         self.calls = []  # every generate call's contexts, for tests to look at
 
-    def generate(self, prompts, n, params, seeds=None):
+    def generate(self, prompts, n, params, seeds=None, images=None):
         self.calls.append(prompts)
         counts = [n] * len(prompts) if isinstance(n, int) else list(n)
         completions = []

@@ -6,13 +6,12 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 from exact import cut_ragged, off_the_sampler, rmsnorm_in_input_dtype, step_on, update_difference, with_tool_turns
-from helpers import assert_close_metrics, free_port, metric_rows, shortness, untimed_metrics
+from helpers import assert_close_metrics, free_port, launch, metric_rows, run_worker, shortness, untimed_metrics
 from transformers.models.llama import modeling_llama
 
 from grpokit.config import load_config
@@ -221,20 +220,6 @@ def test_same_seed_same_run(make_trainer):
 # ---------------------------------------------------------------- real processes
 
 
-def launch(nproc: int, args: list[str], cwd: Path, launcher: str = "torchrun") -> subprocess.CompletedProcess:
-    if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={free_port()}", *args]
-    else:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={nproc}",
-               "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no",
-               f"--main_process_port={free_port()}", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS)}
-    result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return result
-
-
 @pytest.mark.process
 @pytest.mark.parametrize("overrides", [
     # 4 completions per update, 2 per process: every group is split across the two processes; each
@@ -301,20 +286,6 @@ def test_the_process_count_does_not_change_a_run(tmp_path):
     rows = [metric_rows(tmp_path / f"p{n}" / "run") for n in (1, 2)]
     assert len(rows[0]) == len(rows[1]) == 6  # 3 steps, evaluations at steps 0, 2 and 3
     assert_close_metrics(*rows)
-
-
-def run_worker(tmp_path, mode, overrides):
-    """update_worker.py on 1 and on 2 processes, at the same time (one thread each)."""
-    with ThreadPoolExecutor(2) as pool:
-        for nproc in (1, 2):
-            (tmp_path / f"p{nproc}").mkdir()
-        runs = [pool.submit(launch, nproc, [str(TESTS / "update_worker.py"), str(tmp_path / f"p{nproc}"), mode,
-                                            json.dumps(overrides)], tmp_path) for nproc in (1, 2)]
-        for run in runs:
-            run.result()
-    one = torch.load(tmp_path / "p1" / "rank0.pt")
-    two = [torch.load(tmp_path / "p2" / f"rank{r}.pt") for r in (0, 1)]
-    return one, two
 
 
 RECORDING_REWARD = '''

@@ -264,10 +264,10 @@ class _Good:
     remote = False
 
     @classmethod
-    def from_config(cls, rollout, model, tokenizer, eos_ids, model_name, lockstep):
+    def from_config(cls, rollout, model, tokenizer, eos_ids, model_name, lockstep, vision=None):
         return cls()
 
-    def generate(self, prompts, n, params, seeds=None, extra=1):  # an optional parameter of its own
+    def generate(self, prompts, n, params, seeds=None, images=None, extra=1):  # an optional parameter of its own
         pass
 
     def weights_updated(self):

@@ -17,7 +17,9 @@ result between two model turns (exact.with_tool_turns). With `ragged`, completio
 ragged lengths (exact.cut_ragged). With `off_sampler`, the sampling log-probs
 are moved off the trainer's (as vLLM's would be) and the rollout importance weight is on. "oddness"
 is a second reward (the completion's length is odd) and "parity" is shortness on prompts with an odd
-answer and 0 on the others (about half the groups teach nothing, for dynamic sampling).
+answer and 0 on the others (about half the groups teach nothing, for dynamic sampling). With
+`vision:<build>` the model is that tiny vision-language build (vlms.py), its prompts with images
+(data.path names them).
 """
 
 import json
@@ -27,10 +29,12 @@ from pathlib import Path
 import torch
 
 from exact import cut_ragged, float64_everywhere, off_the_sampler, step_on, with_tool_turns
+from vlms import BUILDS
 
 from grpokit import distributed
 from grpokit.config import load_config
 from grpokit.rewards import REWARD_FUNCTIONS
+from grpokit.rollout import images_of
 from grpokit.rollout.transformers_engine import TransformersEngine
 from grpokit.trainer import Trainer
 
@@ -63,15 +67,17 @@ def main(out: str, mode: str, overrides: list) -> None:
 def run(out: str, mode: str, overrides: list[str]) -> dict:
     flags = ("half_constant", "multi_turn", "off_sampler", "ragged")
     half_constant, multi_turn, off_sampler, ragged = (flag in overrides for flag in flags)
-    overrides = [o for o in overrides if o not in flags]
+    vision = next((o.removeprefix("vision:") for o in overrides if o.startswith("vision:")), None)
+    overrides = [o for o in overrides if o not in flags and not o.startswith("vision:")]
+    model, processor = (None, None) if vision is None else BUILDS[vision](torch.float64)
     # off_sampler: sampled by other kernels than the trainer's, as vLLM's (exact.off_the_sampler).
     TransformersEngine.exact_logprobs = not off_sampler
     config = load_config(None, [
-        "model.name=tiny-random", "model.dtype=float64", "reward.functions=[shortness]",
+        f"model.name={vision or 'tiny-random'}", "model.dtype=float64", "reward.functions=[shortness]",
         "rollout.max_completion_length=6", "train.learning_rate=1e-3", "data.eval_size=0",
         f"train.output_dir={out}/run", *overrides,
     ])
-    trainer = Trainer(config, progress=False)
+    trainer = Trainer(config, progress=False, model=model, tokenizer=processor)
     start = {k: v.detach().clone() for k, v in trainer.policy.named_parameters()}
     if mode == "learn":
         P = config.train.prompts_per_step
@@ -80,7 +86,7 @@ def run(out: str, mode: str, overrides: list[str]) -> dict:
             SILENT_PROMPTS.update(str(e.prompt) for e in examples[P // 2 :])
         whole = trainer.rollouts.engine.generate(
             [trainer.rollouts.encode(e) for e in examples], config.rollout.num_generations, trainer.rollouts.sampling,
-            seeds=range(config.completions_per_step),
+            seeds=range(config.completions_per_step), **images_of(examples, trainer.vision),
         )
         if ragged:
             whole = cut_ragged(whole, trainer.tokenizer.eos_token_id)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
+import io
 import json
 import os
 import shutil
@@ -31,6 +33,7 @@ from grpokit import user_code
 from grpokit.config import Config, ConfigError, flatten, load_config
 from grpokit.rewards import BUILTIN_REWARDS, REWARD_FUNCTIONS
 from grpokit.rundir import TrainResult
+from grpokit.tasks.dataset import IMAGE_COLUMNS
 
 
 
@@ -330,7 +333,17 @@ def _take_datasets(config: Config, dataset, eval_dataset) -> Path | None:
     run_dir = Path(config.train.output_dir)
     created = None if run_dir.exists() else run_dir
     folder = run_dir / "data"
-    texts = {what: "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in r) for what, r in in_memory.items()}
+    pictures = {}  # a row's images: written beside the data as PNG files named by their content
+
+    def picture(image) -> str:
+        png = io.BytesIO()
+        image.save(png, format="PNG")
+        name = f"images/{hashlib.sha1(png.getvalue()).hexdigest()[:16]}.png"
+        pictures[name] = png.getvalue()
+        return name
+
+    texts = {what: "".join(json.dumps(_with_image_files(row, picture), ensure_ascii=False) + "\n" for row in r)
+             for what, r in in_memory.items()}
     for what, text in texts.items():  # every check before anything is written
         path = folder / _DATASETS[what][0]
         if not path.is_file() or path.read_text() == text:
@@ -342,6 +355,9 @@ def _take_datasets(config: Config, dataset, eval_dataset) -> Path | None:
             raise ConfigError(f"{what} would be written to {path}, which holds another file and is not a grpokit run's: "
                               "choose another train.output_dir")
     folder.mkdir(parents=True, exist_ok=True)
+    for name, png in pictures.items():
+        (folder / name).parent.mkdir(exist_ok=True)
+        (folder / name).write_bytes(png)
     for what, text in texts.items():
         path = folder / _DATASETS[what][0]
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -382,12 +398,31 @@ def _rows(dataset, what: str, prompt_column: str) -> list[dict] | None:
         if prompt_column not in row:
             raise ConfigError(f"{what}[{i}] has no column {prompt_column!r} (data.prompt_column); its columns: {list(row)}")
         try:
-            json.dumps(row)
+            json.dumps({k: v for k, v in row.items() if k not in IMAGE_COLUMNS})  # images: written as files
         except (TypeError, ValueError) as e:
-            bad = next((k for k, v in row.items() if not _serializable(v)), None)
+            bad = next((k for k, v in row.items() if k not in IMAGE_COLUMNS and not _serializable(v)), None)
             raise ConfigError(f"{what}[{i}]: column {bad!r} holds a value that cannot be written to the run folder as "
                               f"JSON ({e})") from None
     return list(dataset)
+
+
+def _with_image_files(row: dict, picture) -> dict:
+    """`row` with its images (column image / images, tasks/dataset.py) as file names: a PIL image or
+    `datasets`' {"bytes", "path"} is written by picture(image) -> its name relative to the data
+    file; a path given in Python is made absolute (it was relative to where Python ran)."""
+    from grpokit.vision import open_image
+
+    def one(value):
+        if isinstance(value, (str, Path)):
+            return str(Path(value).resolve())
+        return picture(open_image(value, None, "an image of a dataset given in Python"))
+
+    out = dict(row)
+    for column in IMAGE_COLUMNS:
+        value = row.get(column)
+        if value is not None:
+            out[column] = [one(v) for v in value] if isinstance(value, (list, tuple)) else one(value)
+    return out
 
 
 def _serializable(value) -> bool:

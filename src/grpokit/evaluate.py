@@ -17,17 +17,19 @@ import torch
 from grpokit import distributed
 from grpokit.errors import ConfigError
 from grpokit.rewards import RewardLog, RewardSet, merge_metrics, trainer_state
-from grpokit.rollout import SamplingParams, decode_completions, encode_prompt
+from grpokit.rollout import SamplingParams, decode_completions, images_of, prompt_ids
 from grpokit.tasks import Example
 
 
 def score(engine, tokenizer, rewards: RewardSet, examples: list[Example], params: SamplingParams,
           num_samples: int = 1, seed: int = 0, first_index: int = 0, max_prompt_length: int | None = None,
-          batch_size: int = 64, multi_turn=None, state=None, logged: dict | None = None) -> list[dict]:
+          batch_size: int = 64, multi_turn=None, state=None, logged: dict | None = None,
+          vision=None) -> list[dict]:
     """One record per completion: example index, sample number, completion (its text, or with
     tools the conversation's messages), rewards, and the columns the reward functions log_extra'ed.
     multi_turn: a conversation.MultiTurn, with tools; state: the reward functions' trainer_state;
-    logged: filled with the values they log_metric'ed (name -> values)."""
+    logged: filled with the values they log_metric'ed (name -> values); vision: a vision-language
+    model's vision.Vision."""
     records = []
     logged = {} if logged is None else logged
     per_call = max(1, batch_size // num_samples)
@@ -40,8 +42,8 @@ def score(engine, tokenizer, rewards: RewardSet, examples: list[Example], params
         if multi_turn is not None:
             batch = multi_turn.generate(engine, chunk, [num_samples] * len(chunk), params, seeds)
         else:
-            prompts = [encode_prompt(tokenizer, e.prompt, max_prompt_length) for e in chunk]
-            batch = engine.generate(prompts, num_samples, params, seeds)
+            prompts = [prompt_ids(tokenizer, None, e, max_prompt_length, vision) for e in chunk]
+            batch = engine.generate(prompts, num_samples, params, seeds, **images_of(chunk, vision))
         grouped = [e for e in chunk for _ in range(num_samples)]
         prompts = batch.prompts(grouped)
         completions = decode_completions(tokenizer, batch, prompts)
@@ -107,17 +109,17 @@ def _steps_trained(model: Path, config) -> int:
 def evaluate_model(config, model_path: str, num_samples: int = 1, output: str | None = None) -> dict:
     """`grpokit eval`: score the model in `model_path` on the held-out prompts of `config`'s data."""
     from grpokit.config import reward_specs
-    from grpokit.models import eos_token_ids, load_model, load_tokenizer
+    from grpokit.models import eos_token_ids, load_model
+    from grpokit.vision import processing
     from grpokit.rollout import make_engine
     from grpokit.rollout.conversation import MultiTurn
     from grpokit.rollout.tools import Tools
     from grpokit.tasks import make_task
 
-    tokenizer = load_tokenizer(model_path)
+    tokenizer, vision = processing(model_path)
     tools = Tools.from_config(config, tokenizer, model_path)
-    schemas = None if tools is None else tools.schemas
     task = make_task(config.data, seed=config.train.seed,
-                     prompt_length=lambda e: len(encode_prompt(tokenizer, e.prompt, tools=schemas)))
+                     prompt_length=lambda e: len(prompt_ids(tokenizer, tools, e, vision=vision)))
     if not task.eval_examples:
         raise ConfigError(f"no held-out prompts to score: data.eval_size={config.data.eval_size} (a run trained "
                           "with data.eval_size=0 keeps that in its config): add data.eval_size=100, or data.eval_path")
@@ -126,7 +128,7 @@ def evaluate_model(config, model_path: str, num_samples: int = 1, output: str | 
     for note in getattr(task, "notes", ()):
         print(note)
     model = load_model(model_path, config.model.dtype).to("cuda" if torch.cuda.is_available() else "cpu")
-    engine = make_engine(config.rollout, model, tokenizer, eos_token_ids(model, tokenizer), model_path)
+    engine = make_engine(config.rollout, model, tokenizer, eos_token_ids(model, tokenizer), model_path, vision=vision)
     multi_turn = None if tools is None else MultiTurn(tokenizer, tools, config.rollout.max_turns,
                                                       eos_token_ids(model, tokenizer), config.data.max_prompt_length)
     r = config.rollout
@@ -136,7 +138,7 @@ def evaluate_model(config, model_path: str, num_samples: int = 1, output: str | 
     with torch.no_grad():
         records = score(engine, tokenizer, rewards, task.eval_examples, params, num_samples, seed=config.train.seed,
                         max_prompt_length=config.data.max_prompt_length, multi_turn=multi_turn, logged=logged,
-                        state=trainer_state(config, _steps_trained(Path(model_path), config)))
+                        state=trainer_state(config, _steps_trained(Path(model_path), config)), vision=vision)
     if output:
         with Path(output).open("w") as f:
             for record in records:

@@ -125,6 +125,8 @@ def completion_logprobs(
     chunk_size: int | None = None,
     share_prompt: bool = True,
     whole_model: bool = False,
+    vision=None,
+    images: list[tuple] | None = None,
 ) -> torch.Tensor:
     """log pi(completion token t | prompt, tokens < t), shape (B, T).
 
@@ -136,7 +138,14 @@ def completion_logprobs(
     pass calls the whole model with token ids: its weights are sharded (sharding.py) and only a
     call of the whole model gathers all of them, or the model uses token ids for more than the
     embedding lookup (check_inputs_embeds).
+    vision, images: a vision-language model's vision.Vision, and each prompt row's images (a tuple
+    each): the passes that run a prompt get its images' inputs and the model's position ids. Its
+    prompts run through the whole model (which merges the image features into the embeddings).
     """
+    targets = completion_ids
+    if vision is not None:
+        whole_model = True
+        completion_ids = vision.as_text(completion_ids)  # inputs: a sampled image token ends its completion
     if chunk_size is None:  # logits from the model's own head
         def run(keep: int, **inputs) -> torch.Tensor:
             return model(**inputs, logits_to_keep=keep).logits
@@ -147,26 +156,49 @@ def completion_logprobs(
             if whole_model:  # for one position's logits; its last hidden state is the decoder's
                 return model(**inputs, logits_to_keep=1, output_hidden_states=True).hidden_states[-1][:, -keep:]
             return decoder(**inputs).last_hidden_state[:, -keep:]  # -0: every position
+    seen = None if vision is None else _Seen(model, vision, images)
     if share_prompt:
-        out = _shared_prompt_pass(model, run, prompt_ids, prompt_mask, completion_ids, prompt_index, whole_model)
+        out = _shared_prompt_pass(model, run, prompt_ids, prompt_mask, completion_ids, prompt_index, whole_model, seen)
     else:
-        out = _whole_sequence_pass(run, prompt_ids, prompt_mask, completion_ids, prompt_index)  # (B, T, V) or (B, T, H)
+        out = _whole_sequence_pass(run, prompt_ids, prompt_mask, completion_ids, prompt_index, seen)  # (B, T, V) or (B, T, H)
     if chunk_size is None:
-        return token_logprobs(out, completion_ids, temperature)  # (B, T)
-    return chunked_logprobs(out, model.get_output_embeddings(), completion_ids, temperature, chunk_size)
+        return token_logprobs(out, targets, temperature)  # (B, T)
+    return chunked_logprobs(out, model.get_output_embeddings(), targets, temperature, chunk_size)
 
 
-def _whole_sequence_pass(run, prompt_ids, prompt_mask, completion_ids, prompt_index) -> torch.Tensor:
+class _Seen:
+    """A vision-language model's pass inputs for prompt rows and their images (vision.Vision);
+    a text model's passes have none (None in their place)."""
+
+    def __init__(self, model, vision, images: list[tuple]):
+        self.model, self.vision, self.images = model, vision, images
+
+    def inputs(self, ids: torch.Tensor, mask: torch.Tensor, index: torch.Tensor | None = None):
+        """vision.ModelInputs of rows `ids`, `mask`, whose images are those of prompt rows `index` (default: each its own)."""
+        images = self.images if index is None else [self.images[i] for i in index.tolist()]
+        return self.vision.inputs(self.model, ids, mask, images)
+
+    def continued(self, start: torch.Tensor, length: int) -> torch.Tensor:
+        return self.vision.continued(self.model, start, length)
+
+
+def _whole_sequence_pass(run, prompt_ids, prompt_mask, completion_ids, prompt_index, seen=None) -> torch.Tensor:
     """`run`'s outputs (B, T, ...) at the positions that predict each completion token, every
-    completion run whole: its prompt and its tokens but the last, no cache.
+    completion run whole: its prompt (with its images, `seen`) and its tokens but the last, no cache.
     run(keep, **inputs): the model's outputs at the last `keep` positions (0: all)."""
-    if prompt_index is not None:
-        prompt_ids, prompt_mask = prompt_ids.index_select(0, prompt_index), prompt_mask.index_select(0, prompt_index)
     B, T = completion_ids.shape
+    if prompt_index is None:
+        prompt_index = torch.arange(B, device=completion_ids.device)
+    prompt_ids, prompt_mask = prompt_ids.index_select(0, prompt_index), prompt_mask.index_select(0, prompt_index)
     ids = torch.cat([prompt_ids, completion_ids[:, :-1]], dim=1)  # (B, Lp + T - 1)
     attention = torch.cat([prompt_mask, prompt_mask.new_ones(B, T - 1)], dim=1)
+    if seen is None:
+        extra, positions = {}, position_ids(attention)
+    else:  # each completion's prompt images, repeated
+        inputs = seen.inputs(ids, attention, prompt_index)
+        extra, positions = inputs.extra, inputs.position_ids
     # The last T positions, Lp - 1 .. Lp + T - 2, predict the T completion tokens.
-    return run(T, input_ids=ids, attention_mask=attention, position_ids=position_ids(attention), use_cache=False)
+    return run(T, input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False, **extra)
 
 
 def cache_inputs(model: torch.nn.Module, cache: DynamicCache) -> dict:
@@ -186,7 +218,8 @@ def _cache_keyword(model_class: type) -> str:
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
-def _shared_prompt_pass(model, run, prompt_ids, prompt_mask, completion_ids, prompt_index, whole_model) -> torch.Tensor:
+def _shared_prompt_pass(model, run, prompt_ids, prompt_mask, completion_ids, prompt_index, whole_model,
+                        seen=None) -> torch.Tensor:
     """As _whole_sequence_pass, with each prompt run once and its key/value cache shared by the
     completions that continue it (the module docstring).
 
@@ -210,6 +243,9 @@ def _shared_prompt_pass(model, run, prompt_ids, prompt_mask, completion_ids, pro
     cache = DynamicCache()
     cached = cache_inputs(model, cache)
     prefix_inputs = dict(attention_mask=prefix_mask, position_ids=position_ids(prefix_mask), **cached)
+    if seen is not None:  # whole_model: the prompts with their images, once each
+        inputs = seen.inputs(prefix_ids, prefix_mask)
+        prefix_inputs.update(position_ids=inputs.position_ids, **inputs.extra)
     if whole_model:
         first = run(1, input_ids=prefix_ids, **prefix_inputs).index_select(0, prompt_index)  # (B, 1, ...)
         rest = {"input_ids": rest_ids}
@@ -232,9 +268,12 @@ def _shared_prompt_pass(model, run, prompt_ids, prompt_mask, completion_ids, pro
     # token t-1 at position len(prompt) + t - 1 predicts token t. Padding after an EOS is attended
     # only by later padding (causal), so a mask of ones changes no real token.
     attention = torch.cat([prompt_mask, prompt_mask.new_ones(B, T - 1)], dim=1)  # (B, Lp + T - 1)
-    start = prompt_mask.sum(-1, keepdim=True) - last  # (B, 1): the position of rest's first token
-    out = run(0, **rest, attention_mask=attention, position_ids=start + torch.arange(rest_ids.shape[1], device=start.device),
-              **cached)  # (B, T - 1 + last, ...)
+    if seen is None:
+        start = prompt_mask.sum(-1, keepdim=True) - last  # (B, 1): the position of rest's first token
+        positions = start + torch.arange(rest_ids.shape[1], device=start.device)  # (B, T - 1 + last)
+    else:  # last == 0: rest starts after the prompt, where the model's positions say
+        positions = seen.continued(inputs.next_position.index_select(0, prompt_index), rest_ids.shape[1])
+    out = run(0, **rest, attention_mask=attention, position_ids=positions, **cached)  # (B, T - 1 + last, ...)
     return torch.cat([first, out], dim=1) if whole_model else out  # (B, T, ...)
 
 
@@ -243,11 +282,12 @@ class LogProbs:
     each pass through `of`, the one place where a batch's model inputs meet the model."""
 
     def __init__(self, policy, reference, temperature: float, chunk_size: int | None, checkpointing: bool,
-                 whole_model: bool, micro_batch: int, device: torch.device):
+                 whole_model: bool, micro_batch: int, device: torch.device, vision=None):
         """reference: the frozen reference model, or None (with LoRA, the policy without its
         adapters is the reference); checkpointing: the policy recomputes its activations in the
-        backward pass; whole_model: see completion_logprobs; micro_batch: completions per no-grad pass."""
-        self.policy, self.reference = policy, reference
+        backward pass; whole_model: see completion_logprobs; micro_batch: completions per no-grad pass;
+        vision: a vision-language model's vision.Vision (the batches carry their prompts' images)."""
+        self.policy, self.reference, self.vision = policy, reference, vision
         self.temperature, self.chunk_size, self.checkpointing = temperature, chunk_size, checkpointing
         self.whole_model, self.micro_batch, self.device = whole_model, micro_batch, device
 
@@ -265,6 +305,7 @@ class LogProbs:
             # Checkpointed layers drop the key/value cache in training mode: run completions whole.
             share_prompt=not (self.checkpointing and model.training),
             whole_model=self.whole_model,
+            vision=self.vision, images=None if batch.images is None else [batch.images[i] for i in first.tolist()],
         )
 
     def old(self, batch, active: torch.Tensor) -> torch.Tensor:

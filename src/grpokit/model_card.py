@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from grpokit.models import BUNDLED, TINY
+from grpokit.models import BUNDLED, TINY, TINY_VLM
 
 # The Hub id of a model grpokit ships under another name.
 HUB_IDS = {BUNDLED: "HuggingFaceTB/SmolLM2-135M-Instruct"}
@@ -21,7 +21,7 @@ def _hub_id(name: str | None) -> str | None:
     """`name` when it is a Hub id (owner/name, not a local path), or the one a built-in name stands for."""
     if name in HUB_IDS:
         return HUB_IDS[name]
-    if not name or name == TINY or Path(name).expanduser().exists() or name.startswith((".", "/", "~")):
+    if not name or name in (TINY, TINY_VLM) or Path(name).expanduser().exists() or name.startswith((".", "/", "~")):
         return None
     return name if name.count("/") == 1 else None
 

@@ -7,6 +7,12 @@
   loads read directly.
 - `tiny-random`: a 2-layer, randomly initialised Llama with SmolLM2's real tokenizer and chat
   template, built locally from a fixed seed. For tests and smoke runs.
+- `tiny-random-vlm`: its vision-language counterpart, an Idefics3 (SmolVLM's architecture) with a
+  2-layer SigLIP vision encoder, tiny-random's language model and SmolLM2's tokenizer with the image
+  tokens added, and an image processor for 64x64 images (4 tokens an image).
+- `smollm2-135m-vision`: the bundled SmolLM2-135M-Instruct as the language model of an Idefics3,
+  with tiny-random-vlm's processor and a 2-layer SigLIP vision encoder of random weights (seed 0)
+  that training teaches to see. Assembled on first use and cached beside the bundled model.
 - anything else: a local folder or a Hub id, passed to `from_pretrained`.
 
 `model.chat_template` (a Jinja file) replaces the model's chat template, and is saved with the
@@ -21,6 +27,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -33,6 +40,8 @@ from grpokit.errors import ConfigError, StartupError
 
 BUNDLED = "smollm2-135m-instruct"
 TINY = "tiny-random"
+TINY_VLM = "tiny-random-vlm"
+BUNDLED_VLM = "smollm2-135m-vision"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -73,11 +82,17 @@ def bundled_model_path() -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(gguf_model.state_dict())
     model.generation_config = gguf_model.generation_config
+    return _cached(target, model, tokenizer)
+
+
+def _cached(target: Path, model, processing) -> Path:
+    """`target`, a model folder written with `model` and its tokenizer or processor atomically: a
+    crash leaves no half cache, and a process that lost the race to write it uses the winner's."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{BUNDLED}-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        processing.save_pretrained(tmp)
         os.replace(tmp, target)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -102,7 +117,7 @@ def check_source(name: str) -> None:
     """A `model.name` that is a local path must be a model folder: say what it is instead when it
     is not (a missing path, a run folder, a folder without config.json) rather than let it be
     taken for a Hub id."""
-    if name in (BUNDLED, TINY):
+    if name in (BUNDLED, TINY, TINY_VLM, BUNDLED_VLM):
         return
     path = Path(name).expanduser()
     local = path.is_absolute() or name.startswith((".", "~")) or name.count("/") != 1 or Path(name.split("/")[0]).is_dir()
@@ -123,6 +138,8 @@ def check_source(name: str) -> None:
 def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
+    if name == TINY_VLM or is_vision_model(name):
+        return load_processor(name).tokenizer
     if name in (BUNDLED, TINY):  # a copy of the one read: the cached conversion does not change
         with _loading(name):
             return copy.deepcopy(_bundled_tokenizer())
@@ -185,18 +202,17 @@ def speaks_tools(tokenizer) -> bool:
     return all(s in text for s in ("grpokit_probe_description", "grpokit_probe_value", "grpokit_probe_result"))
 
 
+# The language model of tiny-random and tiny-random-vlm.
+_TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True)
+
+
 def _tiny_random(tokenizer, dtype: torch.dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
+        **_TINY_TEXT,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -210,6 +226,116 @@ def _tiny_random(tokenizer, dtype: torch.dtype):
     return model.to(dtype)
 
 
+def is_vision_model(name: str) -> bool:
+    """Whether model.name is a vision-language model (its config has a vision part)."""
+    if name in (BUNDLED, TINY):
+        return False
+    if name in (TINY_VLM, BUNDLED_VLM):
+        return True
+    if (Path(name) / "adapter_config.json").is_file():
+        return is_vision_model(json.loads((Path(name) / "adapter_config.json").read_text())["base_model_name_or_path"])
+    from transformers import AutoConfig
+
+    check_source(name)
+    with _loading(name):
+        return getattr(AutoConfig.from_pretrained(name), "vision_config", None) is not None
+
+
+def load_processor(name: str):
+    """The processor (tokenizer and image processor) of vision-language model.name `name`."""
+    if name == TINY_VLM:
+        return _tiny_vlm_processor()
+    from transformers import AutoProcessor
+
+    if name == BUNDLED_VLM:
+        name = str(bundled_vlm_path())
+
+    source, adapter = name, Path(name) / "adapter_config.json"
+    if adapter.is_file() and not (Path(name) / "processor_config.json").is_file():  # a LoRA folder saved without it
+        source = json.loads(adapter.read_text())["base_model_name_or_path"]
+    with _loading(name):
+        processor = AutoProcessor.from_pretrained(source)
+    with_pad_token(processor.tokenizer)
+    return processor
+
+
+# A ChatML template (SmolLM2's tokens) whose user content may hold {"type": "image"} parts.
+_VLM_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<image>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _tiny_vlm_processor(image_size: int = 64, image_seq_len: int = 4):
+    """SmolLM2's tokenizer with Idefics3's image tokens, and an image processor that resizes every
+    image to image_size x image_size, unsplit (image_seq_len tokens an image)."""
+    from transformers import Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tokenizer = copy.deepcopy(_bundled_tokenizer())
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>", "<global-img>"]})
+    images = Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": image_size},
+                                       max_image_size={"longest_edge": image_size})
+    # The processor adds <end_of_utterance> to the tokenizer itself.
+    return Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=image_seq_len,
+                             chat_template=_VLM_TEMPLATE)
+
+
+def idefics3(processor, text_config: dict, vision_config: dict, dtype: torch.dtype, seed: int = 0):
+    """An Idefics3 (SmolVLM) model for `processor`'s tokenizer, randomly initialised from `seed`
+    (whatever the run's seed): a text model of `text_config` (a LlamaConfig's fields), a SigLIP
+    vision encoder of `vision_config`, and a pixel-shuffle connector of scale 2."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
+
+    tokenizer = processor.tokenizer
+    text = {**text_config, "vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    config = Idefics3Config(text_config=text, vision_config=vision_config, scale_factor=2,
+                            image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+                            tie_word_embeddings=text.get("tie_word_embeddings", True), pad_token_id=tokenizer.pad_token_id)
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = Idefics3ForConditionalGeneration(config)
+    finally:
+        torch.random.set_rng_state(state)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model.to(dtype)
+
+
+def bundled_vlm_path() -> Path:
+    """The assembled smollm2-135m-vision folder (model and processor), created on first use."""
+    target = cache_dir() / f"{BUNDLED_VLM}-v1"  # bump when the assembly changes
+    if (target / "config.json").exists():
+        return target
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig
+
+    processor = _tiny_vlm_processor()
+    text = LlamaConfig.from_pretrained(bundled_model_path()).to_dict()
+    vision = dict(hidden_size=192, intermediate_size=384, num_hidden_layers=2, num_attention_heads=3, image_size=64,
+                  patch_size=16)
+    model = idefics3(processor, text, vision, torch.float32)
+    weights = {k.removeprefix("model."): v for k, v in load_file(bundled_model_path() / "model.safetensors").items()}
+    embeddings = model.model.text_model.embed_tokens.weight.detach().clone()  # (V + added, H)
+    known = weights["embed_tokens.weight"].shape[0]
+    # The image tokens start as the mean of the known embeddings (their output rows too: tied).
+    embeddings[:known], embeddings[known:] = weights["embed_tokens.weight"], weights["embed_tokens.weight"].mean(0)
+    weights["embed_tokens.weight"] = embeddings
+    missing, unexpected = model.model.text_model.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise RuntimeError(f"assembling {BUNDLED_VLM}: missing {missing}, unexpected {unexpected}")
+    return _cached(target, model, processor)
+
+
+def _tiny_random_vlm(dtype: torch.dtype):
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=64,
+                  patch_size=16)
+    return idefics3(_tiny_vlm_processor(), _TINY_TEXT, vision, dtype)
+
+
 def load_model(name: str, dtype: str = "float32"):
     """The causal LM for `model.name`, in `dtype`, in train mode. A folder holding a LoRA adapter
     (a LoRA run's final/ or checkpoint) loads as its base model with the adapter merged in."""
@@ -218,14 +344,20 @@ def load_model(name: str, dtype: str = "float32"):
     torch_dtype = DTYPES[dtype]
     adapter = Path(name) / "adapter_config.json"
     if adapter.is_file():  # a plain model from here on: evaluation, merging, or training from it
-        import json
-
         from peft import PeftModel
 
         base = load_model(json.loads(adapter.read_text())["base_model_name_or_path"], dtype)
         return PeftModel.from_pretrained(base, name).merge_and_unload().train()
     if name == TINY:
         model = _tiny_random(load_tokenizer(name), torch_dtype)
+    elif name == TINY_VLM:
+        model = _tiny_random_vlm(torch_dtype)
+    elif is_vision_model(name):
+        from transformers import AutoModelForImageTextToText
+
+        with _loading(name):
+            source = bundled_vlm_path() if name == BUNDLED_VLM else name
+            model = AutoModelForImageTextToText.from_pretrained(source, dtype=torch_dtype)
     else:
         with _loading(name):
             source = bundled_model_path() if name == BUNDLED else name
@@ -252,9 +384,14 @@ def apply_lora(model, m, base_name: str):
         from peft import LoraConfig, get_peft_model
     except ImportError:
         raise StartupError("model.lora_rank > 0 needs peft: pip install 'grpokit[lora]'") from None
-    # "all-linear": peft's name for every linear layer but the output layer.
+    # "all-linear": peft's name for every linear layer but the output layer; of a vision-language
+    # model, every linear layer of its language model (each by its full name).
     targets = m.lora_target_modules if m.lora_target_modules == "all-linear" else [
         t.strip() for t in m.lora_target_modules.split(",") if t.strip()]
+    if targets == "all-linear" and vision_tower(model) is not None:
+        decoder = model.get_decoder()
+        prefix = next(name for name, module in model.named_modules() if module is decoder)
+        targets = [f"{prefix}.{name}" for name, module in decoder.named_modules() if isinstance(module, torch.nn.Linear)]
     if "lm_head" in targets and getattr(model.config, "tie_word_embeddings", False):
         raise StartupError("model.lora_target_modules includes lm_head, whose weight this model ties to its input "
                            "embeddings: adapt the other layers")
@@ -269,6 +406,30 @@ def apply_lora(model, m, base_name: str):
     model.peft_config["default"].base_model_name_or_path = (
         str(Path(base_name).resolve()) if Path(base_name).is_dir() else base_name)
     return model
+
+
+def vision_tower(model) -> torch.nn.Module | None:
+    """A vision-language model's vision encoder (Idefics3's vision_model, Qwen's visual, Gemma 3's
+    vision_tower), or None."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = getattr(base, "model", base)
+    for name in ("vision_model", "visual", "vision_tower"):
+        module = getattr(inner, name, None)
+        if isinstance(module, torch.nn.Module):
+            return module
+    return None
+
+
+def _freeze(policy, m) -> None:
+    """model.freeze_vision_tower: the vision encoder keeps its weights; model.freeze_language_model:
+    the language model (its decoder and output layer) does. A text model has neither to freeze."""
+    for setting, frozen in (("freeze_vision_tower", lambda: [vision_tower(policy)]),
+                            ("freeze_language_model", lambda: [policy.get_decoder(), policy.get_output_embeddings()])):
+        if getattr(m, setting):
+            if vision_tower(policy) is None:
+                raise StartupError(f"model.{setting}=true, but {m.name} is a text model (it has no vision encoder)")
+            for module in frozen():
+                module.requires_grad_(False)
 
 
 def merge_adapter(folder: Path, dtype: str) -> Path:
@@ -329,6 +490,7 @@ def load_policy(config, device: torch.device, model=None):
         distributed.broadcast_parameters(policy)  # the adapters' random initialisation
     elif config.algorithm.beta > 0:
         reference = copy.deepcopy(policy).eval().requires_grad_(False)
+    _freeze(policy, m)
     if m.gradient_checkpointing:  # after the reference copy, which never trains
         enable_activation_checkpointing(policy)
     if config.train.logprob_chunk_size is not None:

@@ -9,6 +9,8 @@
   is a second W&B run starting at its checkpoint's step (W&B cannot rewrite steps it was sent).
 - Trackio (monitor.trackio=true), Hugging Face's local-first tracker: every metric, in Trackio's
   local database (TRACKIO_DIR); one Trackio run per `grpokit train`, named and grouped as for W&B.
+- `images/`: a vision-language model's prompt images of the completions logged, one PNG each,
+  which completions.jsonl names (its `images`).
 - `completions.jsonl`: every monitor.log_completions steps, the step's prompts, completions and
   rewards.
 - Live stability alerts (diagnose.py): each kind printed once, with the step and the evidence, and
@@ -30,6 +32,9 @@ from tqdm.auto import tqdm
 
 from grpokit.errors import StartupError
 from grpokit.diagnose import RunFacts, Watch
+
+# The run folder's images of logged prompts (a vision-language model's).
+IMAGES = "images"
 
 
 def _plain(value):
@@ -170,7 +175,20 @@ class Monitor:
             return
         with (self.run_dir / "completions.jsonl").open("a") as f:
             for record in records:  # a tool's result or a logged column JSON cannot hold is written as its str()
+                if "images" in record:  # a vision-language model's prompt images, by the files that hold them
+                    record = {**record, "images": [self._image_file(image) for image in record["images"]]}
                 f.write(json.dumps({"step": step, **{k: _plain(v) for k, v in record.items()}}, default=str) + "\n")
+
+    def _image_file(self, image) -> str:
+        """The run folder's PNG of a PIL image (images/<hash of its pixels>.png, written once), relative to it."""
+        import hashlib
+
+        name = hashlib.sha1(image.tobytes() + repr(image.size).encode()).hexdigest()[:16]
+        path = self.run_dir / IMAGES / f"{name}.png"
+        if not path.exists():
+            path.parent.mkdir(exist_ok=True)
+            image.save(path)
+        return f"{IMAGES}/{name}.png"
 
     def write(self, text: str) -> None:
         if not self.silent:

@@ -10,6 +10,7 @@ script, no stylesheet or font from elsewhere, so it can be mailed or attached to
 - The completions table shows up to SAMPLE_STEPS logged steps from completions.jsonl (the first,
   the last, evenly spaced between), up to SAMPLES_PER_STEP completions each.
 - A step whose value is NaN (a skipped update) is a gap in its curve, not a zero.
+- A vision-language model's samples show their prompt images as thumbnails (images/, embedded too).
 """
 
 from __future__ import annotations
@@ -122,8 +123,25 @@ def plot(panel: Panel, rows: list[dict], alerts: list[dict], path: Path) -> bool
 def _prompt_text(prompt) -> str:
     if isinstance(prompt, list):  # chat messages: the last user turn is the question
         turns = [m.get("content", "") for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
-        return turns[-1] if turns else json.dumps(prompt)
+        if not turns:
+            return json.dumps(prompt)
+        content = turns[-1]  # a string, or parts (text and images: the images are shown beside it)
+        return content if isinstance(content, str) else "".join(
+            p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
     return str(prompt)
+
+
+def _prompt_html(sample: dict, run_dir: Path) -> str:
+    """A sample's prompt as HTML: thumbnails of its images (the run folder's PNGs, embedded), then its text."""
+    thumbnails = []
+    for name in sample.get("images") or ():
+        path = run_dir / str(name)
+        if path.is_file():
+            data = base64.b64encode(path.read_bytes()).decode()
+            thumbnails.append(f'<img class="thumb" src="data:image/png;base64,{data}" alt="{html.escape(str(name))}">')
+        else:
+            thumbnails.append(f'<span class="note">[{html.escape(str(name))}: missing]</span>')
+    return "".join(thumbnails) + html.escape(_prompt_text(sample.get("prompt")))
 
 
 def _completion_html(completion) -> str:
@@ -179,6 +197,7 @@ th { background: #f4f4f4; } .samples td { white-space: pre-wrap; }
 .samples td:nth-child(2), .samples td:nth-child(3) { font-family: ui-monospace, monospace; }
 .alerts td:first-child { color: #d000d0; font-weight: 600; } .note { color: #666; }
 .call { color: #0060c0; font-family: monospace; } .tool { color: #207020; font-family: monospace; }
+.thumb { width: 64px; height: 64px; object-fit: contain; border: 1px solid #ccc; margin: 0 4px 4px 0; display: block; }
 """
 
 
@@ -270,7 +289,7 @@ def _samples_html(path: Path) -> list[str]:
         functions = list(dict.fromkeys(k for s in samples for k in s if k.startswith("rewards/")))
         parts.append(_table(
             ["step", "prompt", "completion", "reward", *[f.removeprefix("rewards/") for f in functions], "finish"],
-            [[str(s["step"]), html.escape(_prompt_text(s.get("prompt"))), _completion_html(s.get("completion")),
+            [[str(s["step"]), _prompt_html(s, path.parent), _completion_html(s.get("completion")),
               _number(s.get("reward")), *[_number(s.get(f, "")) for f in functions], html.escape(str(s.get("finish_reason", "")))]
              for s in samples], "samples",
         ))

@@ -112,7 +112,8 @@ class Scorer:
             owned, completions, batch.finish_reasons, batch.completion_id_lists(), batch.environments(),
             prompts=prompts, state=state, log=log)  # (n,)
         samples = [
-            {"prompt": p, "completion": c, "finish_reason": f, "reward": r.item(),
+            {"prompt": p, **({} if batch.images is None else {"images": list(batch.images[i])}), "completion": c,
+             "finish_reason": f, "reward": r.item(),
              **{f"rewards/{name}": v[i].item() for name, v in local_per_function.items()}, **log.record(i)}
             for i, (p, c, f, r) in enumerate(zip(prompts, completions, batch.finish_reasons, local_rewards))
         ]
@@ -172,7 +173,20 @@ def step_metrics(config: Config, batch: RolloutBatch, scored: Scored) -> tuple[d
         "completions/max_length": lengths.max().item(),
         "completions/clipped_ratio": truncated.mean().item(),
         **(_conversation_metrics(config, batch) if batch.conversations is not None else {}),
+        **(_image_metrics(config, batch) if batch.images is not None else {}),
     }, int(totals[2])
+
+
+def _image_metrics(config: Config, batch: RolloutBatch) -> dict:
+    """A vision-language model's prompts: images per prompt, and the share of completions that
+    sampled an image placeholder token (which ends a completion: vision.py), over all processes."""
+    from grpokit.vision import IMAGE_TOKEN
+
+    N, U = config.completions_per_step, config.completions_per_update
+    per_row = torch.tensor([[len(images), reason == IMAGE_TOKEN] for images, reason in
+                            zip(batch.images, batch.finish_reasons)], dtype=torch.float64)  # (n, 2)
+    images, sampled = distributed.gather_rows(per_row, N, U).T  # (N,) each
+    return {"images/per_prompt": images.mean().item(), "completions/image_token_ratio": sampled.mean().item()}
 
 
 def _conversation_metrics(config: Config, batch: RolloutBatch) -> dict:

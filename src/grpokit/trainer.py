@@ -73,19 +73,20 @@ from grpokit.errors import ConfigError
 from grpokit.evaluate import summarize
 from grpokit.logprobs import LogProbs, check_inputs_embeds
 from grpokit.loss import IS_MAX, IS_MEAN, IS_OUTSIDE, LossInputs, LossOutput, LossSettings, compute_loss, token_metric_names
-from grpokit.models import load_policy, load_tokenizer, save_model, with_pad_token
+from grpokit.models import load_policy, save_model
 from grpokit.model_card import write_model_card
 from grpokit.monitor import Monitor
 from grpokit.rewards import RewardError, RewardSet, trainer_state
-from grpokit.rollout import RolloutBatch
+from grpokit.rollout import RolloutBatch, prompt_ids
 from grpokit.rollout.pipeline import Queued
-from grpokit.rollout.rollouts import Rollouts, check_config, prompt_ids
+from grpokit.rollout.rollouts import Rollouts, check_config
 from grpokit.rollout.tools import Tools
 from grpokit.rundir import (TrainResult, check_disk_space, clear_stop, open_run_dir, record_stop, release_run_dir,
                             start_run_dir)
 from grpokit.schedule import lr_multiplier
 from grpokit.scoring import Scored, Scorer, high_entropy_tokens, loss_mask, step_metrics
 from grpokit.tasks import make_task
+from grpokit.vision import check_vision, processing
 
 
 # Steps in a row in which no reward function scored any completion that stop a run.
@@ -147,9 +148,10 @@ class Trainer:
         # Start-up checks, cheapest first, before anything is written: the data and the reward
         # functions (a bad row or name fails here), the output folder, the model, then the disk
         # space a checkpoint of that model needs.
-        self.tokenizer = load_tokenizer(config.model.name) if tokenizer is None else with_pad_token(tokenizer)
+        # vision: a vision-language model's processor and what its passes need (vision.py); None for text.
+        self.tokenizer, self.vision = processing(config.model.name, tokenizer)
         self.tools = Tools.from_config(config, self.tokenizer)  # None: single-turn rollouts
-        check_config(config, self.tools, self.parallel.lockstep)
+        check_config(config, self.tools, self.parallel.lockstep, vision=self.vision is not None)
         if config.algorithm.sync_ref_model and self.parallel.lockstep:
             raise ConfigError("algorithm.sync_ref_model with sharded weights (FSDP2, ZeRO-3) is not supported: the "
                               "reference is mixed with the policy weight by weight; use data parallelism")
@@ -162,12 +164,13 @@ class Trainer:
             config.train.output_dir = str(self.run_dir)
             seed_stream = _seed_everything(config.train.seed)
             self.policy, self.reference = load_policy(config, self.device, model)
+            check_vision(self.policy, self.vision)
             self._check_context()
             # Log-prob passes call the whole model on token ids when only such a call gathers sharded
             # weights, or when the model uses the ids for more than the embedding lookup (logprobs.py).
             whole_model = self.parallel.lockstep or not check_inputs_embeds(self.policy)
             self.rollouts = Rollouts(config, self.task, self.tokenizer, self.tools, self.policy, self.parallel,
-                                     self.device, seed_stream)
+                                     self.device, seed_stream, self.vision)
             self.scorer = Scorer(config, self.tokenizer, self.rewards, self.rollouts.rows, self.device,
                                  self.parallel.lockstep)
             self.checkpoint_size = self._checkpoint_size()  # counted while every process holds the whole model
@@ -178,7 +181,7 @@ class Trainer:
             self.optimizer, self.scheduler = self._make_optimizer()
             self.logprobs = LogProbs(self.policy, self.reference, config.rollout.temperature,
                                      config.train.logprob_chunk_size, config.model.gradient_checkpointing, whole_model,
-                                     config.micro_batch_size(distributed.world_size()), self.device)
+                                     config.micro_batch_size(distributed.world_size()), self.device, self.vision)
             self.loss_settings = LossSettings.from_config(config)
             # The metrics.jsonl rows kept from before the checkpoint, and what to tell the user about them.
             self.resumed_rows, note = distributed.on_main(lambda: self._start_run_dir(resume_from))
@@ -193,7 +196,8 @@ class Trainer:
     def _task_and_rewards(self) -> tuple[object, RewardSet]:
         """The task (its data read and checked) and the reward functions, checked against its first row."""
         config, tools = self.config, self.tools
-        task = make_task(config.data, config.train.seed, lambda e: len(prompt_ids(self.tokenizer, tools, e)))
+        task = make_task(config.data, config.train.seed,
+                         lambda e: len(prompt_ids(self.tokenizer, tools, e, vision=self.vision)))
         first = next(task.train_stream())
         if tools is not None:
             tools.check({"prompt": first.prompt, **first.columns}, getattr(task, "prompts_from_reset", False))
@@ -205,7 +209,9 @@ class Trainer:
     def _check_context(self) -> None:
         """Every prompt and its completion fit the model's positions, or data.max_prompt_length
         makes them: a longer sequence would train on positions the model never learned."""
-        limit = getattr(getattr(self.policy, "config", None), "max_position_embeddings", None)
+        config = getattr(self.policy, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config  # a vision-language model's
+        limit = getattr(text, "max_position_embeddings", None)
         if not isinstance(limit, int):
             return
         d, length = self.config.data, self.config.rollout.max_completion_length
@@ -219,7 +225,7 @@ class Trainer:
                                   f"{length} exceeds the model's {limit} positions: lower one of them")
             return
         examples = [*getattr(self.task, "train_examples", ()), *self.task.eval_examples]  # a built-in stream: its eval split
-        lengths = [len(prompt_ids(self.tokenizer, self.tools, e)) for e in examples]
+        lengths = [len(prompt_ids(self.tokenizer, self.tools, e, vision=self.vision)) for e in examples]
         over = [n for n in lengths if n > budget]
         if over:
             raise ConfigError(
@@ -530,7 +536,7 @@ class Trainer:
         optimizer_state = self.parallel.optimizer_state(self.policy, self.optimizer)
 
         def write(folder: Path) -> None:
-            save_model(self.policy, self.tokenizer, folder, weights)
+            save_model(self.policy, self.tokenizer if self.vision is None else self.vision.processor, folder, weights)
             if self.config.algorithm.sync_ref_model:  # the reference has moved from the initial policy
                 torch.save(self.reference.state_dict(), folder / REFERENCE_FILE)
             self.rollouts.save(folder, pending)

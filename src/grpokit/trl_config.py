@@ -272,7 +272,8 @@ FIELDS: dict[str, Field] = {
     # -------- logging and trackers
     "log_completions": Field("monitor.log_completions", False, "grpokit writes completions.jsonl every "
                              "monitor.log_completions steps"),
-    "log_multimodal": Field(None, True, LOGGING),
+    "log_multimodal": Field(None, True, "grpokit writes every logged prompt's images to the run's images/ folder "
+                            "(completions.jsonl names them; grpokit report shows them)"),
     "num_completions_to_print": Field(None, None, LOGGING),
     "log_unique_prompts": Field(None, False, LOGGING),
     "log_completions_hub_repo": Field(None, None, HUB),

@@ -53,6 +53,7 @@ BUILTIN_REWARDS = {
     "reward_model": "grpokit.rewards.reward_model:reward_model",
     "exact_answer": "grpokit.rewards.exact_answer:exact_answer",
     "leading_number": "grpokit.rewards.exact_answer:leading_number",
+    "named_answer": "grpokit.rewards.word_answer:named_answer",
     "reasoning_gym": "grpokit.rewards.reasoning_gym:reasoning_gym",
 }
 # Functions a program registers by name (REWARD_FUNCTIONS["mine"] = fn), named in configs like

@@ -59,11 +59,15 @@ class RolloutBatch:
     completion_mask: torch.Tensor  # (N, T) 1 on every token after the prompt (the context), the EOS included
     sampling_logps: torch.Tensor  # (N, T) log-prob of each sampled token under the sampling distribution; 0 elsewhere
     entropies: torch.Tensor | None  # (N, T) entropy of the tempered policy distribution each sampled token came from; None: not measured (vLLM)
-    finish_reasons: list[str]  # "stop" (an EOS was sampled) or "length" (hit max_tokens)
+    # "stop" (an EOS was sampled), "length" (hit max_tokens), or "image_token" (an image placeholder
+    # was sampled: vision.py)
+    finish_reasons: list[str]
     # (N, T) 1 on the tokens the model sampled, which alone are trained: the loss, its normalizers,
     # the KL and the completion metrics count these. None: every completion token (single-turn).
     trained_mask: torch.Tensor | None = None
     conversations: list | None = None  # multi-turn rollouts: one conversation.Conversation each
+    # A vision-language model's: each completion's prompt images (a tuple of PIL images, maybe empty).
+    images: list | None = None
 
     def __post_init__(self):
         if self.trained_mask is None:
@@ -149,9 +153,10 @@ class RolloutEngine(Protocol):
 
     @classmethod
     def from_config(cls, rollout, model, tokenizer, eos_ids: list[int], model_name: str,
-                    lockstep: bool) -> RolloutEngine:
+                    lockstep: bool, vision=None) -> RolloutEngine:
         """The engine of `rollout` (config.rollout) for the trainer's `model`. `lockstep`: the model's
-        weights are sharded, so every process makes every forward call (sharding.py)."""
+        weights are sharded, so every process makes every forward call (sharding.py). `vision`: a
+        vision-language model's vision.Vision."""
         ...
 
     def generate(
@@ -160,11 +165,14 @@ class RolloutEngine(Protocol):
         n: int | Sequence[int],
         params: SamplingParams,
         seeds: Sequence[int] | None = None,
+        images: list[tuple] | None = None,
     ) -> RolloutBatch:
         """`n` completions of every prompt, or n[i] of prompt i (a process of a data-parallel run
         may own only part of a group). Completion i samples from its own random stream, seeded by
         seeds[i] (one seed per completion; not needed when greedy): what a completion samples does
-        not depend on the batch or the process it is generated in."""
+        not depend on the batch or the process it is generated in. `images`: a vision-language
+        model's, each prompt's images (a tuple of PIL images, maybe empty), which the returned
+        batch carries per completion (RolloutBatch.images)."""
         ...
 
     def weights_updated(self) -> None:
@@ -270,9 +278,10 @@ def engine_class(name: str) -> type[RolloutEngine]:
     return getattr(importlib.import_module(module), cls)
 
 
-def make_engine(rollout, model, tokenizer, eos_ids: list[int], model_name: str, lockstep: bool = False) -> RolloutEngine:
+def make_engine(rollout, model, tokenizer, eos_ids: list[int], model_name: str, lockstep: bool = False,
+                vision=None) -> RolloutEngine:
     """The engine rollout.engine names, for the trainer's `model` (see RolloutEngine.from_config)."""
-    return engine_class(rollout.engine).from_config(rollout, model, tokenizer, eos_ids, model_name, lockstep)
+    return engine_class(rollout.engine).from_config(rollout, model, tokenizer, eos_ids, model_name, lockstep, vision)
 
 
 def encode_prompt(tokenizer, prompt: list[dict] | str, max_length: int | None = None,
@@ -286,6 +295,37 @@ def encode_prompt(tokenizer, prompt: list[dict] | str, max_length: int | None = 
         text = tokenizer.apply_chat_template(prompt, tools=tools, add_generation_prompt=True, tokenize=False)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return ids[-max_length:] if max_length is not None and len(ids) > max_length else ids
+
+
+def prompt_ids(tokenizer, tools, example, max_length: int | None = None, vision=None) -> list[int]:
+    """The token ids of `example`'s prompt (a tasks.Example) as the engines see it: with the tools'
+    schemas (`tools`: a tools.Tools), and for a vision-language model (`vision`: a vision.Vision)
+    through its processor, each image's tokens in place. Longer than `max_length` keeps the end
+    (data.long_prompts=truncate; with "drop" no longer one is left); a prompt whose images' tokens
+    would be cut is refused (the dataset refuses such rows first, naming them)."""
+    schemas = None if tools is None else tools.schemas
+    if vision is None:
+        return encode_prompt(tokenizer, example.prompt, max_length, schemas)
+    ids = vision.encode(example.prompt, example.images, schemas)
+    if max_length is not None and len(ids) > max_length:
+        if vision.image_tokens(ids[:-max_length]):
+            raise ValueError(f"a prompt of {len(ids)} tokens with {len(example.images)} image(s) is over "
+                             f"data.max_prompt_length={max_length}, and an image's tokens are never cut")
+        ids = ids[-max_length:]
+    return ids
+
+
+def no_images(images, engine: str) -> None:
+    """An engine that cannot take images yet refuses them (the config refuses it first: check_config)."""
+    if images is not None:
+        raise NotImplementedError(f"rollout.engine={engine} does not take images (vision-language models) yet: "
+                                  "use rollout.engine=transformers")
+
+
+def images_of(examples, vision) -> dict:
+    """The `images` argument of an engine's generate for `examples` (tasks.Example): none for a
+    text model, each prompt's images (a tuple, maybe empty) for a vision-language model."""
+    return {} if vision is None else {"images": [e.images for e in examples]}
 
 
 def decode_completions(tokenizer, batch: RolloutBatch, prompts: list) -> list:

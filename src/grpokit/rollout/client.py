@@ -43,6 +43,7 @@ from grpokit.rollout import (STALE_WEIGHTS, TAKEN_OVER, RolloutBatch, SamplingPa
                              join_generation, split_generation)
 from grpokit.rollout.weights import (WeightGroup, backend_between, checksum, device_id, fingerprint,
                                     fingerprint_differences, layout, named_weights)
+from grpokit.vision import to_png
 
 
 class RolloutServerError(RuntimeError):
@@ -237,7 +238,7 @@ class ServerEngine:
     weights_step: int | None  # the trainer step of the weights the last generation used (PipelineEngine)
 
     @classmethod
-    def from_config(cls, rollout, model, tokenizer, eos_ids, model_name, lockstep) -> ServerEngine:
+    def from_config(cls, rollout, model, tokenizer, eos_ids, model_name, lockstep, vision=None) -> ServerEngine:
         return cls(rollout.server_url, model, tokenizer.pad_token_id, rollout.server_timeout)
 
     def __init__(self, urls: str | list[str], model: torch.nn.Module, pad_id: int, timeout_s: float):
@@ -289,8 +290,9 @@ class ServerEngine:
     # ---------------------------------------------------------------- generation
 
     def generate(self, prompts: list[list[int]], n: int | Sequence[int], params: SamplingParams,
-                 seeds: Sequence[int] | None = None) -> RolloutBatch:
+                 seeds: Sequence[int] | None = None, images: list[tuple] | None = None) -> RolloutBatch:
         counts = group_counts(prompts, n)
+        pngs = None if images is None else [[to_png(i) for i in row] for row in images]  # each prompt's, once
         sampling = {"max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
                     "top_k": params.top_k, "min_p": params.min_p}
         answered: list[tuple[list[int], list[dict]]] = []  # (prompt indices, their completions)
@@ -304,9 +306,11 @@ class ServerEngine:
             jobs = {server: share for server, share in zip(up, shares) if share[0]}
 
             def ask(server: RolloutServer, share):
-                _, share_prompts, share_counts, share_seeds = share
-                return server.completions({"prompts": share_prompts, "n": share_counts, "sampling": sampling,
-                                           "seeds": share_seeds})
+                group, share_prompts, share_counts, share_seeds = share
+                request = {"prompts": share_prompts, "n": share_counts, "sampling": sampling, "seeds": share_seeds}
+                if pngs is not None:
+                    request["images"] = [pngs[i] for i in group]
+                return server.completions(request)
 
             results = _concurrently(ask, jobs)
             todo = []
@@ -324,7 +328,10 @@ class ServerEngine:
             raise RolloutServerError(f"the rollout servers sampled one generation with the weights of different "
                                      f"steps {sorted(steps, key=str)}: their weights are out of step")
         self.weights_step = steps.pop() if steps else None
-        return join_generation(prompts, counts, answered, self.pad_id)
+        batch = join_generation(prompts, counts, answered, self.pad_id)
+        if images is not None:
+            batch.images = [images[i] for i in batch.prompt_index.tolist()]
+        return batch
 
     def _leave_out(self, server: RolloutServer, error: BaseException) -> None:
         """`server` failed for good: its share moves to the others, or, if it was the last, the run stops."""

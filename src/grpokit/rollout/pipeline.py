@@ -160,7 +160,10 @@ class Pipeline:
             entry = {"step": q.step, "weights_step": q.weights_step, "seeds": q.seeds}
             if not q.failed():
                 batch = q.result()
-                entry["batch"] = {f.name: getattr(batch, f.name) for f in fields(batch) if f.name != "conversations"}
+                # A vision-language model's images come back with the prompts, drawn again (restore).
+                entry["batch"] = {f.name: getattr(batch, f.name) for f in fields(batch)
+                                  if f.name not in ("conversations", "images")}
+                entry["images"] = batch.images is not None
             out.append(entry)
         return out
 
@@ -173,6 +176,8 @@ class Pipeline:
                 self.again[e["step"]] = (examples, e["seeds"])
                 continue
             batch = RolloutBatch(**e["batch"]) if self.engine is not None else None
+            if batch is not None and e.get("images"):
+                batch.images = [examples[p].images for p in batch.prompt_index.tolist()]
             self.queued[e["step"]] = Queued(e["step"], examples, e["seeds"], e["weights_step"], batch)
 
     def close(self) -> None:

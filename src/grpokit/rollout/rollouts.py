@@ -27,7 +27,7 @@ from grpokit.errors import ConfigError
 from grpokit.evaluate import score
 from grpokit.models import eos_token_ids
 from grpokit.rewards import merge_metrics
-from grpokit.rollout import RolloutBatch, SamplingParams, encode_prompt, engine_class, make_engine
+from grpokit.rollout import RolloutBatch, SamplingParams, engine_class, images_of, make_engine, prompt_ids
 from grpokit.rollout.conversation import MultiTurn
 from grpokit.rollout.pipeline import Pipeline, Queued
 from grpokit.rollout.tools import Tools
@@ -51,15 +51,16 @@ class Sampled:
     note: str | None = None  # what the user should hear about how they were sampled
 
 
-def prompt_ids(tokenizer, tools: Tools | None, example: Example, max_length: int | None = None) -> list[int]:
-    """The token ids of `example`'s prompt as the engines see it (with the tools' schemas); longer
-    than `max_length` keeps the end (data.long_prompts=truncate; with "drop" no longer one is left)."""
-    return encode_prompt(tokenizer, example.prompt, max_length, None if tools is None else tools.schemas)
-
-
-def check_config(config: Config, tools: Tools | None, lockstep: bool) -> None:
-    """Refuse the ways of sampling that do not go together (before anything is loaded)."""
+def check_config(config: Config, tools: Tools | None, lockstep: bool, vision: bool = False) -> None:
+    """Refuse the ways of sampling that do not go together (before anything is loaded); `vision`:
+    the model is a vision-language model."""
     remote = engine_class(config.rollout.engine).remote
+    if vision and config.rollout.engine == "vllm":
+        raise ConfigError("rollout.engine=vllm with a vision-language model is not supported yet: use "
+                          "rollout.engine=transformers, or a `grpokit serve --engine transformers` server")
+    if vision and tools is not None:
+        raise ConfigError("multi-turn rollouts (rollout.tools, rollout.environment) with a vision-language model are "
+                          "not supported yet: a conversation's turns would carry no images")
     if tools is not None and lockstep:
         raise ConfigError("multi-turn rollouts (rollout.tools, rollout.environment) with sharded weights (FSDP2, "
                           "ZeRO-3) are not supported: the processes would take different numbers of turns")
@@ -79,10 +80,11 @@ def check_config(config: Config, tools: Tools | None, lockstep: bool) -> None:
 
 class Rollouts:
     def __init__(self, config: Config, task, tokenizer, tools: Tools | None, policy, parallel,
-                 device: torch.device, seed_stream: torch.Generator):
+                 device: torch.device, seed_stream: torch.Generator, vision=None):
         """policy: the model being trained, as `parallel` (sharding.py) holds it (its wrapping
-        keeps the object); seed_stream: the generator each step draws its sampling seeds from."""
-        self.config, self.task, self.tokenizer, self.tools = config, task, tokenizer, tools
+        keeps the object); seed_stream: the generator each step draws its sampling seeds from;
+        vision: a vision-language model's vision.Vision (prompts carry images)."""
+        self.config, self.task, self.tokenizer, self.tools, self.vision = config, task, tokenizer, tools, vision
         self.policy, self.parallel, self.device, self.seed_stream = policy, parallel, device, seed_stream
         r = config.rollout
         self.remote = engine_class(r.engine).remote  # generating in another process, reached by process 0 alone
@@ -107,7 +109,7 @@ class Rollouts:
         def connect() -> bool:
             nonlocal engine
             engine = make_engine(c.rollout, self.policy, self.tokenizer, eos_token_ids(self.policy, self.tokenizer),
-                                 c.model.name, lockstep=self.parallel.lockstep)
+                                 c.model.name, lockstep=self.parallel.lockstep, vision=self.vision)
             return engine.exact_logprobs
 
         # A server that cannot be used stops every process (on_main hands process 0's error to all).
@@ -156,7 +158,7 @@ class Rollouts:
                               seeds[self.rows].tolist())
 
     def encode(self, example: Example) -> list[int]:
-        return prompt_ids(self.tokenizer, self.tools, example, self.config.data.max_prompt_length)
+        return prompt_ids(self.tokenizer, self.tools, example, self.config.data.max_prompt_length, self.vision)
 
     def _own_rows(self, batch: RolloutBatch) -> RolloutBatch:
         """This process's rows of a whole step a remote engine generated (in host memory), on its device."""
@@ -167,7 +169,8 @@ class Rollouts:
         """counts[i] completions of examples[i]: conversations with tools, or one engine call."""
         if self.multi_turn is not None:
             return self.multi_turn.generate(self.engine, examples, counts, params, seeds)
-        return self.engine.generate([self.encode(e) for e in examples], counts, params, seeds)
+        return self.engine.generate([self.encode(e) for e in examples], counts, params, seeds,
+                                    **images_of(examples, self.vision))
 
     def _step_seeds(self) -> torch.Tensor:
         """(N,) a step's sampling seeds, one per completion, from the seed stream (the same on every process)."""
@@ -264,7 +267,7 @@ class Rollouts:
             chunk = [examples[min(i, len(examples) - 1)] for i in range(first, last)]  # padding repeats the last
             return score(engine or self.engine, self.tokenizer, rewards, chunk, self.greedy,
                          first_index=first, max_prompt_length=self.config.data.max_prompt_length,
-                         multi_turn=self.multi_turn, state=state, logged=logged)
+                         multi_turn=self.multi_turn, state=state, logged=logged, vision=self.vision)
 
         if self.ahead is not None:  # the weights after `step` through the pipeline, in turn
             self.ahead.publish(step, self._weights_snapshot)

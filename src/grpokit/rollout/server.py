@@ -8,7 +8,9 @@ HTTP (FastAPI) carries control; tensors go over a torch.distributed group (weigh
   trainer last pushed; 0 = as loaded), `weights_step` (the trainer step those weights are from,
   when the trainer labels its pushes; null otherwise) and the weights' checksum.
 - `POST /generate`: prompts as token ids, a completion count per prompt, sampling parameters, one
-  seed per completion, the trainer's fingerprint and the `session` / `weights_version` it expects.
+  seed per completion, the trainer's fingerprint and the `session` / `weights_version` it expects;
+  for a vision-language model, each prompt's images (PNG files, base64: lossless, so the server
+  sees the trainer's pixels).
   Returns each completion's token ids, sampling log-probs, entropies (or null when the engine does
   not measure them) and finish reason, and the `weights_version` and `weights_step` sampled with. Answers 409 when the fingerprint differs (the body lists
   what differs), when the weights are not the expected ones (`"stale weights"`: the trainer
@@ -32,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from grpokit.errors import StartupError
 from grpokit.rollout import STALE_WEIGHTS, TAKEN_OVER, SamplingParams, ServedEngine
 from grpokit.rollout.weights import WeightGroup, device_id, fingerprint_differences, layout_hash
+from grpokit.vision import from_png
 
 
 class Sampling(BaseModel):
@@ -54,6 +57,7 @@ class GenerateRequest(BaseModel):
     n: list[int]
     sampling: Sampling
     seeds: list[int] | None = None
+    images: list[list[str]] | None = None  # a vision-language model's: each prompt's images, PNG in base64
 
 
 class GroupRequest(BaseModel):
@@ -116,12 +120,13 @@ class RolloutService:
         params = SamplingParams(**request.sampling.model_dump())
         if params.temperature > 0 and (request.seeds is None or len(request.seeds) != sum(request.n)):
             raise Refused(422, f"sampling needs one seed per completion ({sum(request.n)})")
+        images = self._images(request)
         with self.lock:
             if self.session is not None and request.session != self.session:
                 raise Refused(409, TAKEN_OVER)
             if self.session is None or request.weights_version != self.version:
                 raise Refused(409, STALE_WEIGHTS)
-            batch = self.engine.generate(request.prompts, request.n, params, request.seeds)
+            batch = self.engine.generate(request.prompts, request.n, params, request.seeds, **images)
             version, step = self.version, self.weights_step
         lengths = batch.completion_mask.sum(-1).tolist()
         entropies = None if batch.entropies is None else batch.entropies.tolist()
@@ -135,6 +140,23 @@ class RolloutService:
                                                               lengths, batch.finish_reasons))
             ],
         }
+
+    def _images(self, request: GenerateRequest) -> dict:
+        """The engine's `images` argument from the request's (none for a text model)."""
+        vision = getattr(self.engine, "vision", None)
+        if request.images is None:
+            if vision is not None:
+                raise Refused(422, f"{self.model_name} is a vision-language model: a request must carry each prompt's "
+                                   "images (an empty list for none)")
+            return {}
+        if vision is None:
+            raise Refused(422, f"{self.model_name} is a text model: it takes no images")
+        if len(request.images) != len(request.prompts):
+            raise Refused(422, f"images must hold one list per prompt ({len(request.prompts)}), got {len(request.images)}")
+        try:
+            return {"images": [tuple(from_png(i) for i in row) for row in request.images]}
+        except ValueError as e:
+            raise Refused(422, str(e)) from None
 
     def join_group(self, request: GroupRequest) -> dict:
         self.check_fingerprint(request.fingerprint)
@@ -208,11 +230,15 @@ def serve(model_name: str, engine_name: str, host: str, port: int, dtype: str, t
             raise StartupError(f"grpokit serve cannot listen on {host}:{port}: {e.strerror or e} (choose another "
                                "--port, or stop what uses it)") from None
 
-    from grpokit.models import eos_token_ids, load_model, load_tokenizer
+    from grpokit.models import eos_token_ids, load_model
     from grpokit.rollout.transformers_engine import TransformersEngine
     from grpokit.rollout.weights import fingerprint
+    from grpokit.vision import processing
 
-    tokenizer = load_tokenizer(model_name)
+    tokenizer, vision = processing(model_name)
+    if engine_name == "vllm" and vision is not None:
+        raise StartupError("grpokit serve --engine vllm does not serve vision-language models yet: use --engine "
+                           "transformers")
     if engine_name == "vllm":
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -232,7 +258,7 @@ def serve(model_name: str, engine_name: str, host: str, port: int, dtype: str, t
         # parameters without it (measured: log-probs differ in the last bits), and the server must
         # sample exactly as the trainer's own engine would. Generation runs under no_grad anyway.
         model = load_model(model_name, dtype).eval().to("cuda" if torch.cuda.is_available() else "cpu")
-        engine = TransformersEngine(model, tokenizer.pad_token_id, eos_token_ids(model, tokenizer))
+        engine = TransformersEngine(model, tokenizer.pad_token_id, eos_token_ids(model, tokenizer), vision=vision)
         fp = fingerprint(model)
     else:
         raise StartupError(f"grpokit serve has no way to build the {engine_name!r} engine: use transformers or vllm")

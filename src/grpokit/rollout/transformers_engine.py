@@ -17,6 +17,7 @@ from grpokit import distributed
 from grpokit.logprobs import cache_inputs, position_ids
 from grpokit.rollout import RolloutBatch, SamplingParams
 from grpokit.rollout.weights import checksum, named_weights
+from grpokit.vision import IMAGE_TOKEN
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -70,14 +71,16 @@ class TransformersEngine:
     remote = False
 
     @classmethod
-    def from_config(cls, rollout, model, tokenizer, eos_ids, model_name, lockstep) -> TransformersEngine:
-        return cls(model, pad_id=tokenizer.pad_token_id, eos_ids=eos_ids, lockstep=lockstep)
+    def from_config(cls, rollout, model, tokenizer, eos_ids, model_name, lockstep, vision=None) -> TransformersEngine:
+        return cls(model, pad_id=tokenizer.pad_token_id, eos_ids=eos_ids, lockstep=lockstep, vision=vision)
 
-    def __init__(self, model, pad_id: int, eos_ids: list[int], lockstep: bool = False):
+    def __init__(self, model, pad_id: int, eos_ids: list[int], lockstep: bool = False, vision=None):
+        """vision: a vision-language model's vision.Vision (prompts come with their images)."""
         self.model = model
         self.lockstep = lockstep
         self.pad_id = pad_id
         self.eos_ids = torch.tensor(eos_ids)
+        self.vision = vision
 
     @property
     def device(self) -> torch.device:
@@ -119,16 +122,17 @@ class TransformersEngine:
         n: int | Sequence[int],
         params: SamplingParams,
         seeds: Sequence[int] | None = None,
+        images: list[tuple] | None = None,
     ) -> RolloutBatch:
         model = self.model
         was_training = model.training
         model.eval()  # no dropout while sampling
         try:
-            return self._generate(prompts, n, params, seeds)
+            return self._generate(prompts, n, params, seeds, images)
         finally:
             model.train(was_training)
 
-    def _generate(self, prompts, n, params, seeds) -> RolloutBatch:
+    def _generate(self, prompts, n, params, seeds, images) -> RolloutBatch:
         """Prefill each prompt once, share its key/value cache among its completions, then decode
         every completion together, one token a step."""
         device = self.device
@@ -136,36 +140,47 @@ class TransformersEngine:
         uniforms = _random_streams(params, seeds, int(counts.sum()), device)
         cache = DynamicCache()
         cached = cache_inputs(self.model, cache)
-        prompt_index, prompt_ids, prompt_mask, logits = self._prefill(prompts, counts, cache, cached, device)
-        decoded = self._decode(logits, prompt_mask, params, uniforms, cached, device)
-        return decoded.batch(prompt_index, prompt_ids, prompt_mask)
+        prompt_index, prompt_ids, prompt_mask, logits, next_pos = self._prefill(prompts, counts, cache, cached, device,
+                                                                                 images)
+        decoded = self._decode(logits, prompt_mask, next_pos, params, uniforms, cached, device)
+        batch = decoded.batch(prompt_index, prompt_ids, prompt_mask)
+        if images is not None:
+            batch.images = [images[i] for i in prompt_index.tolist()]
+        return batch
 
-    def _prefill(self, prompts, counts, cache, cached, device):
-        """Run the prompts, left-padded, through the model once, then repeat each prompt's rows of
-        `cache` for its counts[i] completions (the completions of a prompt share its prefill).
-        Returns prompt_index (N,) on the host, the prompt ids and mask (N, Lp) and the logits
-        (N, V) of every completion's first token."""
+    def _prefill(self, prompts, counts, cache, cached, device, images):
+        """Run the prompts, left-padded, through the model once (with their `images`, a vision-
+        language model's), then repeat each prompt's rows of `cache` for its counts[i] completions
+        (the completions of a prompt share its prefill). Returns prompt_index (N,) on the host, the
+        prompt ids and mask (N, Lp), the logits (N, V) of every completion's first token, and its
+        position (N,)."""
         prompt_ids, prompt_mask = _left_padded(prompts, self.pad_id, device)
+        if self.vision is None:
+            extra, positions, next_pos = {}, position_ids(prompt_mask), prompt_mask.sum(-1)
+        else:
+            inputs = self.vision.inputs(self.model, prompt_ids, prompt_mask, images)
+            extra, positions, next_pos = inputs.extra, inputs.position_ids, inputs.next_position
         out = self.model(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
-            position_ids=position_ids(prompt_mask),
+            position_ids=positions,
+            **extra,
             **cached,
             logits_to_keep=1,
         )
         prompt_index = torch.repeat_interleave(torch.arange(len(prompts)), counts)  # (N,)
         index = prompt_index.to(device)
         cache.batch_select_indices(index)  # index the cache instead of recomputing
-        return prompt_index, prompt_ids[index], prompt_mask[index], out.logits[:, -1][index]
+        return prompt_index, prompt_ids[index], prompt_mask[index], out.logits[:, -1][index], next_pos[index]
 
-    def _decode(self, logits, prompt_mask, params, uniforms, cached, device) -> _Decoded:
+    def _decode(self, logits, prompt_mask, next_pos, params, uniforms, cached, device) -> _Decoded:
         """Sample token t of every completion from `logits` (N, V), then run the tokens through the
-        model for the logits of token t + 1, until every completion has ended: an EOS, or
-        params.max_tokens tokens."""
+        model at positions next_pos (N,) on, for the logits of token t + 1, until every completion
+        has ended: an EOS (or a vision-language model's image token), or params.max_tokens tokens."""
         N = logits.shape[0]
-        decoded = _Decoded(N, self.pad_id, self.eos_ids.to(device), device)
+        stops = None if self.vision is None else torch.tensor([self.vision.image_token_id], device=device)
+        decoded = _Decoded(N, self.pad_id, self.eos_ids.to(device), device, stops)
         attn = prompt_mask
-        next_pos = prompt_mask.sum(-1)  # (N,)
         for t in range(params.max_tokens):
             tok = decoded.add(*sample_next(logits, params, None if uniforms is None else uniforms[:, t]))
             if self._all_finished(decoded.finished) or t == params.max_tokens - 1:  # the last token needs no logits after it
@@ -186,10 +201,14 @@ class TransformersEngine:
     def _next_logits(self, tok: torch.Tensor, attn: torch.Tensor, next_pos: torch.Tensor, cached: dict) -> torch.Tensor:
         """One decoding step: the tokens just sampled (N,) through the model, at positions
         `next_pos` (N,) over the cache; the logits (N, V) of the tokens after them."""
+        if self.vision is None:
+            ids, positions = tok[:, None], next_pos[:, None]
+        else:  # an image token just sampled ended its completion: fed as text (vision.py)
+            ids, positions = self.vision.as_text(tok[:, None]), self.vision.continued(self.model, next_pos, 1)
         out = self.model(
-            input_ids=tok[:, None],
+            input_ids=ids,
             attention_mask=attn,
-            position_ids=next_pos[:, None],
+            position_ids=positions,
             **cached,
         )
         return out.logits[:, -1]
@@ -231,9 +250,12 @@ class _Decoded:
     """The completions being decoded: per step, each one's token, its log-prob and the entropy it
     was sampled from, and whether the completion was still going (its mask)."""
 
-    def __init__(self, N: int, pad_id: int, eos_ids: torch.Tensor, device: torch.device):
-        self.pad_id, self.eos_ids = pad_id, eos_ids
-        self.finished = torch.zeros(N, dtype=torch.bool, device=device)  # (N,) an EOS was sampled
+    def __init__(self, N: int, pad_id: int, eos_ids: torch.Tensor, device: torch.device,
+                 image_ids: torch.Tensor | None = None):
+        """image_ids: a vision-language model's image token, which ends a completion too."""
+        self.pad_id, self.eos_ids, self.image_ids = pad_id, eos_ids, image_ids
+        self.finished = torch.zeros(N, dtype=torch.bool, device=device)  # (N,) an EOS (or image token) was sampled
+        self.imaged = torch.zeros(N, dtype=torch.bool, device=device)  # (N,) an image token was sampled
         self.tokens, self.logps, self.entropies, self.masks = [], [], [], []
 
     def add(self, tok: torch.Tensor, lp: torch.Tensor, ent: torch.Tensor) -> torch.Tensor:
@@ -246,6 +268,9 @@ class _Decoded:
         self.entropies.append(torch.where(alive, ent, torch.zeros_like(ent)))
         self.masks.append(alive)
         self.finished = self.finished | torch.isin(tok, self.eos_ids)
+        if self.image_ids is not None:
+            self.imaged = self.imaged | (alive & torch.isin(tok, self.image_ids))
+            self.finished = self.finished | self.imaged
         return tok
 
     def batch(self, prompt_index: torch.Tensor, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> RolloutBatch:
@@ -258,5 +283,6 @@ class _Decoded:
             completion_mask=torch.stack(self.masks, dim=1).long(),
             sampling_logps=torch.stack(self.logps, dim=1),
             entropies=torch.stack(self.entropies, dim=1),
-            finish_reasons=["stop" if f else "length" for f in self.finished.tolist()],
+            finish_reasons=[IMAGE_TOKEN if i else "stop" if f else "length"
+                            for f, i in zip(self.finished.tolist(), self.imaged.tolist())],
         )

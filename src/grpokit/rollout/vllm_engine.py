@@ -43,7 +43,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from grpokit.errors import StartupError
-from grpokit.rollout import (RolloutBatch, SamplingParams, from_completions, group_counts, join_generation,
+from grpokit.rollout import (RolloutBatch, SamplingParams, from_completions, group_counts, join_generation, no_images,
                              split_generation)
 from grpokit.rollout.weights import Checksum
 
@@ -144,7 +144,7 @@ class VLLMEngine:
     device: torch.device  # CUDA (ServedEngine)
 
     @classmethod
-    def from_config(cls, rollout, model, tokenizer, eos_ids, model_name, lockstep) -> VLLMEngine:
+    def from_config(cls, rollout, model, tokenizer, eos_ids, model_name, lockstep, vision=None) -> VLLMEngine:
         return cls(model_path(model_name), str(next(model.parameters()).dtype).removeprefix("torch."),
                    tokenizer.pad_token_id, eos_ids, policy=model, sleep=rollout.vllm_sleep,
                    gpu_memory_utilization=rollout.vllm_gpu_memory_utilization)
@@ -222,7 +222,8 @@ class VLLMEngine:
             self.dirty = True
 
     def generate(self, prompts: list[list[int]], n: int | Sequence[int], params: SamplingParams,
-                 seeds: Sequence[int] | None = None) -> RolloutBatch:
+                 seeds: Sequence[int] | None = None, images: list[tuple] | None = None) -> RolloutBatch:
+        no_images(images, "vllm")
         if self.dirty:
             from grpokit.rollout.weights import named_weights
 
@@ -320,9 +321,10 @@ class DataParallelVLLM:
         return self.checksum
 
     def generate(self, prompts: list[list[int]], n: int | Sequence[int], params: SamplingParams,
-                 seeds: Sequence[int] | None = None) -> RolloutBatch:
+                 seeds: Sequence[int] | None = None, images: list[tuple] | None = None) -> RolloutBatch:
         """Prompt groups split among the replicas by expected tokens (each completion samples from
         its own seed, so the split does not change what is sampled), answers in the prompts' order."""
+        no_images(images, "vllm")
         counts = group_counts(prompts, n)
         shares = split_generation(prompts, counts, seeds, params.max_tokens, len(self.pipes))
         asked = {r: share for r, share in enumerate(shares) if share[0]}

@@ -73,7 +73,7 @@ def fingerprint(model: torch.nn.Module) -> dict:
     config = plain.config
     return {
         "architecture": (getattr(config, "architectures", None) or [type(plain).__name__])[0],
-        "vocab_size": int(config.vocab_size),
+        "vocab_size": int(config.get_text_config().vocab_size),  # a vision-language model's is its text model's
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "parameters": layout_hash(layout(named_weights(model))),
     }

@@ -2,7 +2,8 @@
 position), so a run resumes anywhere; a held-out split (`eval_examples`); and the reward functions
 that score it when reward.functions does not name others.
 
-Built-in tasks are in TASKS (data.task); `environment` takes its prompts from the environment's
+Built-in tasks are in TASKS (data.task), `shapes` the picture task of vision-language models
+(shapes.py); `environment` takes its prompts from the environment's
 reset() (environment.py); `reasoning_gym:<name>` is one of reasoning-gym's datasets
 (reasoning_gym.py); a dataset file (data.path) becomes a task in dataset.py.
 """
@@ -11,16 +12,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from grpokit.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Example:
     prompt: list[dict[str, str]] | str  # chat messages (rendered with the chat template) or plain text
     columns: dict = field(default_factory=dict)  # passed to reward functions (e.g. answer=...)
+    images: tuple = ()  # RGB PIL images, one per {"type": "image"} part of the prompt, in order (vision.py)
 
 
 # data.task -> the module and class of a built-in task, imported when chosen.
 TASKS = {"arithmetic": "grpokit.tasks.arithmetic:ArithmeticTask", "calculator": "grpokit.tasks.calculator:CalculatorTask",
-         "environment": "grpokit.tasks.environment:EnvironmentTask"}
+         "environment": "grpokit.tasks.environment:EnvironmentTask", "shapes": "grpokit.tasks.shapes:ShapesTask"}
 
 
 def check_task_name(name: str) -> str | None:
@@ -65,4 +69,7 @@ def make_task(data, seed: int, prompt_length):
 
     if data.task.startswith(PREFIX):
         return ReasoningGymTask(data.task.removeprefix(PREFIX), data.task_args, seed=seed, eval_size=data.eval_size)
-    return _task_class(data.task)(seed=seed, eval_size=data.eval_size)
+    try:  # task_args: the shapes task's (the config refuses them for the others)
+        return _task_class(data.task)(seed=seed, eval_size=data.eval_size, **data.task_args)
+    except TypeError as e:
+        raise ConfigError(f"data.task_args={data.task_args!r} for data.task={data.task}: {e}") from None

@@ -8,6 +8,13 @@ before training starts; a bad one is an error naming the file, the row and the p
 Prompts follow TRL's two shapes: a list of chat messages ({"role", "content"}), rendered with the
 model's chat template, or a string. A string is sent as one user message through the chat
 template (`data.chat_template=true`, the default) or as plain text (false, TRL's behaviour).
+
+Images, for vision-language models, as TRL takes them: an `image` column (one) or an `images`
+column (a list), each a file path (relative to the data file's folder), a PIL image or `datasets`'
+{"bytes", "path"}. A message's content may then be a list of parts, {"type": "image"} and
+{"type": "text", "text": ...}, one image part per image in order; a prompt without image parts gets
+its images before the text of its first user message (a plain-text prompt with images becomes a
+user message, whatever data.chat_template says: plain text has no place for an image).
 """
 
 from __future__ import annotations
@@ -121,8 +128,38 @@ def _json(p: Path) -> list[tuple[str, dict]]:
     return [(f"{p}:row {i}", row) for i, row in enumerate(data, start=1)]
 
 
-def to_example(row: dict, where: str, cfg: DataConfig) -> Example:
-    """One dataset row as an Example; DataError naming `where` when the row cannot be used."""
+def _is_content(content) -> bool:
+    """A message's content: a string, or a list of text and image parts."""
+    return isinstance(content, str) or (isinstance(content, list) and all(
+        isinstance(p, dict) and (p.get("type") == "image" or (p.get("type") == "text" and isinstance(p.get("text"), str)))
+        for p in content))
+
+
+def _text(content) -> str:
+    return content if isinstance(content, str) else "".join(p["text"] for p in content if p["type"] == "text")
+
+
+# The columns that hold a row's images (TRL's names).
+IMAGE_COLUMNS = ("image", "images")
+
+
+def row_images(row: dict, where: str, base: Path | None) -> tuple:
+    """The images of a row (its `image` or `images` column) as RGB PIL images."""
+    from grpokit.vision import open_image
+
+    present = [c for c in IMAGE_COLUMNS if row.get(c) is not None]
+    if not present:
+        return ()
+    if len(present) == 2:
+        raise DataError(f"{where}: both an 'image' and an 'images' column; give the images in one")
+    value = row[present[0]]
+    values = list(value) if present[0] == "images" and isinstance(value, (list, tuple)) else [value]
+    return tuple(open_image(v, base, where) for v in values)
+
+
+def to_example(row: dict, where: str, cfg: DataConfig, base: Path | None = None) -> Example:
+    """One dataset row as an Example; DataError naming `where` when the row cannot be used.
+    base: the folder that image paths are relative to (the data file's)."""
     if row.get(cfg.prompt_column) is None:
         present = sorted(k for k, v in row.items() if v is not None)
         raise DataError(f"{where}: no column {cfg.prompt_column!r} (data.prompt_column); columns: {present}")
@@ -138,7 +175,7 @@ def to_example(row: dict, where: str, cfg: DataConfig) -> Example:
         if cfg.chat_template:
             prompt = [{"role": "user", "content": prompt}]
     elif isinstance(prompt, list) and prompt and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
+        isinstance(m, dict) and isinstance(m.get("role"), str) and _is_content(m.get("content")) for m in prompt
     ):
         # Role and content, and a few-shot conversation's tool calls and tool names.
         prompt = [{k: m[k] for k in ("role", "content", "tool_calls", "name") if k in m} for m in prompt]
@@ -146,13 +183,15 @@ def to_example(row: dict, where: str, cfg: DataConfig) -> Example:
             if m["role"] not in ROLES:
                 raise DataError(f"{where}: message {i} of the prompt (column {cfg.prompt_column!r}) has role "
                                 f"{m['role']!r}; a chat template knows {', '.join(ROLES)}")
-        if not any(m["content"].strip() for m in prompt):
+        if not any(_text(m["content"]).strip() or isinstance(m["content"], list) for m in prompt):
             raise DataError(f"{where}: the prompt (column {cfg.prompt_column!r}) has only empty messages")
     else:
         raise DataError(
             f"{where}: the prompt (column {cfg.prompt_column!r}) must be a string or a non-empty list of "
-            f"{{role, content}} messages, got {str(prompt)[:80]!r}"
+            f"{{role, content}} messages (content: a string, or a list of text and image parts), got {str(prompt)[:80]!r}"
         )
+    images = row_images(row, where, base)
+    prompt = _place_images(prompt, len(images), where, cfg)
     if cfg.system_prompt:
         if isinstance(prompt, str):
             prompt = cfg.system_prompt + "\n\n" + prompt
@@ -163,7 +202,25 @@ def to_example(row: dict, where: str, cfg: DataConfig) -> Example:
         if row.get(cfg.answer_column) in (None, ""):
             raise DataError(f"{where}: no value in column {cfg.answer_column!r} (data.answer_column; null if none)")
         columns["answer"] = row[cfg.answer_column]  # what the built-in rewards read
-    return Example(prompt=prompt, columns=columns)
+    return Example(prompt=prompt, columns=columns, images=images)
+
+
+def _place_images(prompt, count: int, where: str, cfg: DataConfig):
+    """The prompt with one image part per image: as it has them, or added before the first user
+    message's text; DataError when it has image parts that do not match the images."""
+    from grpokit.vision import image_parts, with_image_parts
+
+    parts = image_parts(prompt)
+    if parts == count:
+        return prompt
+    if parts:
+        raise DataError(f"{where}: the prompt has {parts} image part(s) ({{'type': 'image'}}) but the row has {count} "
+                        f"image(s) (column 'image' / 'images'): one part per image, in order")
+    if isinstance(prompt, str):  # plain text has no place for an image: a user message holds both
+        prompt = [{"role": "user", "content": prompt}]
+    if not any(m["role"] == "user" for m in prompt):
+        raise DataError(f"{where}: the prompt has no user message to put its {count} image(s) in")
+    return with_image_parts(prompt, count)
 
 
 class DatasetTask:
@@ -207,17 +264,23 @@ class DatasetTask:
             # The default name, and no row has it (TRL's datasets name their columns freely): no
             # `answer` argument; a reward function that needs one says so at start-up.
             cfg = dataclasses.replace(cfg, answer_column=None)
-        examples = [to_example({k: row.get(k) for k in columns}, where, cfg) for where, row in rows]
+        base = Path(path).parent if Path(path).is_file() else None  # image paths are relative to a data file
+        examples = [to_example({k: row.get(k) for k in columns}, where, cfg, base) for where, row in rows]
         if not examples:
             raise DataError(f"{path}: no rows")
         if cfg.max_prompt_length is None:
             return examples
         kept, dropped, truncated = [], 0, 0
-        for e in examples:
-            if prompt_length(e) <= cfg.max_prompt_length:
+        for (where, _), e in zip(rows, examples):
+            length = prompt_length(e)
+            if length <= cfg.max_prompt_length:
                 kept.append(e)
             elif cfg.long_prompts == "drop":
                 dropped += 1
+            elif e.images:
+                raise DataError(f"{where}: the prompt is {length} tokens with its {len(e.images)} image(s), over "
+                                f"data.max_prompt_length={cfg.max_prompt_length}, and an image's tokens are never cut: "
+                                "raise data.max_prompt_length, or set data.long_prompts=drop to leave such rows out")
             else:  # the last max_prompt_length tokens are kept when it is encoded (rollouts.prompt_ids)
                 kept.append(e)
                 truncated += 1
