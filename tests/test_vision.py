@@ -242,6 +242,40 @@ def test_a_missing_image_file_names_the_row_and_the_file(tmp_path, make_trainer)
         make_trainer("idefics3", f"data.path={data}")
 
 
+def test_a_text_model_is_refused_data_with_images(tmp_path):
+    data = write_rows(tmp_path)
+    config = load_config(None, ["model.name=tiny-random", f"data.path={data}", "data.eval_size=0",
+                                "reward.functions=[length]", f"train.output_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=r"a prompt has 1 image\(s\) .* and the model is a text model"):
+        Trainer(config, progress=False)
+    assert not (tmp_path / "run").exists()  # a refused start leaves no folder
+
+
+def test_a_text_model_is_refused_message_parts(tmp_path):
+    data = tmp_path / "parts.jsonl"
+    data.write_text(json.dumps({"prompt": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}) + "\n")
+    config = load_config(None, ["model.name=tiny-random", f"data.path={data}", "data.eval_size=0",
+                                "reward.functions=[length]", f"train.output_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match="messages whose content is a list of parts, and the model is a text model"):
+        Trainer(config, progress=False)
+
+
+def test_sharded_weights_with_a_vision_model_are_refused():
+    from grpokit.rollout.rollouts import check_config
+
+    with pytest.raises(ConfigError, match="sharded weights .* with a vision-language model are not supported yet"):
+        check_config(load_config(None, []), None, lockstep=True, vision=True)
+
+
+def test_model_chat_template_renders_a_vision_model_s_prompts(tmp_path, make_trainer):
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}]{% for p in m['content'] %}"
+                        "{% if p['type'] == 'image' %}<image>{% else %}{{ p['text'] }}{% endif %}{% endfor %}"
+                        "{% endfor %}ANSWER:")
+    trainer = make_trainer("idefics3", f"model.chat_template={template}")
+    assert trainer.vision.render(messages(0, "hi")) == "[user]hiANSWER:"
+
+
 def test_more_image_parts_than_images_is_an_error_naming_the_row(tmp_path, make_trainer):
     image((1, 2, 3)).save(tmp_path / "a.png")
     prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "?"}]}]

@@ -151,6 +151,8 @@ class Trainer:
         # vision: a vision-language model's processor and what its passes need (vision.py); None for text.
         self.tokenizer, self.vision = processing(config.model.name, tokenizer)
         self.tools = Tools.from_config(config, self.tokenizer)  # None: single-turn rollouts
+        if self.vision is not None and config.model.chat_template:  # the template prompts are rendered with
+            self.vision.processor.chat_template = self.tokenizer.chat_template
         check_config(config, self.tools, self.parallel.lockstep, vision=self.vision is not None)
         if config.algorithm.sync_ref_model and self.parallel.lockstep:
             raise ConfigError("algorithm.sync_ref_model with sharded weights (FSDP2, ZeRO-3) is not supported: the "

@@ -32,6 +32,8 @@ from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 
+from grpokit.errors import ConfigError
+
 
 # A rollout server's answers (HTTP 409) to a request that expects other weights than it holds,
 # and to a trainer whose place another trainer took.
@@ -305,6 +307,13 @@ def prompt_ids(tokenizer, tools, example, max_length: int | None = None, vision=
     would be cut is refused (the dataset refuses such rows first, naming them)."""
     schemas = None if tools is None else tools.schemas
     if vision is None:
+        parts = not isinstance(example.prompt, str) and any(isinstance(m["content"], list) for m in example.prompt)
+        if example.images or parts:
+            what = f"{len(example.images)} image(s) (data column image / images)" if example.images else \
+                "messages whose content is a list of parts"
+            raise ConfigError(f"a prompt has {what}, and the model is a text model: train a vision-language model "
+                              "on it (docs/vision.md), or give text content and no images "
+                              f"(the prompt: {str(example.prompt)[:120]!r})")
         return encode_prompt(tokenizer, example.prompt, max_length, schemas)
     ids = vision.encode(example.prompt, example.images, schemas)
     if max_length is not None and len(ids) > max_length:

@@ -58,6 +58,10 @@ def check_config(config: Config, tools: Tools | None, lockstep: bool, vision: bo
     if vision and config.rollout.engine == "vllm":
         raise ConfigError("rollout.engine=vllm with a vision-language model is not supported yet: use "
                           "rollout.engine=transformers, or a `grpokit serve --engine transformers` server")
+    if vision and lockstep:
+        raise ConfigError("sharded weights (FSDP2, ZeRO-3) with a vision-language model are not supported yet: a "
+                          "process whose rows have no image would skip the vision encoder's gathers that the others "
+                          "take; use data parallelism")
     if vision and tools is not None:
         raise ConfigError("multi-turn rollouts (rollout.tools, rollout.environment) with a vision-language model are "
                           "not supported yet: a conversation's turns would carry no images")
