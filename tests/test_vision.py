@@ -296,16 +296,29 @@ def test_a_prompt_whose_images_do_not_fit_is_an_error_or_left_out(tmp_path, make
     assert any("dropped 1 of 3 prompts" in note for note in trainer.task.notes)
 
 
-def test_a_vision_model_needs_its_processor_and_is_refused_by_vllm(tmp_path, make_trainer):
+def test_a_vision_model_needs_its_processor(tmp_path, monkeypatch):
     from grpokit.models import load_processor
 
+    monkeypatch.setitem(REWARD_FUNCTIONS, "shortness", shortness)
     model, processor = BUILDS["idefics3"](torch.float64)
     config = load_config(None, ["model.name=x", "reward.functions=[shortness]", f"data.path={write_rows(tmp_path)}",
                                 f"train.output_dir={tmp_path / 'r'}", "data.eval_size=0"])
     with pytest.raises(ConfigError, match="vision-language model but came with a tokenizer"):
         Trainer(config, progress=False, model=model, tokenizer=load_processor("tiny-random-vlm").tokenizer)
-    with pytest.raises(ConfigError, match="rollout.engine=vllm with a vision-language model is not supported yet"):
-        make_trainer("idefics3", "rollout.engine=vllm")
+
+
+def test_placeholder_ids_are_the_prompt_as_the_tokenizer_alone_encodes_it(built):
+    """What vLLM takes beside the images (verl and TRL hand it the same): each image's tokens folded
+    back into the chat template's placeholder; the processor expands them into the prompt again."""
+    _, _, processor, vision = built
+    for prompt, images in [*ROWS, (messages(2, "\n\ntwo\n"), (image((1, 2, 3), (60, 90)), image((4, 5, 6))))]:
+        ids = vision.encode(prompt, images)
+        folded = vision.placeholder_ids(ids, images)
+        assert folded == processor.tokenizer(vision.render(prompt), add_special_tokens=False)["input_ids"]
+        assert vision.image_tokens(folded) < vision.image_tokens(ids) or not images
+        assert vision.encode(processor.tokenizer.decode(folded), images) == ids
+    with pytest.raises(ValueError, match="image 0 of a prompt: its tokens are not in the prompt"):
+        vision.placeholder_ids(vision.encode(*ROWS[1]), (image((1, 1, 1)),))
 
 
 @pytest.mark.process

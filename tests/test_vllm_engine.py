@@ -3,7 +3,6 @@ a GPU): request building, result conversion, weight names and loading, sleep mod
 importance-sampling correction for an engine whose log-probs are not its own."""
 
 import json
-import os
 import sys
 import types
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     outputs: list
+    prompt_token_ids: list | None = None
 
 
 @dataclass
@@ -84,26 +84,23 @@ class FakeLLM:
 def fake_vllm(monkeypatch):
     vllm = types.ModuleType("vllm")
     vllm.SamplingParams, vllm.LLM = FakeSamplingParams, FakeLLM
-    inputs = types.ModuleType("vllm.inputs")
-    inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}  # a TypedDict in vLLM
-    vllm.inputs = inputs
     monkeypatch.setitem(sys.modules, "vllm", vllm)
-    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     return vllm
 
 
 def test_requests_one_per_seeded_completion_or_n_per_greedy_prompt(fake_vllm):
-    from grpokit.rollout.vllm_engine import build_requests
+    from grpokit.rollout.vllm_engine import build_requests, prompt_inputs
 
     params = SamplingParams(max_tokens=4, temperature=0.7, top_p=0.9, top_k=0, min_p=0.05)
-    prompts, sampling = build_requests(fake_vllm, [[1, 2], [3]], [2, 1], params, [7, 8, 9], [2])
+    inputs = prompt_inputs([[1, 2], [3]], None, None)
+    prompts, sampling = build_requests(fake_vllm, inputs, [2, 1], params, [7, 8, 9], [2])
     assert prompts == [{"prompt_token_ids": [1, 2]}] * 2 + [{"prompt_token_ids": [3]}]
     assert [(s.n, s.seed) for s in sampling] == [(1, 7), (1, 8), (1, 9)]
     s = sampling[0]
     assert (s.temperature, s.top_p, s.top_k, s.min_p, s.max_tokens, s.logprobs, s.stop_token_ids, s.detokenize) == \
         (0.7, 0.9, -1, 0.05, 4, 0, [2], False)
-    prompts, sampling = build_requests(fake_vllm, [[1, 2], [3]], [2, 1], SamplingParams(4, 0.0, top_k=5), None, [2])
+    prompts, sampling = build_requests(fake_vllm, inputs, [2, 1], SamplingParams(4, 0.0, top_k=5), None, [2])
     assert len(prompts) == 2 and [(s.n, s.seed, s.top_k, s.temperature, s.min_p) for s in sampling] == \
         [(2, None, 5, 0.0, 0.0), (1, None, 5, 0.0, 0.0)]
 
@@ -127,6 +124,110 @@ def test_outputs_become_a_rollout_batch():
     assert batch.entropies is None and batch.finish_reasons == ["stop", "length", "stop"]
     with pytest.raises(RuntimeError, match="no log-prob"):
         to_completions([RequestOutput([CompletionOutput([11], None, "stop")])])
+
+
+def expanded(processor, prompt: dict) -> list[int]:
+    """A vLLM prompt as vLLM's processor expands it: the placeholders of its images into their tokens."""
+    images = prompt.get("multi_modal_data", {}).get("image")
+    text = processor.tokenizer.decode(prompt["prompt_token_ids"])
+    return list(processor(text=[text], images=[images] if images else None, add_special_tokens=False)["input_ids"][0])
+
+
+class VisionLLM(FakeLLM):
+    """Expands each prompt's images as vLLM would (with the model's processor; `cut` tokens fewer
+    when told to differ); request 0 samples the image token."""
+
+    processor, image_token_id, cut = None, None, 0
+
+    def generate(self, prompts, sampling, use_tqdm=True):
+        self.calls.append(("generate", prompts, sampling))
+        outputs = []
+        for i, prompt in enumerate(prompts):
+            ids = [5 + i, self.image_token_id if i == 0 else 6]
+            ran = expanded(self.processor, prompt)
+            outputs.append(RequestOutput([CompletionOutput(ids, [{t: Logprob(-0.5)} for t in ids], "stop")],
+                                         ran[:len(ran) - self.cut]))
+        return outputs
+
+
+def test_a_vision_model_s_prompts_reach_vllm_as_placeholders_with_their_images(fake_vllm, monkeypatch):
+    """vLLM takes the prompt as the tokenizer alone encodes it and the images as multi_modal_data, and
+    expands them itself: what it ran must be the trainer's prompt. A sampled image token ends its
+    completion (finish reason image_token), as with every engine."""
+    from vlms import idefics3, image, messages
+
+    from grpokit.rollout.vllm_engine import VLLMEngine
+    from grpokit.vision import IMAGE_TOKEN, Vision
+
+    _, processor = idefics3()
+    vision = Vision(processor)
+    monkeypatch.setattr(fake_vllm, "LLM", VisionLLM)
+    monkeypatch.setattr(VisionLLM, "processor", processor)
+    monkeypatch.setattr(VisionLLM, "image_token_id", vision.image_token_id)
+    eos = processor.tokenizer.eos_token_id
+    engine = VLLMEngine("/models/x", "float32", processor.tokenizer.pad_token_id, [eos], vision=vision)
+    rows = [(messages(2, "Two?"), (image((255, 0, 0)), image((0, 0, 255), (90, 60)))), (messages(0, "None."), ())]
+    prompts = [vision.encode(p, images) for p, images in rows]
+    batch = engine.generate(prompts, 2, SamplingParams(2), [1, 2, 3, 4], images=[images for _, images in rows])
+
+    requests, sampling = engine.llm.calls[-1][1:]
+    assert requests[0] is requests[1] and requests[2] is requests[3]  # one request per seeded completion
+    assert requests[0]["prompt_token_ids"] == processor.tokenizer(vision.render(rows[0][0]),
+                                                                  add_special_tokens=False)["input_ids"]
+    assert requests[0]["multi_modal_data"] == {"image": list(rows[0][1])}
+    assert requests[2] == {"prompt_token_ids": prompts[1]}  # no image: the ids as they are
+    assert all(s.stop_token_ids == [eos, vision.image_token_id] for s in sampling)
+    assert batch.finish_reasons == [IMAGE_TOKEN, "stop", "stop", "stop"]
+    assert batch.images == [rows[0][1], rows[0][1], (), ()]
+    width = max(map(len, prompts))
+    assert batch.prompt_ids[0, width - len(prompts[0]):].tolist() == prompts[0]  # the trainer's ids: expanded
+
+    monkeypatch.setattr(VisionLLM, "cut", 1)
+    with pytest.raises(RuntimeError, match="vLLM expanded the images of request 0 into other tokens than the model's "
+                                           "processor did"):
+        engine.generate(prompts, 1, SamplingParams(2), [1, 2], images=[images for _, images in rows])
+    with pytest.raises(ValueError, match="takes each prompt's images"):
+        engine.generate(prompts, 1, SamplingParams(2), [1, 2])
+
+
+def test_a_vision_run_samples_with_vllm(fake_vllm, monkeypatch, tmp_path):
+    """The trainer hands vLLM each prompt's images (the shapes task: one picture each) and trains on
+    what it sampled, with its images in every pass."""
+    from grpokit import distributed
+    from grpokit.config import load_config
+    from grpokit.models import load_model, load_processor
+    from grpokit.trainer import Trainer
+    from grpokit.vision import Vision
+
+    processor = load_processor("tiny-random-vlm")
+    monkeypatch.setattr(fake_vllm, "LLM", VisionLLM)
+    monkeypatch.setattr(VisionLLM, "processor", processor)
+    monkeypatch.setattr(VisionLLM, "image_token_id", Vision(processor).image_token_id)
+    monkeypatch.setattr(distributed, "init", lambda: torch.device("cpu"))  # vLLM "sees" a GPU; the trainer runs here
+    run = tmp_path / "run"
+    config = load_config(None, ["model.name=/models/vlm", "data.task=shapes", "reward.functions=[named_answer]",
+                                "rollout.engine=vllm", "train.max_steps=1", "train.prompts_per_step=2",
+                                "rollout.num_generations=2", "rollout.max_completion_length=2", "data.eval_size=0",
+                                f"train.output_dir={run}"])
+    trainer = Trainer(config, progress=False, model=load_model("tiny-random-vlm"), tokenizer=processor)
+    trainer.train()
+    requests = [r for call in trainer.rollouts.engine.llm.calls if call[0] == "generate" for r in call[1]]
+    assert len(requests) == 4 and all(len(r["multi_modal_data"]["image"]) == 1 for r in requests)
+    row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["images/per_prompt"] == 1 and row["completions/image_token_ratio"] == 0.25  # request 0's
+    assert "sampling/importance_sampling_ratio/mean" in row  # vLLM's log-probs are not the trainer's
+
+
+def test_vllm_loads_the_assembled_vision_model_and_not_the_in_memory_ones(monkeypatch):
+    from grpokit import models
+    from grpokit.errors import StartupError
+    from grpokit.rollout.vllm_engine import model_path
+
+    monkeypatch.setattr(models, "bundled_vlm_path", lambda: "/cache/smollm2-135m-vision-v1")
+    assert model_path("smollm2-135m-vision") == "/cache/smollm2-135m-vision-v1"
+    for name in ("tiny-random", "tiny-random-vlm"):
+        with pytest.raises(StartupError, match=f"{name} exists only in memory"):
+            model_path(name)
 
 
 def test_weight_names_lose_their_wrappers():
@@ -198,16 +299,19 @@ def test_the_trainer_corrects_an_engine_whose_logprobs_are_not_its_own(tmp_path,
             assert not any(k.startswith("sampling/") for k in row)
 
 
-def test_a_vllm_server_fingerprints_its_model_from_the_config_alone(tiny):
+@pytest.mark.parametrize("name", ["tiny-random", "tiny-random-vlm"])
+def test_a_vllm_server_fingerprints_its_model_from_the_config_alone(name):
     """`grpokit serve --engine vllm` builds its fingerprint from a meta-device model (vLLM keeps the
     weights): it must equal that of the trainer's real model, tied weights included."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    from grpokit.models import load_model
     from grpokit.rollout.weights import fingerprint
 
-    model, _ = tiny
+    model = load_model(name)
     with torch.device("meta"):
-        shapes = AutoModelForCausalLM.from_config(model.config)
+        auto = AutoModelForImageTextToText if name.endswith("vlm") else AutoModelForCausalLM
+        shapes = auto.from_config(model.config)
     assert fingerprint(shapes) == fingerprint(model)
     assert [n for n, _ in named_weights(shapes)] == [n for n, _ in named_weights(model)]
 
@@ -223,6 +327,18 @@ torch.cuda.is_available = lambda: True  # the boundary: vLLM would run on the GP
 class SamplingParams:
     def __init__(self, **kwargs):
         self.__dict__.update(kwargs)
+
+
+def _expanded(prompt):
+    """The prompt with its images' placeholders expanded, as vLLM's processor would."""
+    images = prompt.get("multi_modal_data", {}).get("image")
+    if not images:
+        return prompt["prompt_token_ids"]
+    from grpokit.models import load_processor
+
+    processor = load_processor("tiny-random-vlm")
+    text = processor.tokenizer.decode(prompt["prompt_token_ids"])
+    return list(processor(text=[text], images=[images], add_special_tokens=False)["input_ids"][0])
 
 
 class _Model:
@@ -257,7 +373,7 @@ class LLM:
             ids = [params.seed % 50 + 3, len(prompt["prompt_token_ids"]) + 3][: params.max_tokens]
             sample = type("Sample", (), {"token_ids": ids, "finish_reason": "length",
                                          "logprobs": [{t: type("L", (), {"logprob": -0.25})()} for t in ids]})()
-            outputs.append(type("Output", (), {"outputs": [sample]})())
+            outputs.append(type("Output", (), {"outputs": [sample], "prompt_token_ids": _expanded(prompt)})())
         return outputs
 
     def collective_rpc(self, method, args=()):
@@ -273,28 +389,37 @@ class LLM:
 def test_data_parallel_replicas_split_the_groups_and_each_load_the_weights(tmp_path, monkeypatch, tiny):
     """`grpokit serve --engine vllm --data-parallel-size 2 --tensor-parallel-size 2`: two replica processes,
     each on its own 2 GPUs with vLLM's tensor parallelism; answers in the prompts' order, whichever
-    replica sampled them; every push loaded into both."""
+    replica sampled them; every push loaded into both. The model is a vision-language model: each
+    replica gets its prompts' images."""
+    from vlms import image, messages
+
+    from grpokit.models import load_processor
     from grpokit.rollout.vllm_engine import DataParallelVLLM
+    from grpokit.vision import Vision
 
     (tmp_path / "vllm").mkdir()
     (tmp_path / "vllm" / "__init__.py").write_text(FAKE_VLLM)
-    (tmp_path / "vllm" / "inputs.py").write_text("def TokensPrompt(prompt_token_ids):\n"
-                                                 "    return {'prompt_token_ids': prompt_token_ids}\n")
     monkeypatch.syspath_prepend(str(tmp_path))  # a spawned process starts with its parent's sys.path
     monkeypatch.setenv("FAKE_VLLM_LOG", str(tmp_path / "replicas.jsonl"))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     with pytest.raises(Exception, match="3 x --tensor-parallel-size 2 needs 6 GPUs; 4 are visible"):
         DataParallelVLLM(3, 2, model_path="/models/x", dtype="float32", pad_id=0, eos_ids=[2])
-    engine = DataParallelVLLM(2, 2, model_path="/models/x", dtype="float32", pad_id=0, eos_ids=[2])
+    vision = Vision(load_processor("tiny-random-vlm"))
+    engine = DataParallelVLLM(2, 2, model_path="/models/x", dtype="float32", pad_id=0, eos_ids=[2], vision=vision)
     try:
         replicas = [json.loads(line) for line in (tmp_path / "replicas.jsonl").read_text().splitlines()]
         assert sorted((r["gpus"], r["tp"]) for r in replicas) == [("4,5", 2), ("6,7", 2)]
         assert len({r["pid"] for r in replicas}) == 2
-        prompts, counts, seeds = [[1, 2, 3, 4, 5], [6], [7, 8], [9, 9, 9]], [2, 1, 3, 2], list(range(100, 108))
-        batch = engine.generate(prompts, counts, SamplingParams(2), seeds)
-        lengths = [len(p) for p, k in zip(prompts, counts) for _ in range(k)]
+        images = [(image((255, 0, 0)),), (), (image((0, 255, 0)), image((0, 0, 255))), ()]
+        prompts = [vision.encode(messages(1, "One"), images[0]), [6], vision.encode(messages(2, "Two"), images[2]),
+                   [9, 9, 9]]
+        counts, seeds = [2, 1, 3, 2], list(range(100, 108))
+        batch = engine.generate(prompts, counts, SamplingParams(2), seeds, images=images)
+        # vLLM was given each prompt as the tokenizer encodes it (its images' placeholders folded)
+        lengths = [len(vision.placeholder_ids(p, i)) for p, i, k in zip(prompts, images, counts) for _ in range(k)]
         assert batch.completion_ids.tolist() == [[s % 50 + 3, n + 3] for s, n in zip(seeds, lengths)]
         assert batch.prompt_index.tolist() == [0, 0, 1, 2, 2, 2, 3, 3]
+        assert batch.images == [images[i] for i in batch.prompt_index.tolist()]
         model, _ = tiny
         assert engine.load_weights(named_weights(model)) == checksum(named_weights(model)) == engine.weights_checksum()
     finally:

@@ -118,9 +118,6 @@ def evaluate_model(config, model_path: str, num_samples: int = 1, output: str | 
 
     tokenizer, vision = processing(model_path)
     tools = Tools.from_config(config, tokenizer, model_path)
-    if vision is not None and config.rollout.engine == "vllm":
-        raise ConfigError("grpokit eval of a vision-language model with rollout.engine=vllm is not supported yet: use "
-                          "rollout.engine=transformers")
     task = make_task(config.data, seed=config.train.seed,
                      prompt_length=lambda e: len(prompt_ids(tokenizer, tools, e, vision=vision)))
     if not task.eval_examples:

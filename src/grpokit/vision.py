@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,6 +93,20 @@ class Vision:
         if not (ids == self.image_token_id).any():
             raise ValueError(f"{type(processor).__name__} put no image token (id {self.image_token_id}) in a prompt "
                              "with an image")
+        self.placeholder = self._placeholder()
+
+    def _placeholder(self) -> str:
+        """The text the chat template writes for an image part (what the processor expands): what
+        an image part adds to a message."""
+        text = {"type": "text", "text": "?"}
+        with_image = self.render([{"role": "user", "content": [{"type": "image"}, text]}])
+        without = self.render([{"role": "user", "content": [text]}])
+        start = len(os.path.commonprefix([with_image, without]))
+        end = len(os.path.commonprefix([with_image[start:][::-1], without[start:][::-1]]))
+        placeholder = with_image[start:len(with_image) - end]
+        if not placeholder:
+            raise ValueError(f"{type(self.processor).__name__}'s chat template writes nothing for an image part")
+        return placeholder
 
     # ------------------------------------------------------------------ prompts
 
@@ -111,6 +126,26 @@ class Vision:
 
     def image_tokens(self, ids: list[int]) -> int:
         return sum(1 for i in ids if i == self.image_token_id)
+
+    def placeholder_ids(self, ids: list[int], images: tuple) -> list[int]:
+        """An encoded prompt `ids` with each image's tokens folded back into the placeholder the chat
+        template writes for an image: the prompt as the tokenizer alone encodes it, which is what
+        vLLM takes beside the images (its own processor expands them again). Folded in text, since
+        the tokens around an expansion may merge with it (Gemma 3's newlines)."""
+        if not images:
+            return list(ids)
+        text = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        pieces, at = [], 0
+        for k, image in enumerate(images):
+            expanded = self.processor(text=[self.placeholder], images=[[image]], add_special_tokens=False)["input_ids"][0]
+            expanded = self.tokenizer.decode(expanded, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            found = text.find(expanded, at)
+            if found < 0:
+                raise ValueError(f"image {k} of a prompt: its tokens are not in the prompt (was it encoded with "
+                                 "these images?)")
+            pieces += [text[at:found], self.placeholder]
+            at = found + len(expanded)
+        return self.tokenizer("".join([*pieces, text[at:]]), add_special_tokens=False)["input_ids"]
 
     # ------------------------------------------------------------------ passes
 

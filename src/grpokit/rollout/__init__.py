@@ -324,11 +324,12 @@ def prompt_ids(tokenizer, tools, example, max_length: int | None = None, vision=
     return ids
 
 
-def no_images(images, engine: str) -> None:
-    """An engine that cannot take images yet refuses them (the config refuses it first: check_config)."""
-    if images is not None:
-        raise NotImplementedError(f"rollout.engine={engine} does not take images (vision-language models) yet: "
-                                  "use rollout.engine=transformers")
+def check_images(images: list[tuple] | None, vision) -> None:
+    """An engine of a vision-language model (its `vision`) is given each prompt's images, one of a
+    text model none."""
+    if (images is None) != (vision is None):
+        raise ValueError("a vision-language model's engine takes each prompt's images (an empty tuple for none)"
+                         if vision is not None else "a text model's engine takes no images")
 
 
 def images_of(examples, vision) -> dict:
@@ -357,10 +358,12 @@ def group_counts(prompts: list, n: int | Sequence[int]) -> list[int]:
     return [n] * len(prompts) if isinstance(n, int) else [int(k) for k in n]
 
 
-def from_completions(prompts: list[list[int]], counts: list[int], completions: list[dict], pad_id: int) -> RolloutBatch:
+def from_completions(prompts: list[list[int]], counts: list[int], completions: list[dict], pad_id: int,
+                     images: list[tuple] | None = None) -> RolloutBatch:
     """A RolloutBatch from per-completion lists (token_ids, logprobs, entropies or None,
     finish_reason), those of prompt i being the counts[i] after those of the prompts before it:
-    what a server answers and what vLLM's outputs become."""
+    what a server answers and what vLLM's outputs become. `images`: each prompt's (a
+    vision-language model's), carried by each of its completions."""
     N = sum(counts)
     if len(completions) != N:
         raise ValueError(f"asked for {N} completions, got {len(completions)}")
@@ -383,8 +386,11 @@ def from_completions(prompts: list[list[int]], counts: list[int], completions: l
         logps[i, :k] = torch.tensor(c["logprobs"], dtype=torch.float32)
         if measured:
             entropies[i, :k] = torch.tensor(c["entropies"], dtype=torch.float32)
-    return RolloutBatch(prompt_index, prompt_ids, prompt_mask, completion_ids, completion_mask, logps, entropies,
-                        [c["finish_reason"] for c in completions])
+    batch = RolloutBatch(prompt_index, prompt_ids, prompt_mask, completion_ids, completion_mask, logps, entropies,
+                         [c["finish_reason"] for c in completions])
+    if images is not None:
+        batch.images = [images[i] for i in prompt_index.tolist()]
+    return batch
 
 
 def split_groups(costs: list[int], k: int) -> list[list[int]]:
@@ -416,11 +422,11 @@ def split_generation(prompts: list[list[int]], counts: list[int], seeds: Sequenc
 
 
 def join_generation(prompts: list[list[int]], counts: list[int], answered: list[tuple[list[int], list[dict]]],
-                    pad_id: int) -> RolloutBatch:
+                    pad_id: int, images: list[tuple] | None = None) -> RolloutBatch:
     """from_completions over the answers to split_generation's shares (each: its prompt indices and
     their completions, in order), put back in the prompts' order."""
     by_prompt = {}
     for group, completions in answered:
         for i in group:
             by_prompt[i], completions = completions[:counts[i]], completions[counts[i]:]
-    return from_completions(prompts, counts, [c for i in range(len(prompts)) for c in by_prompt[i]], pad_id)
+    return from_completions(prompts, counts, [c for i in range(len(prompts)) for c in by_prompt[i]], pad_id, images)

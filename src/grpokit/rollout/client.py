@@ -328,10 +328,7 @@ class ServerEngine:
             raise RolloutServerError(f"the rollout servers sampled one generation with the weights of different "
                                      f"steps {sorted(steps, key=str)}: their weights are out of step")
         self.weights_step = steps.pop() if steps else None
-        batch = join_generation(prompts, counts, answered, self.pad_id)
-        if images is not None:
-            batch.images = [images[i] for i in batch.prompt_index.tolist()]
-        return batch
+        return join_generation(prompts, counts, answered, self.pad_id, images)
 
     def _leave_out(self, server: RolloutServer, error: BaseException) -> None:
         """`server` failed for good: its share moves to the others, or, if it was the last, the run stops."""

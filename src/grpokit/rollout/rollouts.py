@@ -55,9 +55,6 @@ def check_config(config: Config, tools: Tools | None, lockstep: bool, vision: bo
     """Refuse the ways of sampling that do not go together (before anything is loaded); `vision`:
     the model is a vision-language model."""
     remote = engine_class(config.rollout.engine).remote
-    if vision and config.rollout.engine == "vllm":
-        raise ConfigError("rollout.engine=vllm with a vision-language model is not supported yet: use "
-                          "rollout.engine=transformers, or a `grpokit serve --engine transformers` server")
     if vision and lockstep:
         raise ConfigError("sharded weights (FSDP2, ZeRO-3) with a vision-language model are not supported yet: a "
                           "process whose rows have no image would skip the vision encoder's gathers that the others "

@@ -236,11 +236,8 @@ def serve(model_name: str, engine_name: str, host: str, port: int, dtype: str, t
     from grpokit.vision import processing
 
     tokenizer, vision = processing(model_name)
-    if engine_name == "vllm" and vision is not None:
-        raise StartupError("grpokit serve --engine vllm does not serve vision-language models yet: use --engine "
-                           "transformers")
     if engine_name == "vllm":
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
         from grpokit.models import DTYPES
         from grpokit.rollout.vllm_engine import DataParallelVLLM, VLLMEngine, model_path
@@ -248,9 +245,11 @@ def serve(model_name: str, engine_name: str, host: str, port: int, dtype: str, t
         path = model_path(model_name)
         config = AutoConfig.from_pretrained(path)
         with torch.device("meta"):  # names and shapes only, for the fingerprint
-            shapes = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+            auto = AutoModelForCausalLM if vision is None else AutoModelForImageTextToText
+            shapes = auto.from_config(config, dtype=DTYPES[dtype])
         fp = fingerprint(shapes)
-        args = dict(model_path=path, dtype=dtype, pad_id=tokenizer.pad_token_id, eos_ids=eos_token_ids(shapes, tokenizer))
+        args = dict(model_path=path, dtype=dtype, pad_id=tokenizer.pad_token_id, eos_ids=eos_token_ids(shapes, tokenizer),
+                    vision=vision)
         engine = VLLMEngine(**args, tensor_parallel_size=tensor_parallel_size) if data_parallel_size == 1 else \
             DataParallelVLLM(data_parallel_size, tensor_parallel_size, **args)
     elif engine_name == "transformers":

@@ -11,6 +11,11 @@ with vLLM's offline `LLM` API. Needs a GPU and `pip install 'grpokit[vllm]'`.
   kernels differ from the trainer's, so these differ from the trainer's log-probs: the trainer
   corrects with truncated importance sampling (loss.py, `rollout.is_correction`).
 - Entropies are not measured by vLLM: the `entropy` metric is left out with this engine.
+- Images (a vision-language model): a prompt with images goes to vLLM as its ids with each image's
+  tokens folded back into the chat template's placeholder, and the images as `multi_modal_data`,
+  since vLLM expands the placeholders itself (as verl and TRL hand them over). The prompt vLLM ran
+  must be the one the trainer's processor made (`check_prompts`): the log-probs are computed on it.
+  The image placeholder token is a stop token, as with every engine (vision.py).
 - Weights: `load_weights` hands (name, tensor) pairs to the model inside vLLM's worker through
   `LLM.collective_rpc`; vLLM's model classes take Hugging Face checkpoint names and fuse q/k/v and
   gate/up themselves. `vllm_name` strips the wrappers a trainer's names can carry. The prefix
@@ -39,13 +44,18 @@ from __future__ import annotations
 import atexit
 import os
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from grpokit.errors import StartupError
-from grpokit.rollout import (RolloutBatch, SamplingParams, from_completions, group_counts, join_generation, no_images,
-                             split_generation)
+from grpokit.rollout import (RolloutBatch, SamplingParams, check_images, from_completions, group_counts,
+                             join_generation, split_generation)
 from grpokit.rollout.weights import Checksum
+from grpokit.vision import IMAGE_TOKEN
+
+if TYPE_CHECKING:
+    from grpokit.vision import Vision
 
 # Wrappers that put a prefix or infix on parameter names: DDP / accelerate, torch.compile, PEFT.
 _PREFIXES = ("module.", "_orig_mod.", "base_model.model.")
@@ -87,49 +97,72 @@ def sampling_params(vllm, params: SamplingParams, n: int, seed: int | None, stop
     )
 
 
-def build_requests(vllm, prompts: list[list[int]], counts: list[int], params: SamplingParams,
-                   seeds: Sequence[int] | None, stop_token_ids: list[int]):
-    """(prompts, sampling params) for `LLM.generate`: one request per completion when seeded,
-    one per prompt (n = its count) when greedy."""
-    from vllm.inputs import TokensPrompt
+def prompt_inputs(prompts: list[list[int]], images: list[tuple] | None, vision) -> list[dict]:
+    """vLLM's prompt (a `TokensPrompt`) of each prompt: its ids; with a vision-language model's
+    images, those as `multi_modal_data` and the ids with each image's tokens folded back into its
+    placeholder, since vLLM expands the placeholders itself (Vision.placeholder_ids)."""
+    if images is None:
+        return [{"prompt_token_ids": p} for p in prompts]
+    return [{"prompt_token_ids": vision.placeholder_ids(p, row), "multi_modal_data": {"image": list(row)}} if row
+            else {"prompt_token_ids": p} for p, row in zip(prompts, images)]
 
+
+def build_requests(vllm, inputs: list[dict], counts: list[int], params: SamplingParams,
+                   seeds: Sequence[int] | None, stop_token_ids: list[int]):
+    """(prompts, sampling params) for `LLM.generate`, of prompts `inputs` (prompt_inputs): one request
+    per completion when seeded, one per prompt (n = its count) when greedy."""
     if seeds is None:
-        return ([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                [sampling_params(vllm, params, k, None, stop_token_ids) for k in counts])
+        return list(inputs), [sampling_params(vllm, params, k, None, stop_token_ids) for k in counts]
     requests, sampling, i = [], [], 0
-    for prompt, k in zip(prompts, counts):
+    for prompt, k in zip(inputs, counts):
         for _ in range(k):
-            requests.append(TokensPrompt(prompt_token_ids=prompt))
+            requests.append(prompt)
             sampling.append(sampling_params(vllm, params, 1, int(seeds[i]), stop_token_ids))
             i += 1
     return requests, sampling
 
 
-def to_completions(outputs) -> list[dict]:
-    """vLLM `RequestOutput`s, in request order, as per-completion dicts (rollout.from_completions)."""
+def to_completions(outputs, image_token_id: int | None = None) -> list[dict]:
+    """vLLM `RequestOutput`s, in request order, as per-completion dicts (rollout.from_completions);
+    a completion that ends on `image_token_id` (a vision-language model's stop token) finishes with
+    vision.IMAGE_TOKEN, as with every engine."""
     completions = []
     for output in outputs:
         for sample in output.outputs:
             ids = list(sample.token_ids)
             if sample.logprobs is None or len(sample.logprobs) != len(ids):
                 raise RuntimeError("vLLM returned no log-prob for some sampled tokens (SamplingParams.logprobs=0 was set)")
+            imaged = image_token_id is not None and bool(ids) and ids[-1] == image_token_id
             completions.append({
                 "token_ids": ids,
                 "logprobs": [step[token].logprob for step, token in zip(sample.logprobs, ids)],
                 "entropies": None,
-                "finish_reason": "length" if sample.finish_reason == "length" else "stop",
+                "finish_reason": IMAGE_TOKEN if imaged else "length" if sample.finish_reason == "length" else "stop",
             })
     return completions
 
 
+def check_prompts(outputs, prompts: list[list[int]]) -> None:
+    """Each request's prompt as vLLM ran it is `prompts` (those of the requests, in order): with
+    images, vLLM's processor expanded each placeholder into the tokens the trainer's did, so the
+    trainer's log-probs are of the sequences sampled."""
+    for i, (output, ids) in enumerate(zip(outputs, prompts)):
+        ran = list(output.prompt_token_ids)
+        if ran != ids:
+            at = next((j for j, (a, b) in enumerate(zip(ran, ids)) if a != b), min(len(ran), len(ids)))
+            raise RuntimeError(f"vLLM expanded the images of request {i} into other tokens than the model's processor "
+                               f"did ({len(ran)} prompt tokens against {len(ids)}, first different at {at}): its "
+                               "image processing settings differ from the processor's")
+
+
 def model_path(name: str) -> str:
     """A folder or Hub id vLLM can load for model.name (it builds its own model from it)."""
-    from grpokit.models import BUNDLED, TINY, bundled_model_path
+    from grpokit.models import BUNDLED, BUNDLED_VLM, TINY, TINY_VLM, bundled_model_path, bundled_vlm_path
 
-    if name == TINY:
-        raise StartupError("rollout.engine=vllm needs a model vLLM can load from a folder or the Hub; "
-                           "tiny-random exists only in memory")
-    return str(bundled_model_path()) if name == BUNDLED else name
+    if name in (TINY, TINY_VLM):
+        raise StartupError(f"rollout.engine=vllm needs a model vLLM can load from a folder or the Hub; "
+                           f"{name} exists only in memory")
+    return str(bundled_model_path()) if name == BUNDLED else str(bundled_vlm_path()) if name == BUNDLED_VLM else name
 
 
 def _load_into_worker(worker, pairs):
@@ -147,13 +180,14 @@ class VLLMEngine:
     def from_config(cls, rollout, model, tokenizer, eos_ids, model_name, lockstep, vision=None) -> VLLMEngine:
         return cls(model_path(model_name), str(next(model.parameters()).dtype).removeprefix("torch."),
                    tokenizer.pad_token_id, eos_ids, policy=model, sleep=rollout.vllm_sleep,
-                   gpu_memory_utilization=rollout.vllm_gpu_memory_utilization)
+                   gpu_memory_utilization=rollout.vllm_gpu_memory_utilization, vision=vision)
 
     def __init__(self, model_path: str, dtype: str, pad_id: int, eos_ids: list[int], *, policy=None,
                  sleep: bool = False, gpu_memory_utilization: float = 0.5, max_model_len: int | None = None,
-                 seed: int = 0, tensor_parallel_size: int = 1):
+                 seed: int = 0, tensor_parallel_size: int = 1, vision: Vision | None = None):
         """`policy`: in the training process, the trainer's model, whose weights are loaded before
-        a generation that follows `weights_updated()`; None in a server (weights are pushed)."""
+        a generation that follows `weights_updated()`; None in a server (weights are pushed).
+        `vision`: a vision-language model's (its prompts come with images)."""
         # One process: the engine's worker lives in this process, so collective_rpc passes tensors
         # (and the generator load_weights consumes) by reference. Forced: a multiprocess engine
         # would have to pickle them.
@@ -161,7 +195,9 @@ class VLLMEngine:
         vllm = import_vllm()
         if not torch.cuda.is_available():
             raise StartupError("rollout.engine=vllm needs a CUDA GPU; on CPU use rollout.engine=transformers")
-        self.vllm, self.pad_id, self.eos_ids, self.sleeps = vllm, pad_id, list(eos_ids), sleep
+        self.vllm, self.pad_id, self.eos_ids, self.sleeps, self.vision = vllm, pad_id, list(eos_ids), sleep, vision
+        # A sampled image placeholder ends its completion (vision.py): a stop token.
+        self.stop_ids = self.eos_ids + ([] if vision is None else [vision.image_token_id])
         self.llm = vllm.LLM(model=model_path, dtype=dtype, seed=seed, enable_sleep_mode=sleep,
                             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                             logprobs_mode="processed_logprobs", enable_prefix_caching=True,
@@ -223,7 +259,6 @@ class VLLMEngine:
 
     def generate(self, prompts: list[list[int]], n: int | Sequence[int], params: SamplingParams,
                  seeds: Sequence[int] | None = None, images: list[tuple] | None = None) -> RolloutBatch:
-        no_images(images, "vllm")
         if self.dirty:
             from grpokit.rollout.weights import named_weights
 
@@ -232,13 +267,20 @@ class VLLMEngine:
         if self.asleep:
             raise RuntimeError("vLLM is asleep: load the weights (load_weights) before generating")
         counts = group_counts(prompts, n)
-        return from_completions(prompts, counts, self.completions(prompts, counts, params, seeds), self.pad_id)
+        return from_completions(prompts, counts, self.completions(prompts, counts, params, seeds, images), self.pad_id,
+                                images)
 
     def completions(self, prompts: list[list[int]], counts: list[int], params: SamplingParams,
-                    seeds: Sequence[int] | None) -> list[dict]:
-        """counts[i] completions of prompt i, as per-completion dicts (rollout.from_completions)."""
-        requests, sampling = build_requests(self.vllm, prompts, counts, params, seeds, self.eos_ids)
-        return to_completions(self.llm.generate(requests, sampling, use_tqdm=False))
+                    seeds: Sequence[int] | None, images: list[tuple] | None = None) -> list[dict]:
+        """counts[i] completions of prompt i (with its images[i]), as per-completion dicts
+        (rollout.from_completions)."""
+        check_images(images, self.vision)
+        inputs = prompt_inputs(prompts, images, self.vision)
+        requests, sampling = build_requests(self.vllm, inputs, counts, params, seeds, self.stop_ids)
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        if images is not None:
+            check_prompts(outputs, prompts if seeds is None else [p for p, k in zip(prompts, counts) for _ in range(k)])
+        return to_completions(outputs, None if self.vision is None else self.vision.image_token_id)
 
 
 class DataParallelVLLM:
@@ -257,7 +299,7 @@ class DataParallelVLLM:
         if len(gpus) < replicas * tensor_parallel_size:
             raise StartupError(f"--data-parallel-size {replicas} x --tensor-parallel-size {tensor_parallel_size} needs "
                                f"{replicas * tensor_parallel_size} GPUs; {len(gpus)} are visible")
-        self.pad_id = engine_args["pad_id"]
+        self.pad_id, self.vision = engine_args["pad_id"], engine_args.get("vision")
         context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
         self.pipes, self.processes = [], []
         for r in range(replicas):
@@ -324,12 +366,13 @@ class DataParallelVLLM:
                  seeds: Sequence[int] | None = None, images: list[tuple] | None = None) -> RolloutBatch:
         """Prompt groups split among the replicas by expected tokens (each completion samples from
         its own seed, so the split does not change what is sampled), answers in the prompts' order."""
-        no_images(images, "vllm")
+        check_images(images, self.vision)
         counts = group_counts(prompts, n)
         shares = split_generation(prompts, counts, seeds, params.max_tokens, len(self.pipes))
         asked = {r: share for r, share in enumerate(shares) if share[0]}
-        answers = self._ask({r: ("generate", *share[1:3], params, share[3]) for r, share in asked.items()})
-        return join_generation(prompts, counts, [(asked[r][0], answers[r]) for r in asked], self.pad_id)
+        answers = self._ask({r: ("generate", *share[1:3], params, share[3],
+                                 None if images is None else [images[i] for i in share[0]]) for r, share in asked.items()})
+        return join_generation(prompts, counts, [(asked[r][0], answers[r]) for r in asked], self.pad_id, images)
 
     def close(self) -> None:
         for pipe in self.pipes:
