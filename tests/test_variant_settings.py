@@ -38,6 +38,7 @@ CASES = {
     "rollout.max_turns": ("3", [], "rollout.tools=null", ["data.task=calculator"]),  # the task's own tools
     "rollout.tool_timeout": ("null", ["data.task=calculator", "rollout.tools=[]"], "rollout.tools=[]",
                              ["rollout.tools=[my_tools.py:add]"]),
+    "rollout.agent_timeout": ("60", [], "rollout.agent=null", ["rollout.agent=my_agent.py:agent"]),
     "rollout.max_sampling_rounds": ("2", [], "rollout.dynamic_sampling=false", ["rollout.dynamic_sampling=true"]),
     "algorithm.kl_estimator": ("k2", [], "algorithm.beta=0", ["algorithm.beta=0.001"]),
     "algorithm.delta": ("2", ["algorithm.loss_type=cispo"], "algorithm.loss_type=cispo", ["algorithm.loss_type=dapo"]),

@@ -47,6 +47,7 @@ def train(
     reward_functions: Any = None,
     tools: Iterable[Callable] | None = None,
     environment: Any = None,
+    agent: Any = None,
     progress: bool = True,
     reward_funcs: Any = None,
     train_dataset: Any = None,
@@ -69,6 +70,8 @@ def train(
     tools: functions the model may call (rollout.tools); environment: a class or factory
       (rollout.environment, TRL's environment_factory); without a dataset, its reset() gives the
       prompts (data.task=environment).
+    agent: an `async def agent(client, model, row)` run once per rollout with an openai client on
+      the run's own endpoint, returning the rollout's reward (rollout.agent).
     TRL's names (TRL_NAMES; args: a GRPOConfig, through from_trl) are taken too, and a call that
       uses one runs as TRL runs: string prompts as plain text (data.chat_template=false, unless set).
     overrides: config settings, as sections (`train={"max_steps": 5}`) or dotted keys
@@ -81,7 +84,8 @@ def train(
             config, reward_functions, dataset, environment, tokenizer)))
     config = _config(config, overrides)
     created = _take_objects(config, trl_names, model=model, tokenizer=tokenizer, reward_functions=reward_functions,
-                            tools=tools, environment=environment, dataset=dataset, eval_dataset=eval_dataset)
+                            tools=tools, environment=environment, agent=agent, dataset=dataset,
+                            eval_dataset=eval_dataset)
     try:
         return run(config, model=model if not isinstance(model, (str, Path)) else None, tokenizer=tokenizer,
                    progress=progress)
@@ -90,17 +94,18 @@ def train(
         raise
 
 
-def _take_objects(config: Config, trl_names: dict, *, model, tokenizer, reward_functions, tools, environment, dataset,
-                  eval_dataset) -> Path | None:
+def _take_objects(config: Config, trl_names: dict, *, model, tokenizer, reward_functions, tools, environment, agent,
+                  dataset, eval_dataset) -> Path | None:
     """`config` with the objects of train()'s arguments in it (each recorded by name, and counted
     as given), settled. Returns the run folder when this call created it (for the datasets)."""
     _take_model(config, model, tokenizer)
-    _take_code(config, reward_functions, tools, environment)
+    _take_code(config, reward_functions, tools, environment, agent)
     if trl_names and "data.chat_template" not in config.given:
         _as_trl_does(config, trl_names)
     created = _take_datasets(config, dataset, eval_dataset)
     config.given |= {key for key, value in (("reward.functions", reward_functions), ("rollout.tools", tools),
-                                            ("rollout.environment", environment), ("data.path", dataset),
+                                            ("rollout.environment", environment), ("rollout.agent", agent),
+                                            ("data.path", dataset),
                                             ("data.eval_path", eval_dataset)) if value is not None}
     config.settle()
     return created
@@ -226,9 +231,9 @@ def _take_model(config: Config, model, tokenizer) -> None:
 # ---------------------------------------------------------------- reward functions, tools, environments
 
 
-def _take_code(config: Config, reward_functions, tools, environment) -> None:
-    """reward.functions, rollout.tools and rollout.environment for the objects given (each recorded
-    by the name `_register` finds for it)."""
+def _take_code(config: Config, reward_functions, tools, environment, agent=None) -> None:
+    """reward.functions, rollout.tools, rollout.environment and rollout.agent for the objects given
+    (each recorded by the name `_register` finds for it)."""
     if reward_functions is not None:
         if config.reward.functions is not None:
             raise ConfigError("reward_functions= and reward.functions both name reward functions: give one")
@@ -247,6 +252,10 @@ def _take_code(config: Config, reward_functions, tools, environment) -> None:
                               "form, each row choosing one by its `environment` column): grpokit trains one environment "
                               "class per run; give one class (or factory), or train a run per environment")
         config.rollout.environment = _register(environment, "environment", callable_needed=True)
+    if agent is not None:
+        if config.rollout.agent is not None:
+            raise ConfigError("agent= and rollout.agent both name an agent: give one")
+        config.rollout.agent = _register(agent, "agent", callable_needed=True)
 
 
 def _reward_entries(functions: list) -> list:

@@ -180,6 +180,15 @@ class RolloutConfig:
         30.0, "seconds one tool call may take; a call that takes longer answers the model with an error (counted in "
         "tools/failures), as a raising one does; null: no limit"
     )
+    agent: str | None = _f(
+        None, "an agent, 'package.module:function' or 'path/to/file.py:function': `async def agent(client, model, row)`, "
+        "run once per rollout with an openai.AsyncOpenAI client on the run's own OpenAI-compatible endpoint; it returns "
+        "the rollout's reward (or a dict of named rewards), and the tokens it sampled are trained (docs/agents.md)"
+    )
+    agent_timeout: float | None = _f(
+        300.0, "seconds one rollout's agent may take; one that takes longer fails (agents/failed) and gets no reward; "
+        "null: no limit"
+    )
     dynamic_sampling: bool = _f(
         False, "DAPO's dynamic sampling: keep only groups whose rewards are not all equal (the others teach nothing) and "
         "sample further rounds of train.prompts_per_step prompts until that many such groups are collected"
@@ -533,6 +542,9 @@ def _check_rollout(c: Config) -> list[str]:
            "no group would have a learning signal; use 0 (off) or a larger k")
     p.need(r.max_turns >= 1, f"rollout.max_turns={r.max_turns}: must be >= 1")
     p.need(r.tool_timeout is None or r.tool_timeout > 0, f"rollout.tool_timeout={r.tool_timeout}: must be > 0, or null")
+    p.need(r.agent_timeout is None or r.agent_timeout > 0, f"rollout.agent_timeout={r.agent_timeout}: must be > 0, or null")
+    p.need(r.agent is None or not _has_tools(c), f"rollout.agent={r.agent} runs its own tools and loop, and the run "
+           "also has tools or an environment (rollout.tools, rollout.environment, or the task's own): keep one")
     p.need(r.tools is None or all(isinstance(n, str) for n in r.tools),
            "rollout.tools: a list of names, each 'package.module:function' or 'path/to/file.py:function'")
     return p
@@ -546,7 +558,8 @@ def _check_data(c: Config) -> list[str]:
     p.need(d.eval_path is None or d.path is not None, "data.eval_path is set but data.path is not: set both")
     p.need(d.eval_path is None or d.eval_size > 0, f"data.eval_path={d.eval_path} is set but data.eval_size=0 turns "
            "evaluation off: set data.eval_size > 0 or remove data.eval_path")
-    p.need(d.path is None or c.reward.functions is not None or c.rollout.environment is not None,
+    p.need(d.path is None or c.reward.functions is not None or c.rollout.environment is not None
+           or c.rollout.agent is not None,
            "data.path is set but reward.functions is not: a dataset brings no rewards, name them (e.g. "
            "reward.functions=[math_accuracy])")
     p.need(d.task != "environment" or c.rollout.environment is not None or d.path is not None,
@@ -721,6 +734,8 @@ VARIANT_SETTINGS: dict[str, Variant] = {
     "rollout.is_min": _CORRECTION,
     "rollout.max_turns": _TOOLS,
     "rollout.tool_timeout": _TOOLS,
+    "rollout.agent_timeout": Variant("rollout.agent", lambda c: c.rollout.agent is not None,
+                                     "rollout.agent=<module:function>"),
     "rollout.max_sampling_rounds": _DYNAMIC,
     "algorithm.kl_estimator": _KL,
     "algorithm.delta": _read_by_loss("delta"),

@@ -112,6 +112,7 @@ def evaluate_model(config, model_path: str, num_samples: int = 1, output: str | 
     from grpokit.models import eos_token_ids, load_model
     from grpokit.vision import processing
     from grpokit.rollout import make_engine
+    from grpokit.rollout.agents import Agents
     from grpokit.rollout.conversation import MultiTurn
     from grpokit.rollout.tools import Tools
     from grpokit.tasks import make_task
@@ -124,13 +125,14 @@ def evaluate_model(config, model_path: str, num_samples: int = 1, output: str | 
         raise ConfigError(f"no held-out prompts to score: data.eval_size={config.data.eval_size} (a run trained "
                           "with data.eval_size=0 keeps that in its config): add data.eval_size=100, or data.eval_path")
     rewards = RewardSet(reward_specs(config, task.reward_functions), config.reward.timeout,
-                        extra=Tools.rewards(tools))
+                        extra=Tools.rewards(tools) + Agents.rewards(config))
     for note in getattr(task, "notes", ()):
         print(note)
     model = load_model(model_path, config.model.dtype).to("cuda" if torch.cuda.is_available() else "cpu")
     engine = make_engine(config.rollout, model, tokenizer, eos_token_ids(model, tokenizer), model_path, vision=vision)
-    multi_turn = None if tools is None else MultiTurn(tokenizer, tools, config.rollout.max_turns,
-                                                      eos_token_ids(model, tokenizer), config.data.max_prompt_length)
+    multi_turn = Agents.from_config(config, tokenizer, eos_token_ids(model, tokenizer)) if config.rollout.agent else \
+        None if tools is None else MultiTurn(tokenizer, tools, config.rollout.max_turns, eos_token_ids(model, tokenizer),
+                                             config.data.max_prompt_length)
     r = config.rollout
     params = (SamplingParams(r.max_completion_length, r.temperature, r.top_p, r.top_k, r.min_p) if num_samples > 1
               else SamplingParams(r.max_completion_length, temperature=0.0))

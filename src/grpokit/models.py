@@ -167,14 +167,15 @@ def with_pad_token(tokenizer):
 TOOLS_TEMPLATE = Path(__file__).parent / "templates" / "chatml_tools.jinja"
 
 
-def use_chat_template(tokenizer, path: str | None, model_name: str, tools: bool) -> None:
-    """Give `tokenizer` model.chat_template (`path`), or with `tools` on the bundled model
-    grpokit's template with tools; with `tools`, a template that cannot express them is refused."""
+def use_chat_template(tokenizer, path: str | None, model_name: str, tools: bool, agent: bool = False) -> None:
+    """Give `tokenizer` model.chat_template (`path`), or with `tools` (or an `agent`, whose requests
+    may carry tools) on the bundled model grpokit's template with tools; with `tools`, a template
+    that cannot express them is refused."""
     if path is not None:
         if not Path(path).is_file():
             raise ConfigError(f"model.chat_template={path}: no such file")
         tokenizer.chat_template = Path(path).read_text()
-    elif tools and model_name in (BUNDLED, TINY) and not speaks_tools(tokenizer):
+    elif (tools or agent) and model_name in (BUNDLED, TINY) and not speaks_tools(tokenizer):
         tokenizer.chat_template = TOOLS_TEMPLATE.read_text()
     if tools and not speaks_tools(tokenizer):
         where = f"the template in {path}" if path is not None else f"{model_name}'s chat template"

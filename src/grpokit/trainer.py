@@ -78,6 +78,7 @@ from grpokit.model_card import write_model_card
 from grpokit.monitor import Monitor
 from grpokit.rewards import RewardError, RewardSet, trainer_state
 from grpokit.rollout import RolloutBatch, prompt_ids
+from grpokit.rollout.agents import Agents
 from grpokit.rollout.pipeline import Queued
 from grpokit.rollout.rollouts import Rollouts, check_config
 from grpokit.rollout.tools import Tools
@@ -204,8 +205,9 @@ class Trainer:
         if tools is not None:
             tools.check({"prompt": first.prompt, **first.columns}, getattr(task, "prompts_from_reset", False))
         rewards = RewardSet(reward_specs(config, task.reward_functions), config.reward.timeout,
-                            extra=Tools.rewards(tools))
-        rewards.check_arguments(first.columns, environments=tools is not None and tools.environment is not None)
+                            extra=Tools.rewards(tools) + Agents.rewards(config))
+        rewards.check_arguments(first.columns, environments=(tools is not None and tools.environment is not None)
+                                or config.rollout.agent is not None)
         return task, rewards
 
     def _check_context(self) -> None:

@@ -47,7 +47,9 @@ class Conversation:
 
 
 @dataclass
-class _Rollout:
+class RolloutTokens:
+    """A rollout as it is sampled: its prompt, then every token after it."""
+
     prompt: list[int]
     tools: dict
     conversation: Conversation
@@ -70,6 +72,28 @@ def turn_seed(seed: int, turn: int) -> int:
     return (seed + turn * 0x9E3779B97F4A7C15) % 2**62
 
 
+def turn_segment(tokenizer, messages: list[dict], tools: list[dict] | None, after_eos: int | None) -> list[int]:
+    """Token ids of `messages` (tool results, a user's turn) as the chat template renders them
+    after an assistant turn, up to the next assistant turn's start; after_eos: the EOS id the
+    assistant's turn ended with (the model sampled that part itself)."""
+    def render(conversation: list[dict], add_generation_prompt: bool = False) -> str:
+        return tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+
+    stand_in = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
+    base, full = render(stand_in), render([*stand_in, *messages], add_generation_prompt=True)
+    if not full.startswith(base):
+        raise ConfigError("the chat template renders an assistant turn differently once tool results follow it; "
+                          "grpokit cannot tell where the tool results start: set model.chat_template to one that "
+                          "does not (for example grpokit's chatml_tools.jinja)")
+    closing = base[base.rindex(_MARK) + len(_MARK):]  # what ends an assistant turn, e.g. "<|im_end|>\n"
+    if after_eos is not None:
+        eos_text = tokenizer.decode([after_eos])
+        if closing.startswith(eos_text):
+            closing = closing[len(eos_text):]
+    return tokenizer(closing + full[len(base):], add_special_tokens=False)["input_ids"]
+
+
 class MultiTurn:
     """Samples conversations: `generate` has the engine protocol's shape, with examples for prompts."""
 
@@ -79,31 +103,13 @@ class MultiTurn:
         self.max_turns = max_turns
         self.eos_ids = set(eos_ids)
         self.max_prompt_length = max_prompt_length
-        self._base = self._render([{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}])
         self.tool_segment([{"role": "tool", "name": "tool", "content": "?"}], None)  # a template it fails on fails now
-
-    def _render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=self.tools.schemas, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
 
     def encode(self, prompt: list[dict]) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, self.max_prompt_length, self.tools.schemas)
 
     def tool_segment(self, results: list[dict], after_eos: int | None) -> list[int]:
-        """Token ids of the tool `results` as the template renders them after an assistant turn,
-        up to the next assistant turn's start; after_eos: the EOS id the model's turn ended with."""
-        full = self._render([{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}, *results],
-                            add_generation_prompt=True)
-        if not full.startswith(self._base):
-            raise ConfigError("the chat template renders an assistant turn differently once tool results follow it; "
-                              "grpokit cannot tell where the tool results start: set model.chat_template to one that "
-                              "does not (for example grpokit's chatml_tools.jinja)")
-        closing = self._base[self._base.rindex(_MARK) + len(_MARK):]  # what ends an assistant turn, e.g. "<|im_end|>\n"
-        if after_eos is not None:  # the model sampled that part itself
-            eos_text = self.tokenizer.decode([after_eos])
-            if closing.startswith(eos_text):
-                closing = closing[len(eos_text):]
-        return self.tokenizer(closing + full[len(self._base):], add_special_tokens=False)["input_ids"]
+        return turn_segment(self.tokenizer, results, self.tools.schemas, after_eos)
 
     def generate(self, engine, examples: list, counts: list[int], params: SamplingParams,
                  seeds: list[int] | None = None) -> RolloutBatch:
@@ -118,7 +124,7 @@ class MultiTurn:
                 messages = [dict(m) for m in example.prompt]
                 if appended:  # TRL's rule: reset's text is appended to the last message of the prompt
                     messages[-1]["content"] += appended
-                rollouts.append(_Rollout(self.encode(messages), self.tools.callables(environment),
+                rollouts.append(RolloutTokens(self.encode(messages), self.tools.callables(environment),
                                          Conversation([], environment=environment, prompt=messages)))
         # Rollouts in a row with the same prompt (all of a group, unless reset() told them apart)
         # share one prefill.
@@ -144,7 +150,7 @@ class MultiTurn:
             active = [r for j, r in enumerate(active) if self._take_turn(rollouts[r], batch, j, room[j], turn, budget)]
         return self._batch(rollouts, prompts, prompt_index)
 
-    def _take_turn(self, rollout: _Rollout, batch: RolloutBatch, row: int, room: int, turn: int, budget: int) -> bool:
+    def _take_turn(self, rollout: RolloutTokens, batch: RolloutBatch, row: int, room: int, turn: int, budget: int) -> bool:
         """Add row `row` of `batch` as `rollout`'s model turn, run its tool calls and add their
         results; whether the rollout goes on."""
         c = rollout.conversation
@@ -203,13 +209,19 @@ class MultiTurn:
             room -= len(ids)
         return messages
 
-    def _batch(self, rollouts: list[_Rollout], prompts: list[list[int]], prompt_index: list[int]) -> RolloutBatch:
-        counts = torch.bincount(torch.tensor(prompt_index)).tolist()
-        batch = from_completions(prompts, counts, [
-            {"token_ids": r.ids, "logprobs": r.logps, "entropies": r.entropies, "finish_reason": r.finish}
-            for r in rollouts], self.tokenizer.pad_token_id)
-        trained = torch.zeros_like(batch.completion_mask)  # (N, T)
-        for i, r in enumerate(rollouts):
-            trained[i, : len(r.trained)] = torch.tensor(r.trained, dtype=torch.long)
-        batch.trained_mask, batch.conversations = trained, [r.conversation for r in rollouts]
-        return batch
+    def _batch(self, rollouts: list[RolloutTokens], prompts: list[list[int]], prompt_index: list[int]) -> RolloutBatch:
+        return sequences_batch(rollouts, prompts, prompt_index, self.tokenizer.pad_token_id)
+
+
+def sequences_batch(rollouts: list[RolloutTokens], prompts: list[list[int]], prompt_index: list[int], pad_id: int) -> RolloutBatch:
+    """The batch of `rollouts` (rollout i after prompts[prompt_index[i]]): every token after the
+    prompt in completion_mask, the model's in trained_mask."""
+    counts = torch.bincount(torch.tensor(prompt_index)).tolist()
+    batch = from_completions(prompts, counts, [
+        {"token_ids": r.ids, "logprobs": r.logps, "entropies": r.entropies, "finish_reason": r.finish}
+        for r in rollouts], pad_id)
+    trained = torch.zeros_like(batch.completion_mask)  # (N, T)
+    for i, r in enumerate(rollouts):
+        trained[i, : len(r.trained)] = torch.tensor(r.trained, dtype=torch.long)
+    batch.trained_mask, batch.conversations = trained, [r.conversation for r in rollouts]
+    return batch

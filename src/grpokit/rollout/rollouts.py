@@ -28,6 +28,7 @@ from grpokit.evaluate import score
 from grpokit.models import eos_token_ids
 from grpokit.rewards import merge_metrics
 from grpokit.rollout import RolloutBatch, SamplingParams, engine_class, images_of, make_engine, prompt_ids
+from grpokit.rollout.agents import Agents
 from grpokit.rollout.conversation import MultiTurn
 from grpokit.rollout.pipeline import Pipeline, Queued
 from grpokit.rollout.tools import Tools
@@ -55,6 +56,18 @@ def check_config(config: Config, tools: Tools | None, lockstep: bool, vision: bo
     """Refuse the ways of sampling that do not go together (before anything is loaded); `vision`:
     the model is a vision-language model."""
     remote = engine_class(config.rollout.engine).remote
+    agent = config.rollout.agent
+    refusals = [(vision, "a vision-language model (the endpoint takes text messages only)"),
+                (lockstep, "sharded weights (FSDP2, ZeRO-3): the processes would make different numbers of requests"),
+                (config.rollout.max_staleness, f"rollout.max_staleness={config.rollout.max_staleness} (not yet: use 0)"),
+                (distributed.world_size() > 1 and remote, "rollout.engine=server on several processes: the agents' "
+                 "outcomes live in process 0, which alone talks to the server; use one process, or the transformers "
+                 "engine"),
+                (distributed.world_size() > 1 and config.rollout.dynamic_sampling, "rollout.dynamic_sampling on several "
+                 "processes: the kept groups' outcomes would have to move between processes")]
+    for refused, why in refusals:
+        if agent is not None and refused:
+            raise ConfigError(f"rollout.agent={agent} with {why}: not supported")
     if vision and lockstep:
         raise ConfigError("sharded weights (FSDP2, ZeRO-3) with a vision-language model are not supported yet: a "
                           "process whose rows have no image would skip the vision encoder's gathers that the others "
@@ -92,8 +105,10 @@ class Rollouts:
         self.engine, self.is_correction = self._connect()
         # rollout.max_staleness > 0: the next steps are generated while this one trains (pipeline.py).
         self.ahead = Pipeline(self.engine, r.max_staleness, self._generate_ahead) if r.max_staleness else None
-        self.multi_turn = None if tools is None else MultiTurn(
-            tokenizer, tools, r.max_turns, eos_token_ids(policy, tokenizer), config.data.max_prompt_length)
+        # Conversations: an agent's (its own loop, through the endpoint), or with tools (MultiTurn).
+        self.multi_turn = Agents.from_config(config, tokenizer, eos_token_ids(policy, tokenizer)) if r.agent else \
+            None if tools is None else MultiTurn(tokenizer, tools, r.max_turns, eos_token_ids(policy, tokenizer),
+                                                 config.data.max_prompt_length)
         # The global completions of a step this process owns, in update order (distributed.py).
         self.rows = distributed.shard_rows(config.completions_per_step, config.completions_per_update,
                                            distributed.world_size(), distributed.rank())
@@ -306,5 +321,7 @@ class Rollouts:
     def close(self) -> None:
         if self.ahead is not None:
             self.ahead.close()
+        if isinstance(self.multi_turn, Agents):
+            self.multi_turn.close()
         if self.engine is not None:
             self.engine.close()

@@ -142,7 +142,8 @@ class Tools:
         r = config.rollout
         names = tool_names(config)
         tools = cls(names, r.environment, r.tool_timeout) if names or r.environment else None
-        use_chat_template(tokenizer, config.model.chat_template, model_name or config.model.name, tools is not None)
+        use_chat_template(tokenizer, config.model.chat_template, model_name or config.model.name, tools is not None,
+                          agent=r.agent is not None)
         return tools
 
     def check(self, row: dict, prompt_from_reset: bool = False) -> None:

@@ -1,0 +1,234 @@
+"""Agents as they are: `rollout.agent` (or `grpokit.train(agent=...)`), an
+
+    async def agent(client, model, row) -> float | dict[str, float] | None
+
+run once per rollout. `client` is an `openai.AsyncOpenAI` whose base URL is the rollout's own on
+the run's OpenAI-compatible endpoint (endpoint.py), `model` the name to put in requests, `row` the
+dataset row (its `prompt` and other columns). The agent runs any code (several requests, its own
+tools and loop) and returns its reward, or a dict of named rewards (their sum is the reward; each
+is logged as `agent/<name>`). That reward is the `agent` reward function's value, added to
+reward.functions'.
+
+What is trained is what the endpoint recorded: the first request's context is the prompt; each
+request that extends the previous exchange (endpoint.py) adds its new messages as context (never
+trained) and its sampled tokens (trained). Requests that start a new sequence instead (the agent
+rebuilt its messages, or the chat template renders history otherwise than before) are generated
+and answered, but not trained yet: they are counted in `agents/untrained_requests`.
+
+A failed rollout (the agent raised, exceeded `rollout.agent_timeout`, made no request, or returned
+something that is not a reward) gets no reward (None: advantage 0, no part in its group's
+statistics). It is counted in `agents/failed` and its error is in completions.jsonl. A request
+the endpoint refused (another model's name, messages the template cannot render) is answered with
+HTTP 400, which the `openai` client raises in the agent; it is counted in `agents/refused_requests`.
+The token budget (`rollout.max_completion_length`) covers every token after the prompt, as in
+multi-turn rollouts: once spent, a request is answered at once with no tokens and finish reason
+"length".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import numbers
+from dataclasses import dataclass, field, replace
+
+from grpokit import user_code
+from grpokit.errors import ConfigError, StartupError
+from grpokit.rollout import RolloutBatch, SamplingParams, encode_prompt
+from grpokit.rollout.conversation import Conversation, RolloutTokens, sequences_batch, turn_seed
+from grpokit.rollout.endpoint import Endpoint, Exchange, Transcript, Waiting
+
+
+@dataclass
+class AgentOutcome:
+    """How one rollout's agent ended: what reward functions see as its `environment`."""
+
+    reward: float | None = None
+    rewards: dict[str, float] = field(default_factory=dict)  # a dict of named rewards, as returned
+    error: str | None = None  # why it failed
+    refused: int = 0  # requests the endpoint refused
+    untrained: int = 0  # requests that started a new sequence
+
+
+def import_openai():
+    try:
+        import fastapi  # noqa: F401 - the endpoint's
+        import openai
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise StartupError("rollout.agent needs the openai client and an HTTP server: pip install 'grpokit[agents]'") \
+            from None
+    return openai
+
+
+class Agents:
+    """Samples agent rollouts: `generate` has MultiTurn's shape (examples for prompts)."""
+
+    def __init__(self, agent, name: str, tokenizer, eos_ids: list[int], timeout: float | None,
+                 max_prompt_length: int | None = None):
+        if not user_code.is_async(agent):
+            raise ConfigError(f"rollout.agent {name!r} must be an `async def agent(client, model, row)`")
+        self.openai = import_openai()
+        self.agent, self.name, self.tokenizer, self.eos_ids = agent, name, tokenizer, list(eos_ids)
+        self.timeout, self.max_prompt_length = timeout, max_prompt_length
+        self.endpoint: Endpoint | None = None
+
+    @classmethod
+    def from_config(cls, config, tokenizer, eos_ids) -> Agents:
+        r = config.rollout
+        return cls(user_code.find(f"rollout.agent {r.agent!r}", r.agent), r.agent, tokenizer, eos_ids,
+                   r.agent_timeout, config.data.max_prompt_length)
+
+    @staticmethod
+    def rewards(config) -> tuple:
+        """The reward function agents bring (RewardSet's `extra`): each rollout's returned reward."""
+        if config.rollout.agent is None:
+            return ()
+
+        def agent(environments, log_metric, log_extra, **kwargs):
+            for name in sorted({n for e in environments for n in e.rewards}):
+                values = [e.rewards[name] for e in environments if name in e.rewards]
+                log_metric(f"agent/{name}", sum(values) / len(values))
+            if any(e.error for e in environments):  # completions.jsonl says why a rollout failed
+                log_extra("agent_error", [e.error for e in environments])
+            return [e.reward for e in environments]
+
+        return (("agent", agent),)
+
+    def close(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.close()
+
+    # ------------------------------------------------------------------ sampling
+
+    def generate(self, engine, examples: list, counts: list[int], params: SamplingParams,
+                 seeds: list[int] | None = None) -> RolloutBatch:
+        """counts[i] rollouts of examples[i] (those of one example contiguous), seeds[r]: rollout r's."""
+        if self.endpoint is None:
+            self.endpoint = Endpoint(self.tokenizer, self.eos_ids)
+        rows = [e for e, count in zip(examples, counts) for _ in range(count)]
+        transcripts = self.endpoint.open(len(rows))
+        outcomes = [AgentOutcome() for _ in rows]
+        runs = [user_code.submit(self._run(self.endpoint.base_url(r), e, outcomes[r]), f"rollout.agent {self.name!r}")
+                for r, e in enumerate(rows)]
+        for run in runs:
+            run.add_done_callback(lambda _: self.endpoint.notify())
+        starts = [0] * len(rows)  # each rollout's exchange that starts its current sequence
+
+        def running() -> set[int]:
+            return {r for r, run in enumerate(runs) if not run.done()}
+
+        while running():
+            taken = self.endpoint.take(running)
+            if taken:
+                self._round(engine, taken, transcripts, starts, params, seeds)
+        for run in runs:
+            run.result()  # an exit of the user's code (UserCodeExit) stops the run; other errors are outcomes
+        return self._batch(rows, transcripts, outcomes)
+
+    async def _run(self, base_url: str, example, outcome: AgentOutcome) -> None:
+        client = self.openai.AsyncOpenAI(base_url=base_url, api_key="grpokit", max_retries=0)
+        row = {"prompt": example.prompt, **example.columns}
+        try:
+            result = await asyncio.wait_for(self.agent(client, self.endpoint.model_name, row), self.timeout)
+        except asyncio.TimeoutError:
+            outcome.error = f"did not return within rollout.agent_timeout={self.timeout:g} s"
+        except user_code.UserCodeExit:
+            raise
+        except Exception as e:  # noqa: BLE001 - the user's code: counted and recorded, the step goes on
+            outcome.error = f"raised {type(e).__name__}: {e}"
+        else:
+            _take_reward(result, outcome)
+        finally:
+            await client.close()
+
+    def _round(self, engine, taken: list[Waiting], transcripts: list[Transcript], starts: list[int],
+               params: SamplingParams, seeds: list[int] | None) -> None:
+        """Generate the waiting requests in one engine call, each cut to what its rollout's budget
+        and its own max_tokens allow, and answer them."""
+        limits = []
+        for w in taken:
+            t = transcripts[w.rollout]
+            start = len(t.exchanges[starts[w.rollout]].prompt) if w.extends else len(w.prompt)
+            room = params.max_tokens - (len(w.prompt) - start)
+            limits.append(max(0, min(room, w.max_tokens if w.max_tokens is not None else room)))
+        asked = [(w, limit) for w, limit in zip(taken, limits) if limit > 0]
+        batch = None
+        if asked:
+            turn_seeds = None if seeds is None else [turn_seed(int(seeds[w.rollout]), len(transcripts[w.rollout].exchanges))
+                                                     for w, _ in asked]
+            batch = engine.generate([w.prompt for w, _ in asked], 1, replace(params, max_tokens=max(l for _, l in asked)),
+                                    turn_seeds)
+        row = 0
+        for w, limit in zip(taken, limits):
+            t = transcripts[w.rollout]
+            exchange = Exchange(w.prompt, w.extends, finish="length")
+            if limit > 0:
+                n = int(batch.completion_mask[row].sum())
+                exchange.finish = batch.finish_reasons[row]
+                if n > limit:  # the engine was asked for the longest limit of the round
+                    n, exchange.finish = limit, "length"
+                exchange.sampled = batch.completion_ids[row, :n].tolist()
+                exchange.logps = batch.sampling_logps[row, :n].tolist()
+                exchange.entropies = None if batch.entropies is None else batch.entropies[row, :n].tolist()
+                row += 1
+            if not w.extends:
+                starts[w.rollout] = len(t.exchanges)
+            t.exchanges.append(exchange)
+            w.answer.set_result(exchange)
+
+    def _batch(self, rows: list, transcripts: list[Transcript], outcomes: list[AgentOutcome]) -> RolloutBatch:
+        """One trained sequence per rollout: its first request's, extended by the requests that extend it."""
+        sequences, prompts, prompt_index = [], [], []
+        for example, t, outcome in zip(rows, transcripts, outcomes):
+            chain = t.exchanges[:1]
+            for exchange in t.exchanges[1:]:
+                if not exchange.extends:
+                    break
+                chain.append(exchange)
+            outcome.refused, outcome.untrained = len(t.errors), len(t.exchanges) - len(chain)
+            if not chain and outcome.error is None:
+                outcome.error = "made no request to its endpoint"
+            if outcome.error is not None:
+                outcome.reward, outcome.rewards = None, {}
+            conversation = Conversation(_messages(t), turns=len(chain), failures=int(outcome.error is not None),
+                                        stop="length" if chain and chain[-1].finish == "length" else "answer",
+                                        environment=outcome, prompt=t.first_messages or example.prompt)
+            if chain:
+                sequence = RolloutTokens(chain[0].prompt, {}, conversation, finish=chain[-1].finish)
+                for previous, exchange in zip([None, *chain], chain):
+                    if previous is not None:
+                        sequence.add(exchange.prompt[len(previous.prompt) + len(previous.sampled):], False)
+                    sequence.add(exchange.sampled, True, exchange.logps, exchange.entropies)
+            else:  # nothing sampled: the row's one token is context, never trained
+                prompt = encode_prompt(self.tokenizer, example.prompt, self.max_prompt_length)
+                sequence = RolloutTokens(prompt, {}, conversation, finish="stop")
+                sequence.add(self.eos_ids[:1], False)
+            if not prompts or sequence.prompt != prompts[-1]:
+                prompts.append(sequence.prompt)
+            prompt_index.append(len(prompts) - 1)
+            sequences.append(sequence)
+        return sequences_batch(sequences, prompts, prompt_index, self.tokenizer.pad_token_id)
+
+
+def _messages(t: Transcript) -> list[dict]:
+    """The trained sequence's messages after its prompt: the last chat request's, then its reply."""
+    last = t.last_messages or []
+    first = t.first_messages or []
+    after = last[len(first):] if last[:len(first)] == first else last
+    return [*after, *([t.last_reply] if t.last_reply is not None else [])]
+
+
+def _take_reward(result, outcome: AgentOutcome) -> None:
+    """An agent's return value as its outcome's reward (a number, None, or a dict of numbers)."""
+    def number(value) -> bool:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+    if result is None or number(result):
+        outcome.reward = None if result is None else float(result)
+    elif isinstance(result, dict) and result and all(isinstance(k, str) and number(v) for k, v in result.items()):
+        outcome.rewards = {k: float(v) for k, v in result.items()}
+        outcome.reward = sum(outcome.rewards.values())
+    else:
+        outcome.error = (f"returned {str(result)[:80]!r}: an agent returns its reward (a finite number, or None), "
+                         "or a dict of named rewards")

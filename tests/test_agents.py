@@ -1,0 +1,288 @@
+"""Agents as they are (rollout/agents.py) through the run's OpenAI-compatible endpoint
+(rollout/endpoint.py): real `openai` clients against a real HTTP endpoint on 127.0.0.1."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from exact import update_difference
+from helpers import (assert_close_metrics, completions_log, metric_rows, run_worker, tool_call, training_rows,
+                     untimed_metrics)
+from safetensors.torch import load_file
+
+import scripted_engine
+from grpokit.cli import main
+from grpokit.rollout import ENGINES, SamplingParams
+from grpokit.rollout.agents import Agents
+from grpokit.rollout.conversation import turn_seed
+from grpokit.rollout.transformers_engine import TransformersEngine
+from grpokit.tasks import Example
+
+pytest.importorskip("openai")
+
+AGENT_PY = '''
+import asyncio
+import json
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
+async def with_tools(client, model, row):
+    """grpokit's own multi-turn loop, written against the openai client."""
+    from transformers.utils import get_json_schema
+
+    messages = list(row["prompt"])
+    for turn in range(5):
+        reply = await client.chat.completions.create(model=model, messages=messages, tools=[get_json_schema(add)])
+        message = reply.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls or reply.choices[0].finish_reason == "length" or turn == 4:
+            return 0.0
+        for call in message.tool_calls:
+            messages.append({"role": "tool", "tool_call_id": call.id,
+                             "content": str(add(**json.loads(call.function.arguments)))})
+
+
+async def follow_up(client, model, row):
+    """Two requests, the second continuing the first: a reward with variance on a random model."""
+    messages = list(row["prompt"])
+    first = await client.chat.completions.create(model=model, messages=messages, max_tokens=6)
+    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Shorter?"}]
+    second = await client.chat.completions.create(model=model, messages=messages, max_tokens=6)
+    return -len(second.choices[0].message.content or "") / 10
+
+
+async def misbehaving(client, model, row):
+    """Row by row: fine, raises, another model, a bad reward, no request, never returns."""
+    kind = int(row["kind"])
+    if kind == 4:
+        return 1.0
+    if kind == 5:
+        await asyncio.sleep(60)
+    reply = await client.chat.completions.create(model="gpt-4o" if kind == 2 else model, messages=row["prompt"])
+    if kind == 1:
+        raise RuntimeError("the agent broke")
+    return "great" if kind == 3 else {"tidy": 1.0, "short": -len(reply.choices[0].message.content or "") / 100}
+'''
+
+T = ["model.name=tiny-random", "train.max_steps=2", "rollout.num_generations=2", "train.prompts_per_step=2",
+     "rollout.max_completion_length=400", "data.eval_size=0", "reward.functions=[exact_answer]"]
+
+
+@pytest.fixture
+def scripted(monkeypatch, tmp_path):
+    """The scripted engine (tiny-random's random weights never write a tool call), the agents, the tool and data."""
+    monkeypatch.setitem(ENGINES, "scripted", "scripted_engine:ScriptedEngine")
+    (tmp_path / "agents.py").write_text(AGENT_PY)
+    (tmp_path / "data.jsonl").write_text("".join(
+        json.dumps({"prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "answer": "3", "kind": i}) + "\n"
+        for i in range(6)))
+    return tmp_path
+
+
+def test_an_agent_trains_as_the_same_conversations_through_grpokit_s_tools(scripted, monkeypatch):
+    """The same tool loop, once as rollout.tools (grpokit's multi-turn path) and once as an agent
+    through the endpoint: the same contexts reach the engine, and the runs are the same bit for bit."""
+    monkeypatch.setattr(scripted_engine, "SCRIPT", [tool_call("add", a=1, b=2), "3"])
+    common = [*T, "rollout.engine=scripted", f"data.path={scripted}/data.jsonl", "monitor.log_completions=1"]
+    assert main(["train", "--no-progress", *common, f"rollout.tools=[{scripted}/agents.py:add]",
+                 f"train.output_dir={scripted}/tools"]) == 0
+    assert main(["train", "--no-progress", *common, f"rollout.agent={scripted}/agents.py:with_tools",
+                 f"train.output_dir={scripted}/agent"]) == 0
+    tools, agent = untimed_metrics(scripted / "tools"), untimed_metrics(scripted / "agent")
+    for a, b in zip(tools, agent):
+        assert a["turns/mean"] == b["turns/mean"] == 2 and b["agents/failed"] == 0
+        assert {k: v for k, v in a.items() if not k.startswith(("tools/", "turns/"))} == \
+            {k: v for k, v in b.items() if not k.startswith(("agents/", "rewards/agent", "turns/"))}
+    wa, wb = (load_file(scripted / run / "final" / "model.safetensors") for run in ("tools", "agent"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    record = completions_log(scripted / "agent")[0]
+    assert [m["role"] for m in record["completion"]] == ["assistant", "tool", "assistant"]
+    assert record["completion"][1]["content"] == "3" and record["reward"] == 1.0
+
+
+def test_recorded_tokens_are_what_the_engine_sampled(tiny):
+    """Each request samples from its rollout's turn seed; a request that extends the previous
+    exchange reuses its ids (never decoded and encoded again), and only sampled tokens are trained."""
+    model, tokenizer = tiny
+    eos = tokenizer.eos_token_id
+    engine = TransformersEngine(model, tokenizer.pad_token_id, [eos])
+    seen = {}
+
+    async def agent(client, model_name, row):
+        messages = list(row["prompt"])
+        first = await client.chat.completions.create(model=model_name, messages=messages, max_tokens=5)
+        messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "And?"}]
+        second = await client.chat.completions.create(model=model_name, messages=messages)
+        seen.setdefault(row["n"], []).append((first.choices[0].message.content, second.usage.prompt_tokens))
+        return 1.0
+
+    agents = Agents(agent, "agent", tokenizer, [eos], timeout=60)
+    try:
+        prompt = [{"role": "user", "content": "Say something."}]
+        params = SamplingParams(40, 1.0)
+        batch = agents.generate(engine, [Example(prompt, {"n": 0}), Example(prompt, {"n": 1})], [2, 1], params,
+                                seeds=[7, 8, 9])
+        transcripts = list(agents.endpoint.transcripts.values())
+    finally:
+        agents.close()
+    ids = tokenizer(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False),
+                    add_special_tokens=False)["input_ids"]
+    for r, t in enumerate(transcripts):
+        first, second = t.exchanges
+        alone = engine.generate([ids], 1, SamplingParams(5, 1.0), [turn_seed([7, 8, 9][r], 0)])
+        assert first.prompt == ids and first.sampled == alone.completion_ids[0, :int(alone.completion_mask[0].sum())].tolist()
+        assert second.extends and second.prompt[:len(ids) + len(first.sampled)] == ids + first.sampled
+        room = 40 - (len(second.prompt) - len(ids))
+        assert 0 < room < 40
+        again = engine.generate([second.prompt], 1, SamplingParams(room, 1.0), [turn_seed([7, 8, 9][r], 1)])
+        assert second.sampled == again.completion_ids[0, :int(again.completion_mask[0].sum())].tolist()
+        n = len(second.prompt) + len(second.sampled) - len(ids)
+        assert batch.completion_ids[r, :n].tolist() == second.prompt[len(ids):] + second.sampled
+        trained = [1] * len(first.sampled) + [0] * (len(second.prompt) - len(ids) - len(first.sampled)) + \
+            [1] * len(second.sampled)
+        assert batch.trained_mask[r, :n].tolist() == trained and batch.completion_mask[r].sum() == n
+        assert batch.conversations[r].environment.reward == 1.0 and batch.conversations[r].turns == 2
+    assert len(seen[0]) == 2 and len(seen[1]) == 1
+
+
+def test_a_request_that_does_not_extend_the_last_exchange_is_counted_and_not_trained(tiny):
+    """An agent (or a template) that rewrites the history: the request is answered, counted in
+    agents/untrained_requests, and the trained sequence is the one before it."""
+    model, tokenizer = tiny
+    eos = tokenizer.eos_token_id
+    engine = TransformersEngine(model, tokenizer.pad_token_id, [eos])
+
+    async def agent(client, model_name, row):
+        messages = list(row["prompt"])
+        first = await client.chat.completions.create(model=model_name, messages=messages, max_tokens=4)
+        reply = first.choices[0].message.model_dump(exclude_none=True)
+        rewritten = [{"role": "user", "content": "Say something else."}, reply, {"role": "user", "content": "And?"}]
+        await client.chat.completions.create(model=model_name, messages=rewritten, max_tokens=4)
+        return 0.5
+
+    agents = Agents(agent, "agent", tokenizer, [eos], timeout=60)
+    try:
+        batch = agents.generate(engine, [Example([{"role": "user", "content": "Say something."}], {})], [2],
+                                SamplingParams(8, 1.0), seeds=[1, 2])
+        transcripts = list(agents.endpoint.transcripts.values())
+    finally:
+        agents.close()
+    for r, t in enumerate(transcripts):
+        assert [e.extends for e in t.exchanges] == [False, False]
+        assert batch.conversations[r].environment.untrained == 1
+        assert batch.trained_mask[r].sum() == len(t.exchanges[0].sampled) == batch.completion_mask[r].sum()
+
+
+def test_agents_that_fail_are_counted_and_the_run_goes_on(scripted, monkeypatch):
+    """An agent that raises, asks for another model, returns no reward, makes no request, or never
+    returns: each rollout fails (no reward, counted, its error recorded); the others train."""
+    monkeypatch.setattr(scripted_engine, "SCRIPT", ["3"])
+    run = scripted / "run"
+    assert main(["train", "--no-progress", *T, "rollout.engine=scripted", f"data.path={scripted}/data.jsonl",
+                 "train.prompts_per_step=6", "train.max_steps=1", "rollout.agent_timeout=3",
+                 "monitor.log_completions=1", f"rollout.agent={scripted}/agents.py:misbehaving",
+                 f"train.output_dir={run}"]) == 0
+    row = training_rows(run)[0]
+    assert row["agents/failed"] == 10 and row["agents/refused_requests"] == 2
+    errors = {r["prompt"][0]["content"]: r.get("agent_error") for r in completions_log(run)}
+    assert errors["What is 0 + 1?"] is None
+    assert errors["What is 1 + 1?"] == "raised RuntimeError: the agent broke"
+    assert "this endpoint serves the model being trained, named 'grpokit'" in errors["What is 2 + 1?"]
+    assert errors["What is 3 + 1?"].startswith("returned 'great': an agent returns its reward")
+    assert errors["What is 4 + 1?"] == "made no request to its endpoint"
+    assert errors["What is 5 + 1?"] == "did not return within rollout.agent_timeout=3 s"
+    assert row["agent/tidy"] == 1.0 and row["agent/short"] == pytest.approx(-0.01)
+
+
+@pytest.mark.parametrize("setting, message", [
+    (["rollout.tools=[grpokit.tasks.calculator:calculator]"], "runs its own tools and loop"),
+    (["rollout.max_staleness=1"], "rollout.max_staleness=1"),
+])
+def test_agents_refuse_what_does_not_go_with_them(scripted, capsys, setting, message):
+    assert main(["train", "--no-progress", *T, f"data.path={scripted}/data.jsonl",
+                 f"rollout.agent={scripted}/agents.py:with_tools", *setting,
+                 f"train.output_dir={scripted}/run"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_missing_openai_is_a_start_up_error_naming_the_extra(scripted, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "openai", None)
+    assert main(["train", "--no-progress", *T, f"data.path={scripted}/data.jsonl",
+                 f"rollout.agent={scripted}/agents.py:with_tools", f"train.output_dir={scripted}/run"]) == 2
+    assert "pip install 'grpokit[agents]'" in capsys.readouterr().err
+
+
+def test_micro_batches_never_change_an_agent_update(scripted, monkeypatch):
+    """The recorded conversations train as any batch does: whole or one completion at a time, the same update."""
+    monkeypatch.setattr(scripted_engine, "SCRIPT", [tool_call("add", a=1, b=2), "3"])
+    common = [*T, "rollout.engine=scripted", f"data.path={scripted}/data.jsonl", "model.dtype=float64",
+              f"rollout.agent={scripted}/agents.py:with_tools", "reward.functions=[length]", "train.learning_rate=1e-3"]
+    for name, size in (("whole", 4), ("one", 1)):
+        assert main(["train", "--no-progress", *common, f"train.micro_batch_size={size}",
+                     f"train.output_dir={scripted}/{name}"]) == 0
+    assert_close_metrics(untimed_metrics(scripted / "whole"), untimed_metrics(scripted / "one"))
+
+
+
+@pytest.mark.process
+def test_a_killed_agent_run_resumes_as_the_uninterrupted_run(scripted):
+    """SIGKILL mid-run, then the same command: the same metrics and weights as a run never interrupted."""
+    from grpokit.rundir import read_metrics
+
+    args = ["model.name=tiny-random", f"rollout.agent={scripted}/agents.py:follow_up", "train.max_steps=8",
+            "train.save_every=2", "train.prompts_per_step=2", "rollout.num_generations=3", "data.eval_size=0",
+            "rollout.max_completion_length=40", "train.learning_rate=1e-3"]
+
+    def launch(out):
+        return subprocess.Popen([sys.executable, "-m", "grpokit", "train", "--no-progress", *args,
+                                 f"train.output_dir={out}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    reference = launch(scripted / "reference")
+    assert reference.communicate(timeout=300) and reference.returncode == 0
+    process = launch(scripted / "run")
+    deadline = time.monotonic() + 300
+    while len(training_rows(scripted / "run")) < 3 if (scripted / "run" / "metrics.jsonl").exists() else True:
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    assert process.poll() is None
+    process.kill()
+    process.wait()
+    resumed = launch(scripted / "run")
+    said = resumed.communicate(timeout=300)[0]
+    assert resumed.returncode == 0 and "resuming from" in said, said[-2000:]
+
+    def untimed(run):
+        return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "step_time"}
+                for r in read_metrics(scripted / run / "metrics.jsonl")]
+
+    assert untimed("run") == untimed("reference") and len(untimed("run")) == 8
+    wa, wb = (load_file(scripted / run / "final" / "model.safetensors") for run in ("run", "reference"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.process
+def test_two_processes_compute_the_one_process_agent_update(scripted):
+    """Each process runs the agents of its own rows on its own endpoint: float64, the same update and metrics."""
+    overrides = [f"rollout.agent={scripted}/agents.py:follow_up", "train.prompts_per_step=2",
+                 "rollout.num_generations=2", "train.max_steps=2", "rollout.max_completion_length=30"]
+    one, two = run_worker(scripted, "train", overrides)
+    assert update_difference(one["start"], one["params"], two[0]["params"]) < 1e-9
+    rows = [metric_rows(scripted / f"p{n}" / "run") for n in (1, 2)]
+    assert len(rows[0]) == 2 and rows[0][0]["turns/mean"] == 2
+    assert_close_metrics(*rows)
