@@ -286,3 +286,117 @@ def test_two_processes_compute_the_one_process_agent_update(scripted):
     rows = [metric_rows(scripted / f"p{n}" / "run") for n in (1, 2)]
     assert len(rows[0]) == 2 and rows[0][0]["turns/mean"] == 2
     assert_close_metrics(*rows)
+
+
+def test_a_textarena_game_is_played_by_its_own_agent(scripted, monkeypatch):
+    """data.task=textarena:<env id>: the observation is the user turn, the reply the action, the
+    game's new text the next user turn, its outcome the reward; 2 steps."""
+    pytest.importorskip("textarena")
+    from grpokit.tasks.textarena import TextArenaTask, _start
+
+    monkeypatch.setattr(scripted_engine, "SCRIPT", ["My guess: [10]"])  # the same guess twice: an invalid move ends it
+    run = scripted / "run"
+    assert main(["train", "--no-progress", "model.name=tiny-random", "rollout.engine=scripted",
+                 "data.task=textarena:GuessTheNumber-v0", "data.task_args={max_turns: 5}", "train.max_steps=2",
+                 "train.prompts_per_step=2", "rollout.num_generations=2", "rollout.max_completion_length=200",
+                 "data.eval_size=0", "monitor.log_completions=1", f"train.output_dir={run}"]) == 0
+    rows = training_rows(run)
+    assert [r["step"] for r in rows] == [1, 2] and all(r["agents/failed"] == 0 for r in rows)
+    task = TextArenaTask("GuessTheNumber-v0", {"max_turns": 5}, seed=0, eval_size=0)
+    expected = []
+    for i in range(4):  # the first 4 games (their prompts are alike: the number is hidden), played as the script plays
+        env, _ = _start("GuessTheNumber-v0", {"max_turns": 5}, task.train_example(i).columns["game_seed"])
+        done = False
+        while not done:
+            done, _ = env.step(action="My guess: [10]")
+        expected.append(float(env.close()[0][0]))
+    records = completions_log(run)
+    assert [r["reward"] for r in records] == pytest.approx([r for r in expected for _ in range(2)])
+    assert len(set(expected)) > 1  # the games differ
+    for record in records:
+        turns = record["completion"]
+        assert turns[0] == {"role": "assistant", "content": "My guess: [10]"}
+        if len(turns) > 1:  # a wrong first guess: the game's hint, then the same guess again
+            assert turns[1]["role"] == "user" and "[GAME] The target number is" in turns[1]["content"]
+            assert not turns[1]["content"].startswith("\n[GAME] You are Player 0")
+    assert "rollout:\n" in (run / "config.yaml").read_text() and "agent: grpokit.tasks.textarena:play" in \
+        (run / "config.yaml").read_text()
+
+
+VERIFIERS_ENVS = '''
+import verifiers as vf
+from datasets import Dataset
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
+def correct(completion, answer, **kwargs) -> float:
+    return 1.0 if answer in (completion[-1]["content"] or "") else 0.0
+
+
+def brevity(completion, **kwargs) -> float:
+    return -len(completion[-1]["content"] or "") / 100
+
+
+def load_environment(n: int = 6, tools: bool = False):
+    rows = Dataset.from_list([{"question": f"What is {i} + 1?", "answer": "3"} for i in range(n)])
+    rubric = vf.Rubric(funcs=[correct, brevity], weights=[1.0, 0.5])
+    if tools:
+        return vf.ToolEnv(dataset=rows, tools=[add], max_turns=3, rubric=rubric, system_prompt="Use the tool.")
+    return vf.SingleTurnEnv(dataset=rows, system_prompt="Answer with the number.", rubric=rubric)
+'''
+
+
+@pytest.mark.parametrize("tools", [False, True])
+def test_a_verifiers_environment_runs_unchanged(scripted, monkeypatch, tools):
+    """A SingleTurnEnv and a ToolEnv, built in the test: their dataset, system prompt, tools and
+    rubric (its functions weighted as it weighs them, each logged) through the endpoint; 2 steps."""
+    pytest.importorskip("verifiers")
+    (scripted / "vf_envs.py").write_text(VERIFIERS_ENVS)
+    monkeypatch.setattr(scripted_engine, "SCRIPT", [tool_call("add", a=2, b=1), "It is 3."] if tools else ["It is 3."])
+    run = scripted / "run"
+    assert main(["train", "--no-progress", "model.name=tiny-random", "rollout.engine=scripted",
+                 f"rollout.environment=verifiers:{scripted}/vf_envs.py:load_environment",
+                 f"data.task_args={{n: 8, tools: {str(tools).lower()}}}", "train.max_steps=2", "train.prompts_per_step=2",
+                 "rollout.num_generations=2", "rollout.max_completion_length=300", "data.eval_size=2",
+                 "monitor.log_completions=1", f"train.output_dir={run}"]) == 0
+    rows = training_rows(run)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["agents/failed"] == 0 and r["agent/correct"] == 1.0 and r["agent/brevity"] == -0.08
+        assert r["reward"] == pytest.approx(1.0 - 0.04) and r["turns/mean"] == (2 if tools else 1)
+    record = completions_log(run)[0]
+    assert record["prompt"][0] == {"role": "system", "content": "Use the tool." if tools else "Answer with the number."}
+    if tools:
+        assert rows[0]["agent/total_tool_calls"] == 1.0
+        assert [m["role"] for m in record["completion"]] == ["assistant", "tool", "assistant"]
+        assert record["completion"][1]["content"] == "3"
+    evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "eval/reward" in line]
+    assert evals and all(e["eval/reward"] == pytest.approx(0.96) for e in evals)
+
+
+def test_a_verifiers_environment_object_is_taken_by_grpokit_train(scripted, monkeypatch):
+    pytest.importorskip("verifiers")
+    import importlib.util
+
+    import grpokit
+
+    (scripted / "vf_envs.py").write_text(VERIFIERS_ENVS)
+    spec = importlib.util.spec_from_file_location("vf_envs_object", scripted / "vf_envs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(scripted_engine, "SCRIPT", ["3"])
+    result = grpokit.train(environment=module.load_environment(n=6), progress=False,
+                           **{"model.name": "tiny-random", "rollout.engine": "scripted", "train.max_steps": 1,
+                              "train.prompts_per_step": 2, "rollout.num_generations": 2, "data.eval_size": 0,
+                              "rollout.max_completion_length": 20, "train.output_dir": str(scripted / "api")})
+    assert training_rows(scripted / "api")[0]["agent/correct"] == 1.0
+    assert result is not None

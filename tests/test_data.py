@@ -278,7 +278,7 @@ def test_reasoning_gym_missing_is_named_with_its_install_command(monkeypatch):
     (["data.task=reasoning_gym:chain_summ"], "reasoning-gym has no dataset 'chain_summ' \\(did you mean chain_sum"),
     (["data.task=reasoning_gym:chain_sum", "data.task_args={min_termz: 2}"], "data.task_args=.*min_termz"),
     (["data.task_args={min_terms: 2}"], "data.task_args=.* is only read by data.task=reasoning_gym"),
-    (["data.task=reasoning"], "data.task='reasoning': must be one of arithmetic, calculator, environment, shapes, or reasoning_gym:"),
+    (["data.task=reasoning"], "data.task='reasoning': must be one of arithmetic, calculator, environment, shapes, reasoning_gym:"),
 ])
 def test_reasoning_gym_mistakes_are_named_at_start_up(tmp_path, overrides, problem, capsys):
     pytest.importorskip("reasoning_gym", reason="reasoning-gym is in the test extra: pip install -e '.[test]'")

@@ -251,7 +251,11 @@ def _take_code(config: Config, reward_functions, tools, environment, agent=None)
             raise ConfigError(f"environment= is a dict of {len(environment)} environments (TRL's multi-environment "
                               "form, each row choosing one by its `environment` column): grpokit trains one environment "
                               "class per run; give one class (or factory), or train a run per environment")
-        config.rollout.environment = _register(environment, "environment", callable_needed=True)
+        if type(environment).__module__.startswith("verifiers."):  # an environment object of verifiers': its task
+            config.data.task = "verifiers:" + _register(environment, "environment", callable_needed=False)
+            config.given.add("data.task")
+        else:
+            config.rollout.environment = _register(environment, "environment", callable_needed=True)
     if agent is not None:
         if config.rollout.agent is not None:
             raise ConfigError("agent= and rollout.agent both name an agent: give one")

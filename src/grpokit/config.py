@@ -76,11 +76,14 @@ class DataConfig:
                    "answered with the number) | calculator (three digits times two, with a calculator tool) | "
                    "shapes (pictures of shapes: their colour, kind or count, for vision-language models) | "
                    "reasoning_gym:<dataset name> (one of reasoning-gym's, e.g. reasoning_gym:letter_counting) | "
+                   "textarena:<env id> (a TextArena single-player game, e.g. textarena:GuessTheNumber-v0, played by "
+                   "its own agent) | verifiers:<module>:<load_environment> (a verifiers environment, its arguments in "
+                   "data.task_args) | "
                    "environment (the prompts come from rollout.environment's reset(), as TRL's environment_factory "
                    "without a dataset; what a run with an environment and neither data.path nor data.task gets)")
     task_args: dict = _f({}, "the task's generator arguments: for reasoning_gym:<name>, its dataset's config fields "
                          "(e.g. {min_words: 3, max_words: 5}); for shapes, the questions asked (e.g. "
-                         "{questions: [colour]})")
+                         "{questions: [colour]}); for textarena:<env id>, the game's (e.g. {max_turns: 5})")
     path: str | None = _f(
         None,
         "your dataset: a .jsonl / .json / .csv / .parquet file, a datasets.save_to_disk folder, or a Hub id",
@@ -333,10 +336,19 @@ class Config:
     def settle(self) -> None:
         """Decide what depends on which settings were given, once they all are: an environment
         with neither a dataset (data.path) nor a data.task of its own brings the prompts
-        (data.task=environment: TRL's environment_factory without a train_dataset)."""
+        (data.task=environment: TRL's environment_factory without a train_dataset); a TextArena
+        game (data.task=textarena:<env id>) is played by the task's agent unless rollout.agent says."""
         if "data.task" not in self.given and self.data.task in (DataConfig().task, "environment"):
             environment = self.rollout.environment is not None and self.data.path is None
             self.data.task = "environment" if environment else DataConfig().task
+        from grpokit.tasks import textarena, verifiers
+
+        if (self.rollout.environment or "").startswith(verifiers.PREFIX):  # verifiers' spelling: a task of its own
+            self.data.task, self.rollout.environment = self.rollout.environment, None
+            self.given |= {"data.task"}
+        for task in (textarena, verifiers):  # a game or an environment is run by the task's own agent
+            if "rollout.agent" not in self.given and self.data.path is None and self.data.task.startswith(task.PREFIX):
+                self.rollout.agent = task.AGENT
 
     # Derived values: computed from the fields above, never configured.
     @property
@@ -441,10 +453,11 @@ def _check_task(c: Config) -> list[str]:
     p = _Problems()
     task_problem = check_task_name(c.data.task)
     p.need(task_problem is None, task_problem)
-    p.need(not c.data.task_args or (c.data.path is None and (c.data.task.startswith("reasoning_gym:")
+    p.need(not c.data.task_args or (c.data.path is None and (c.data.task.startswith(("reasoning_gym:", "textarena:",
+                                                                                      "verifiers:"))
                                                              or c.data.task == "shapes")),
-           f"data.task_args={c.data.task_args!r} is only read by data.task=reasoning_gym:<name> and data.task=shapes, "
-           "and data.path is null")
+           f"data.task_args={c.data.task_args!r} is only read by data.task=reasoning_gym:<name>, textarena:<env id>, "
+           "verifiers:<module>:<load_environment> and shapes, and data.path is null")
     return p
 
 

@@ -44,7 +44,7 @@ class AgentOutcome:
     """How one rollout's agent ended: what reward functions see as its `environment`."""
 
     reward: float | None = None
-    rewards: dict[str, float] = field(default_factory=dict)  # a dict of named rewards, as returned
+    rewards: dict[str, float] = field(default_factory=dict)  # named rewards, as returned (logged as agent/<name>)
     error: str | None = None  # why it failed
     refused: int = 0  # requests the endpoint refused
     untrained: int = 0  # requests that started a new sequence
@@ -224,7 +224,9 @@ def _take_reward(result, outcome: AgentOutcome) -> None:
     def number(value) -> bool:
         return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
-    if result is None or number(result):
+    if hasattr(result, "reward") and hasattr(result, "parts"):  # a reward and its logged parts (tasks/verifiers.py)
+        outcome.reward, outcome.rewards = float(result.reward), dict(result.parts)
+    elif result is None or number(result):
         outcome.reward = None if result is None else float(result)
     elif isinstance(result, dict) and result and all(isinstance(k, str) and number(v) for k, v in result.items()):
         outcome.rewards = {k: float(v) for k, v in result.items()}

@@ -5,7 +5,9 @@ that score it when reward.functions does not name others.
 Built-in tasks are in TASKS (data.task), `shapes` the picture task of vision-language models
 (shapes.py); `environment` takes its prompts from the environment's
 reset() (environment.py); `reasoning_gym:<name>` is one of reasoning-gym's datasets
-(reasoning_gym.py); a dataset file (data.path) becomes a task in dataset.py.
+(reasoning_gym.py); `textarena:<env id>` one of TextArena's single-player games, played by the
+task's own agent (textarena.py); `verifiers:<module>:<load_environment>` a verifiers environment,
+run by its own run_rollout (verifiers.py); a dataset file (data.path) becomes a task in dataset.py.
 """
 
 from __future__ import annotations
@@ -29,11 +31,14 @@ TASKS = {"arithmetic": "grpokit.tasks.arithmetic:ArithmeticTask", "calculator": 
 
 def check_task_name(name: str) -> str | None:
     """What is wrong with data.task=`name`, or None."""
-    from grpokit.tasks.reasoning_gym import PREFIX
+    from grpokit.tasks import reasoning_gym, textarena, verifiers
 
-    if name in TASKS or (name.startswith(PREFIX) and name != PREFIX):
+    prefixes = (reasoning_gym.PREFIX, textarena.PREFIX, verifiers.PREFIX)
+    if name in TASKS or any(name.startswith(p) and name != p for p in prefixes):
         return None
-    return f"data.task={name!r}: must be one of {', '.join(TASKS)}, or {PREFIX}<dataset name> (reasoning-gym)"
+    return (f"data.task={name!r}: must be one of {', '.join(TASKS)}, {reasoning_gym.PREFIX}<dataset name> "
+            f"(reasoning-gym), {textarena.PREFIX}<env id> (a TextArena game), or {verifiers.PREFIX}<module>:"
+            "<load_environment> (a verifiers environment)")
 
 
 def _task_class(name: str):
@@ -65,10 +70,16 @@ def make_task(data, seed: int, prompt_length):
         from grpokit.tasks.dataset import DatasetTask
 
         return DatasetTask(data, seed=seed, prompt_length=prompt_length)
-    from grpokit.tasks.reasoning_gym import PREFIX, ReasoningGymTask
+    from grpokit.tasks import reasoning_gym, textarena, verifiers
 
-    if data.task.startswith(PREFIX):
-        return ReasoningGymTask(data.task.removeprefix(PREFIX), data.task_args, seed=seed, eval_size=data.eval_size)
+    if data.task.startswith(verifiers.PREFIX):
+        return verifiers.VerifiersTask(data.task, data.task_args, seed=seed, eval_size=data.eval_size)
+    if data.task.startswith(reasoning_gym.PREFIX):
+        return reasoning_gym.ReasoningGymTask(data.task.removeprefix(reasoning_gym.PREFIX), data.task_args, seed=seed,
+                                              eval_size=data.eval_size)
+    if data.task.startswith(textarena.PREFIX):
+        return textarena.TextArenaTask(data.task.removeprefix(textarena.PREFIX), data.task_args, seed=seed,
+                                       eval_size=data.eval_size)
     try:  # task_args: the shapes task's (the config refuses them for the others)
         return _task_class(data.task)(seed=seed, eval_size=data.eval_size, **data.task_args)
     except TypeError as e:
