@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -400,3 +401,30 @@ def test_a_verifiers_environment_object_is_taken_by_grpokit_train(scripted, monk
                               "rollout.max_completion_length": 20, "train.output_dir": str(scripted / "api")})
     assert training_rows(scripted / "api")[0]["agent/correct"] == 1.0
     assert result is not None
+
+
+def test_a_verifiers_environment_of_the_built_in_task_trains_as_the_built_in_task(tmp_path, monkeypatch):
+    """examples/verifiers_arithmetic.py given the built-in task's prompts in the built-in task's
+    order: the same engine calls, rewards and updates as the built-in arithmetic task, bit for bit."""
+    pytest.importorskip("verifiers")
+    from grpokit.tasks import verifiers as through_verifiers
+    from grpokit.tasks.arithmetic import ArithmeticTask
+
+    common = ["train.max_steps=2", "data.eval_size=0"]  # the default run's first steps: the bundled model learns there
+    assert main(["train", "--no-progress", *common, f"train.output_dir={tmp_path / 'built-in'}"]) == 0
+    stream = ArithmeticTask(seed=0, eval_size=0)
+
+    def in_stream_order(self, index):
+        e = stream.train_example(index)
+        return through_verifiers.Example(e.prompt, {"answer": str(e.columns["answer"]), "example_id": index,
+                                                    "verifiers_task": self.name})
+
+    monkeypatch.setattr(through_verifiers.VerifiersTask, "train_example", in_stream_order)
+    example = Path(__file__).parents[1] / "examples" / "verifiers_arithmetic.py"
+    assert main(["train", "--no-progress", *common, f"rollout.environment=verifiers:{example}:load_environment",
+                 "data.task_args={train_size: 10}", f"train.output_dir={tmp_path / 'verifiers'}"]) == 0
+    built_in, verifiers = untimed_metrics(tmp_path / "built-in"), untimed_metrics(tmp_path / "verifiers")
+    for a, b in zip(built_in, verifiers):
+        assert {k: a[k] for k in ("reward", "loss", "grad_norm", "entropy", "reward_std")} == \
+            {k: b[k] for k in ("reward", "loss", "grad_norm", "entropy", "reward_std")}
+    assert built_in[0]["grad_norm"] > 0  # an update, from rewards the two compute alike

@@ -507,3 +507,105 @@ def test_a_tool_result_over_the_budget_is_counted_and_recorded_cut(scripted, mon
     tool = sample["completion"][-1]
     assert tool["role"] == "tool" and tool["truncated"] is True and sample["finish_reason"] == "length"
     assert tool["content"].startswith("word word") and 100 < len(tool["content"].split()) < 1000
+
+
+OPENENV_PY = '''
+import os
+
+from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.types import Action, Observation, State
+
+
+class PressAction(Action):
+    times: int
+
+
+class CounterObservation(Observation):
+    presses: int = 0
+
+
+class CounterEnvironment(Environment):
+    """An OpenEnv environment: served by OpenEnv's own server, reached by its own client."""
+
+    SUPPORTS_CONCURRENT_SESSIONS = True  # each session its own instance: one per rollout
+
+    def reset(self, seed=None, episode_id=None, **kwargs):
+        self._state, self.presses = State(), 0
+        return CounterObservation(presses=0, reward=0.0, done=False)
+
+    def step(self, action, timeout_s=None, **kwargs):
+        self.presses += action.times
+        return CounterObservation(presses=self.presses, reward=float(self.presses), done=False)
+
+    @property
+    def state(self):
+        return self._state
+
+
+class Counter:
+    """TRL's environment_factory shape on the OpenEnv server at OPENENV_URL, as TRL's OpenEnv examples write it."""
+
+    def reset(self, **row):
+        from openenv.core.generic_client import GenericEnvClient
+
+        self.client = GenericEnvClient(base_url=os.environ["OPENENV_URL"]).sync()
+        self.reward = 0.0
+        return f" (pressed {self.client.reset().observation['presses']} times so far)"
+
+    def press(self, times: int) -> str:
+        """Press the button.
+
+        Args:
+            times: How many times.
+        """
+        result = self.client.step({"times": times})
+        self.reward = result.reward
+        return f"pressed {result.observation['presses']} times"
+
+    def get_reward(self) -> float:
+        return float(self.reward)
+'''
+
+
+def test_an_openenv_environment_on_127_0_0_1_runs_as_an_environment_factory(scripted, monkeypatch):
+    """An OpenEnv environment served by OpenEnv's server on 127.0.0.1 (no mock), reached through
+    OpenEnv's client from a TRL environment_factory class: its observations are the tool results,
+    its reward the get_reward() reward."""
+    pytest.importorskip("openenv.core")
+    import importlib.util
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+    from openenv.core.env_server.http_server import create_fastapi_app
+
+    (scripted / "openenv_counter.py").write_text(OPENENV_PY)
+    spec = importlib.util.spec_from_file_location("openenv_counter", scripted / "openenv_counter.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    app = create_fastapi_app(module.CounterEnvironment, module.PressAction, module.CounterObservation,
+                             max_concurrent_envs=32)  # one session per rollout (and one at start-up)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        monkeypatch.setenv("OPENENV_URL", f"http://127.0.0.1:{sock.getsockname()[1]}")
+        script(monkeypatch, tool_call("press", times=3), "3")
+        run = scripted / "run"
+        assert main(["train", "--no-progress", *T, f"data.path={scripted}/data.jsonl",
+                     f"rollout.environment={scripted}/openenv_counter.py:Counter", "monitor.log_completions=1",
+                     f"train.output_dir={run}"]) == 0
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+    rows = training_rows(run)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["rewards/Counter/mean"] == 3.0 and r["tools/failures"] == 0 for r in rows)
+    sample = json.loads((run / "completions.jsonl").read_text().splitlines()[0])
+    assert sample["prompt"][-1]["content"].endswith(" (pressed 0 times so far)")
+    assert [m["content"] for m in sample["completion"] if m["role"] == "tool"] == ["pressed 3 times"]

@@ -157,8 +157,16 @@ class Agents:
         if asked:
             turn_seeds = None if seeds is None else [turn_seed(int(seeds[w.rollout]), len(transcripts[w.rollout].exchanges))
                                                      for w, _ in asked]
-            batch = engine.generate([w.prompt for w, _ in asked], 1, replace(params, max_tokens=max(l for _, l in asked)),
-                                    turn_seeds)
+            # Rollouts in a row with the same context (a group's first requests) share one prefill,
+            # as single-turn and multi-turn sampling do: the same engine call, the same tokens.
+            prompts, counts = [], []
+            for w, _ in asked:
+                if prompts and w.prompt == prompts[-1]:
+                    counts[-1] += 1
+                else:
+                    prompts.append(w.prompt)
+                    counts.append(1)
+            batch = engine.generate(prompts, counts, replace(params, max_tokens=max(l for _, l in asked)), turn_seeds)
         row = 0
         for w, limit in zip(taken, limits):
             t = transcripts[w.rollout]
