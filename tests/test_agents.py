@@ -245,7 +245,7 @@ def test_a_killed_agent_run_resumes_as_the_uninterrupted_run(scripted):
     """SIGKILL mid-run, then the same command: the same metrics and weights as a run never interrupted."""
     from grpokit.rundir import read_metrics
 
-    args = ["model.name=tiny-random", f"rollout.agent={scripted}/agents.py:follow_up", "train.max_steps=8",
+    args = ["model.name=tiny-random", f"rollout.agent={scripted}/agents.py:follow_up", "train.max_steps=6",
             "train.save_every=2", "train.prompts_per_step=2", "rollout.num_generations=3", "data.eval_size=0",
             "rollout.max_completion_length=40", "train.learning_rate=1e-3"]
 
@@ -272,7 +272,7 @@ def test_a_killed_agent_run_resumes_as_the_uninterrupted_run(scripted):
         return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "step_time"}
                 for r in read_metrics(scripted / run / "metrics.jsonl")]
 
-    assert untimed("run") == untimed("reference") and len(untimed("run")) == 8
+    assert untimed("run") == untimed("reference") and len(untimed("run")) == 6
     wa, wb = (load_file(scripted / run / "final" / "model.safetensors") for run in ("run", "reference"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
@@ -410,7 +410,7 @@ def test_a_verifiers_environment_of_the_built_in_task_trains_as_the_built_in_tas
     from grpokit.tasks import verifiers as through_verifiers
     from grpokit.tasks.arithmetic import ArithmeticTask
 
-    common = ["train.max_steps=2", "data.eval_size=0"]  # the default run's first steps: the bundled model learns there
+    common = ["train.max_steps=1", "data.eval_size=0"]  # the default run's first step: the bundled model learns there
     assert main(["train", "--no-progress", *common, f"train.output_dir={tmp_path / 'built-in'}"]) == 0
     stream = ArithmeticTask(seed=0, eval_size=0)
 
