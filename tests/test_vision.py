@@ -285,6 +285,16 @@ def test_more_image_parts_than_images_is_an_error_naming_the_row(tmp_path, make_
         make_trainer("idefics3", f"data.path={data}")
 
 
+@pytest.mark.parametrize("build", ["idefics3", "qwen2.5-vl"])
+def test_an_image_token_written_in_a_row_s_text_is_an_error_naming_the_row(tmp_path, make_trainer, build):
+    """The processor reads its image token in the text as a place for an image the row does not have."""
+    token = {"idefics3": "<image>", "qwen2.5-vl": "<|image_pad|>"}[build]
+    data = tmp_path / "literal.jsonl"
+    data.write_text("".join(json.dumps({"prompt": text, "answer": "1"}) + "\n" for text in ("fine", f"a {token} b")))
+    with pytest.raises(DataError, match=r"literal\.jsonl:line 2: the model's processor cannot encode the prompt"):
+        make_trainer(build, f"data.path={data}", "train.prompts_per_step=1", "data.max_prompt_length=512")
+
+
 def test_a_prompt_whose_images_do_not_fit_is_an_error_or_left_out(tmp_path, make_trainer):
     data = write_rows(tmp_path)  # the 3-image prompt is the longest
     with pytest.raises(DataError, match=r"rows\.jsonl:line 3: the prompt is \d+ tokens with its 3 image\(s\), over "

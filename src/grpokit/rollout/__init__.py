@@ -315,7 +315,11 @@ def prompt_ids(tokenizer, tools, example, max_length: int | None = None, vision=
                               "on it (docs/vision.md), or give text content and no images "
                               f"(the prompt: {str(example.prompt)[:120]!r})")
         return encode_prompt(tokenizer, example.prompt, max_length, schemas)
-    ids = vision.encode(example.prompt, example.images, schemas)
+    try:
+        ids = vision.encode(example.prompt, example.images, schemas)
+    except ValueError as e:  # e.g. the processor's image token written in the text: a place for a missing image
+        raise ConfigError(f"the model's processor cannot encode the prompt: {e} (the prompt: "
+                          f"{str(example.prompt)[:120]!r})") from None
     if max_length is not None and len(ids) > max_length:
         if vision.image_tokens(ids[:-max_length]):
             raise ValueError(f"a prompt of {len(ids)} tokens with {len(example.images)} image(s) is over "

@@ -272,7 +272,10 @@ class DatasetTask:
             return examples
         kept, dropped, truncated = [], 0, 0
         for (where, _), e in zip(rows, examples):
-            length = prompt_length(e)
+            try:
+                length = prompt_length(e)
+            except ConfigError as error:  # the prompt's own message, with the row named
+                raise DataError(f"{where}: {error}") from None
             if length <= cfg.max_prompt_length:
                 kept.append(e)
             elif cfg.long_prompts == "drop":
