@@ -362,6 +362,19 @@ def group_counts(prompts: list, n: int | Sequence[int]) -> list[int]:
     return [n] * len(prompts) if isinstance(n, int) else [int(k) for k in n]
 
 
+def consecutive_groups(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """Runs of identical prompts in a row (a group's completions): each run's prompt once, and the
+    counts of the runs, in order: what an engine's generate takes to share one prefill per run."""
+    unique, counts = [], []
+    for prompt in prompts:
+        if unique and prompt == unique[-1]:
+            counts[-1] += 1
+        else:
+            unique.append(prompt)
+            counts.append(1)
+    return unique, counts
+
+
 def from_completions(prompts: list[list[int]], counts: list[int], completions: list[dict], pad_id: int,
                      images: list[tuple] | None = None) -> RolloutBatch:
     """A RolloutBatch from per-completion lists (token_ids, logprobs, entropies or None,

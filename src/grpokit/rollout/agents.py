@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 
 from grpokit import user_code
 from grpokit.errors import ConfigError, StartupError
-from grpokit.rollout import RolloutBatch, SamplingParams, encode_prompt
+from grpokit.rollout import RolloutBatch, SamplingParams, consecutive_groups, encode_prompt
 from grpokit.rollout.conversation import Conversation, RolloutTokens, sequences_batch, turn_seed
 from grpokit.rollout.endpoint import Endpoint, Exchange, Transcript, Waiting
 
@@ -159,13 +159,7 @@ class Agents:
                                                      for w, _ in asked]
             # Rollouts in a row with the same context (a group's first requests) share one prefill,
             # as single-turn and multi-turn sampling do: the same engine call, the same tokens.
-            prompts, counts = [], []
-            for w, _ in asked:
-                if prompts and w.prompt == prompts[-1]:
-                    counts[-1] += 1
-                else:
-                    prompts.append(w.prompt)
-                    counts.append(1)
+            prompts, counts = consecutive_groups([w.prompt for w, _ in asked])
             batch = engine.generate(prompts, counts, replace(params, max_tokens=max(l for _, l in asked)), turn_seeds)
         row = 0
         for w, limit in zip(taken, limits):
@@ -187,7 +181,7 @@ class Agents:
 
     def _batch(self, rows: list, transcripts: list[Transcript], outcomes: list[AgentOutcome]) -> RolloutBatch:
         """One trained sequence per rollout: its first request's, extended by the requests that extend it."""
-        sequences, prompts, prompt_index = [], [], []
+        sequences = []
         for example, t, outcome in zip(rows, transcripts, outcomes):
             chain = t.exchanges[:1]
             for exchange in t.exchanges[1:]:
@@ -212,11 +206,8 @@ class Agents:
                 prompt = encode_prompt(self.tokenizer, example.prompt, self.max_prompt_length)
                 sequence = RolloutTokens(prompt, {}, conversation, finish="stop")
                 sequence.add(self.eos_ids[:1], False)
-            if not prompts or sequence.prompt != prompts[-1]:
-                prompts.append(sequence.prompt)
-            prompt_index.append(len(prompts) - 1)
             sequences.append(sequence)
-        return sequences_batch(sequences, prompts, prompt_index, self.tokenizer.pad_token_id)
+        return sequences_batch(sequences, self.tokenizer.pad_token_id)
 
 
 def _messages(t: Transcript) -> list[dict]:

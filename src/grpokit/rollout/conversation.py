@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from grpokit.errors import ConfigError
-from grpokit.rollout import RolloutBatch, SamplingParams, encode_prompt, from_completions
+from grpokit.rollout import RolloutBatch, SamplingParams, consecutive_groups, encode_prompt, from_completions
 from grpokit.rollout.tools import ToolResult, Tools, call_message, parse_calls
 
 # Why a rollout ended: the model answered without a tool call, it used its last turn, or the budget ran out.
@@ -128,11 +128,7 @@ class MultiTurn:
                                          Conversation([], environment=environment, prompt=messages)))
         # Rollouts in a row with the same prompt (all of a group, unless reset() told them apart)
         # share one prefill.
-        prompts, prompt_index = [], []
-        for r in rollouts:
-            if not prompts or r.prompt != prompts[-1]:
-                prompts.append(r.prompt)
-            prompt_index.append(len(prompts) - 1)
+        prompts, counts = consecutive_groups([r.prompt for r in rollouts])
         budget = params.max_tokens
         active = list(range(len(rollouts)))
         for turn in range(self.max_turns):
@@ -142,13 +138,12 @@ class MultiTurn:
             turn_params = replace(params, max_tokens=max(room))
             turn_seeds = None if seeds is None else [turn_seed(int(seeds[r]), turn) for r in active]
             if turn == 0:
-                batch = engine.generate(prompts, torch.bincount(torch.tensor(prompt_index)).tolist(), turn_params,
-                                        turn_seeds)
+                batch = engine.generate(prompts, counts, turn_params, turn_seeds)
             else:
                 batch = engine.generate([rollouts[r].prompt + rollouts[r].ids for r in active], 1, turn_params,
                                         turn_seeds)
             active = [r for j, r in enumerate(active) if self._take_turn(rollouts[r], batch, j, room[j], turn, budget)]
-        return self._batch(rollouts, prompts, prompt_index)
+        return sequences_batch(rollouts, self.tokenizer.pad_token_id)
 
     def _take_turn(self, rollout: RolloutTokens, batch: RolloutBatch, row: int, room: int, turn: int, budget: int) -> bool:
         """Add row `row` of `batch` as `rollout`'s model turn, run its tool calls and add their
@@ -209,14 +204,10 @@ class MultiTurn:
             room -= len(ids)
         return messages
 
-    def _batch(self, rollouts: list[RolloutTokens], prompts: list[list[int]], prompt_index: list[int]) -> RolloutBatch:
-        return sequences_batch(rollouts, prompts, prompt_index, self.tokenizer.pad_token_id)
-
-
-def sequences_batch(rollouts: list[RolloutTokens], prompts: list[list[int]], prompt_index: list[int], pad_id: int) -> RolloutBatch:
-    """The batch of `rollouts` (rollout i after prompts[prompt_index[i]]): every token after the
-    prompt in completion_mask, the model's in trained_mask."""
-    counts = torch.bincount(torch.tensor(prompt_index)).tolist()
+def sequences_batch(rollouts: list[RolloutTokens], pad_id: int) -> RolloutBatch:
+    """The batch of `rollouts` (those in a row with the same prompt sharing it): every token after
+    the prompt in completion_mask, the model's in trained_mask."""
+    prompts, counts = consecutive_groups([r.prompt for r in rollouts])
     batch = from_completions(prompts, counts, [
         {"token_ids": r.ids, "logprobs": r.logps, "entropies": r.entropies, "finish_reason": r.finish}
         for r in rollouts], pad_id)

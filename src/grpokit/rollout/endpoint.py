@@ -65,7 +65,6 @@ class Waiting:
     """A request waiting for its generation."""
 
     rollout: int
-    order: int  # arrival order, within its rollout
     prompt: list[int]
     extends: bool
     max_tokens: int | None  # what the request allows (None: no limit of its own)
@@ -86,7 +85,6 @@ class Transcript:
         self._rendered: str | None = None  # its rendering, with the generation prompt
         self.last_reply: dict | None = None  # the assistant message it got
         self._text: str | None = None  # the last completions request's prompt and reply, as text
-        self.lock = threading.Lock()
 
     def render(self, messages: list[dict], tools: list[dict] | None) -> str:
         try:
@@ -218,7 +216,7 @@ class Endpoint:
         with self.changed:
             if not self.changed.wait_for(ready, timeout=0.1):
                 return []
-            taken = sorted(self.waiting, key=lambda w: (w.rollout, w.order))
+            taken = sorted(self.waiting, key=lambda w: w.rollout)  # stable: a rollout's in arrival order
             self.waiting = []
             return taken
 
@@ -244,8 +242,7 @@ class Endpoint:
     async def _generate(self, r: int, t: Transcript, ids: list[int], extends: bool, body: dict) -> Exchange:
         limit = body.get("max_completion_tokens") or body.get("max_tokens")
         with self.changed:
-            order = sum(1 for w in self.waiting if w.rollout == r)
-            waiting = Waiting(r, order, ids, extends, int(limit) if limit else None, Future())
+            waiting = Waiting(r, ids, extends, int(limit) if limit else None, Future())
             self.waiting.append(waiting)
             self.changed.notify_all()
         return await asyncio.wrap_future(waiting.answer)
@@ -258,10 +255,10 @@ class Endpoint:
 
         @app.exception_handler(RequestError)
         async def refused(request: Request, error: RequestError):
-            rollout = request.path_params.get("rollout", "")
-            index = rollout.partition("-")[2]
-            if index.isdigit() and int(index) in self.transcripts:
-                self.transcripts[int(index)].errors.append(str(error))
+            try:  # counted against its rollout, if it is one of this generation's
+                self._transcript(request.path_params.get("rollout", ""))[1].errors.append(str(error))
+            except RequestError:
+                pass
             return JSONResponse(status_code=400, content={"error": {"message": str(error), "type": "invalid_request_error"}})
 
         @app.get("/r/{rollout}/v1/models")
@@ -275,8 +272,7 @@ class Endpoint:
             self._check_model(body)
             messages = _text_content(body.get("messages"))
             tools = body.get("tools") or None
-            with t.lock:
-                ids, extends = t.chat(messages, tools)
+            ids, extends = t.chat(messages, tools)  # handlers run on one event loop: no other request interleaves
             exchange = await self._generate(r, t, ids, extends, body)
             text = self.tokenizer.decode(exchange.sampled, skip_special_tokens=True)
             content, calls, _ = parse_calls(self.tokenizer, text)
@@ -297,8 +293,7 @@ class Endpoint:
             self._check_model(body)
             if not isinstance(body.get("prompt"), str):
                 raise RequestError("prompt must be one string")
-            with t.lock:
-                ids, extends = t.completion(body["prompt"])
+            ids, extends = t.completion(body["prompt"])
             exchange = await self._generate(r, t, ids, extends, body)
             text = self.tokenizer.decode(exchange.sampled, skip_special_tokens=True)
             t.replied(None, text)

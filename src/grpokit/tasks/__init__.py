@@ -12,6 +12,8 @@ run by its own run_rollout (verifiers.py); a dataset file (data.path) becomes a 
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from grpokit.errors import ConfigError
@@ -22,6 +24,12 @@ class Example:
     prompt: list[dict[str, str]] | str  # chat messages (rendered with the chat template) or plain text
     columns: dict = field(default_factory=dict)  # passed to reward functions (e.g. answer=...)
     images: tuple = ()  # RGB PIL images, one per {"type": "image"} part of the prompt, in order (vision.py)
+
+
+def stream_from(task, start: int = 0) -> Iterator[Example]:
+    """task.train_example(start), task.train_example(start + 1), ...: the train stream of a task
+    whose examples are a pure function of their index."""
+    return map(task.train_example, itertools.count(start))
 
 
 # data.task -> the module and class of a built-in task, imported when chosen.

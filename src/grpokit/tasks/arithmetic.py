@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterator
 
-from grpokit.tasks import Example
+from grpokit.tasks import Example, stream_from
 
 INSTRUCTION = "Answer with just the number."
 
@@ -79,7 +79,4 @@ class ArithmeticTask:
                 return self._example(question, answer, rng)
 
     def train_stream(self, start: int = 0) -> Iterator[Example]:
-        index = start
-        while True:
-            yield self.train_example(index)
-            index += 1
+        return stream_from(self, start)

@@ -18,7 +18,7 @@ import operator
 import random
 from collections.abc import Iterator
 
-from grpokit.tasks import Example
+from grpokit.tasks import Example, stream_from
 
 # (a, b) of the worked examples training prompts and held-out prompts start with.
 TRAIN_SHOTS: tuple[tuple[int, int], ...] = ((7, 8), (6, 9))
@@ -92,7 +92,4 @@ class CalculatorTask:
                 return self._example(a, b, TRAIN_SHOTS)
 
     def train_stream(self, start: int = 0) -> Iterator[Example]:
-        index = start
-        while True:
-            yield self.train_example(index)
-            index += 1
+        return stream_from(self, start)

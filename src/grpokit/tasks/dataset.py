@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from grpokit.errors import ConfigError
 from grpokit.rewards import RESERVED
-from grpokit.tasks import Example
+from grpokit.tasks import Example, stream_from
 
 if TYPE_CHECKING:  # the config imports this module's LONG_PROMPTS
     from grpokit.config import DataConfig
@@ -309,10 +309,5 @@ class DatasetTask:
     def train_stream(self, start: int = 0) -> Iterator[Example]:
         if not self.train_examples:  # fine for `grpokit eval`, not for training
             raise DataError(self._empty_reason)
-        return self._stream(start)
+        return stream_from(self, start)
 
-    def _stream(self, start: int) -> Iterator[Example]:
-        index = start
-        while True:
-            yield self.train_example(index)
-            index += 1

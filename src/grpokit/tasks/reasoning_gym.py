@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from grpokit.errors import ConfigError
-from grpokit.tasks import Example
+from grpokit.tasks import Example, stream_from
 
 PREFIX = "reasoning_gym:"
 BLOCK = 1000
@@ -107,7 +107,4 @@ class ReasoningGymTask:
         return self._example(self.train[index], self.shots[index])
 
     def train_stream(self, start: int = 0) -> Iterator[Example]:
-        index = start
-        while True:
-            yield self.train_example(index)
-            index += 1
+        return stream_from(self, start)

@@ -17,7 +17,7 @@ import random
 from collections.abc import Iterator
 
 from grpokit.errors import ConfigError
-from grpokit.tasks import Example
+from grpokit.tasks import Example, stream_from
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 70), "blue": (40, 80, 220), "yellow": (230, 200, 30)}
 SHAPES = ("circle", "square", "triangle")
@@ -95,7 +95,4 @@ class ShapesTask:
         return example(rng, rng.choice(self.questions))
 
     def train_stream(self, start: int = 0) -> Iterator[Example]:
-        index = start
-        while True:
-            yield self.train_example(index)
-            index += 1
+        return stream_from(self, start)

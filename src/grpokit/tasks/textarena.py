@@ -19,7 +19,7 @@ import random
 from collections.abc import Iterator
 
 from grpokit.errors import ConfigError
-from grpokit.tasks import Example
+from grpokit.tasks import Example, stream_from
 
 PREFIX = "textarena:"
 AGENT = "grpokit.tasks.textarena:play"
@@ -79,10 +79,7 @@ class TextArenaTask:
         return self._example(self.seed + index)
 
     def train_stream(self, start: int = 0) -> Iterator[Example]:
-        index = start
-        while True:
-            yield self.train_example(index)
-            index += 1
+        return stream_from(self, start)
 
 
 async def play(client, model, row) -> float:

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 from grpokit import user_code
 from grpokit.errors import ConfigError
-from grpokit.tasks import Example
+from grpokit.tasks import Example, stream_from
 
 PREFIX = "verifiers:"
 AGENT = "grpokit.tasks.verifiers:run"
@@ -69,7 +69,7 @@ class VerifiersTask:
         if not rows:
             raise ConfigError(f"data.task={name}: the environment's dataset has no rows to train on "
                               f"(data.eval_size={eval_size} took them for evaluation)")
-        self.rows = rows
+        self.rows, self._orders = rows, {}
         self.eval_examples = [self._example(row) for row in held_out[:eval_size]]
 
     def _example(self, row: dict) -> Example:
@@ -80,14 +80,13 @@ class VerifiersTask:
         import torch
 
         epoch, position = divmod(index, len(self.rows))
-        order = torch.randperm(len(self.rows), generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))
-        return self._example(self.rows[int(order[position])])
+        if epoch not in self._orders:  # one epoch at a time is all a stream needs
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._orders = {epoch: torch.randperm(len(self.rows), generator=generator).tolist()}
+        return self._example(self.rows[self._orders[epoch][position]])
 
     def train_stream(self, start: int = 0) -> Iterator[Example]:
-        index = start
-        while True:
-            yield self.train_example(index)
-            index += 1
+        return stream_from(self, start)
 
 
 class Scored:
