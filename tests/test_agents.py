@@ -1,6 +1,7 @@
 """Agents as they are (rollout/agents.py) through the run's OpenAI-compatible endpoint
 (rollout/endpoint.py): real `openai` clients against a real HTTP endpoint on 127.0.0.1."""
 
+import copy
 import json
 import os
 import subprocess
@@ -159,19 +160,33 @@ def test_recorded_tokens_are_what_the_engine_sampled(tiny):
     assert len(seen[0]) == 2 and len(seen[1]) == 1
 
 
-def test_a_request_that_does_not_extend_the_last_exchange_is_counted_and_not_trained(tiny):
-    """An agent (or a template) that rewrites the history: the request is answered, counted in
-    agents/untrained_requests, and the trained sequence is the one before it."""
+# ChatML that drops the content of the assistant turns before the last user turn, as a thinking
+# model's template drops their reasoning (here all of a reply counts as reasoning).
+REWRITING_TEMPLATE = (
+    "{% set ns = namespace(last=0) %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}"
+    "{% endif %}{% endfor %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role != 'assistant' or loop.index0 > ns.last %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_that_rewrites_history_trains_each_request_as_its_own_sequence(tiny, monkeypatch):
+    """A chat template that renders earlier turns otherwise once a later one follows: the second
+    request does not extend the first, is counted in agents/new_sequences, and is trained as a
+    sequence of its own in the rollout's row: its log-probs there (float64) are those it was
+    sampled with alone, and the row's loss mask covers both requests' sampled tokens."""
+    from grpokit.logprobs import LogProbs
+
     model, tokenizer = tiny
+    model = copy.deepcopy(model).double()
+    monkeypatch.setattr(tokenizer, "chat_template", REWRITING_TEMPLATE)
     eos = tokenizer.eos_token_id
     engine = TransformersEngine(model, tokenizer.pad_token_id, [eos])
 
     async def agent(client, model_name, row):
         messages = list(row["prompt"])
-        first = await client.chat.completions.create(model=model_name, messages=messages, max_tokens=4)
-        reply = first.choices[0].message.model_dump(exclude_none=True)
-        rewritten = [{"role": "user", "content": "Say something else."}, reply, {"role": "user", "content": "And?"}]
-        await client.chat.completions.create(model=model_name, messages=rewritten, max_tokens=4)
+        first = await client.chat.completions.create(model=model_name, messages=messages, max_tokens=6)
+        messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "And?"}]
+        await client.chat.completions.create(model=model_name, messages=messages, max_tokens=6)
         return 0.5
 
     agents = Agents(agent, "agent", tokenizer, [eos], timeout=60)
@@ -181,10 +196,38 @@ def test_a_request_that_does_not_extend_the_last_exchange_is_counted_and_not_tra
         transcripts = list(agents.endpoint.transcripts.values())
     finally:
         agents.close()
+    logps = LogProbs(model, None, 1.0, None, False, False, 2, torch.device("cpu")).of(model, batch, torch.arange(2))
     for r, t in enumerate(transcripts):
-        assert [e.extends for e in t.exchanges] == [False, False]
-        assert batch.conversations[r].environment.untrained == 1
-        assert batch.trained_mask[r].sum() == len(t.exchanges[0].sampled) == batch.completion_mask[r].sum()
+        first, second = t.exchanges
+        assert not second.extends and batch.conversations[r].environment.new_sequences == 1
+        assert second.prompt[:len(first.prompt)] != first.prompt + first.sampled[:1]  # the history was rewritten
+        row = first.sampled + second.prompt + second.sampled
+        n = len(row)
+        assert batch.completion_ids[r, :n].tolist() == row and batch.completion_mask[r].sum() == n
+        assert batch.sequence_ids[r, :n].tolist() == [0] * len(first.sampled) + [1] * (n - len(first.sampled))
+        trained = [1] * len(first.sampled) + [0] * len(second.prompt) + [1] * len(second.sampled)
+        assert batch.trained_mask[r, :n].tolist() == trained
+        mask = batch.trained_mask[r].bool()
+        torch.testing.assert_close(logps[r][mask], alone(model, t), atol=1e-12, rtol=0)
+        torch.testing.assert_close(logps[r][mask], batch.sampling_logps[r][mask].double(), atol=1e-5, rtol=0)
+    trained = batch.trained_mask.bool()
+    model.train()  # each row whole (activation checkpointing's path)
+    with torch.no_grad():
+        whole = LogProbs(model, None, 1.0, None, True, False, 2, torch.device("cpu")).of(model, batch, torch.arange(2))
+    model.eval()
+    torch.testing.assert_close(whole[trained], logps[trained], atol=1e-12, rtol=0)
+    model.set_attn_implementation("eager")  # its additive mask
+    eager = LogProbs(model, None, 1.0, None, False, False, 2, torch.device("cpu")).of(model, batch, torch.arange(2))
+    torch.testing.assert_close(eager[trained], torch.cat([alone(model, t) for t in transcripts]), atol=1e-12, rtol=0)
+
+
+@torch.no_grad()
+def alone(model, transcript) -> torch.Tensor:
+    """The log-probs of a transcript's sampled tokens, each request alone: its prompt, then its tokens."""
+    from grpokit.logprobs import completion_logprobs
+
+    return torch.cat([completion_logprobs(model, torch.tensor([e.prompt]), torch.ones(1, len(e.prompt), dtype=torch.long),
+                                          torch.tensor([e.sampled]))[0] for e in transcript.exchanges])
 
 
 def test_agents_that_fail_are_counted_and_the_run_goes_on(scripted, monkeypatch):
@@ -237,6 +280,22 @@ def test_micro_batches_never_change_an_agent_update(scripted, monkeypatch):
         assert main(["train", "--no-progress", *common, f"train.micro_batch_size={size}",
                      f"train.output_dir={scripted}/{name}"]) == 0
     assert_close_metrics(untimed_metrics(scripted / "whole"), untimed_metrics(scripted / "one"))
+
+
+def test_micro_batches_never_change_an_update_of_several_sequences_a_row(scripted):
+    """Requests trained as sequences of their own (a template that rewrites history) train as any
+    batch does: whole or one completion at a time, the same update (float64)."""
+    (scripted / "rewriting.jinja").write_text(REWRITING_TEMPLATE)
+    common = ["model.name=tiny-random", "model.dtype=float64", f"model.chat_template={scripted}/rewriting.jinja",
+              f"rollout.agent={scripted}/agents.py:follow_up", "train.max_steps=1", "rollout.num_generations=2",
+              "train.prompts_per_step=2", "rollout.max_completion_length=16", "data.eval_size=0",
+              "train.learning_rate=1e-3"]
+    for name, size in (("whole", 4), ("one", 1)):
+        assert main(["train", "--no-progress", *common, f"train.micro_batch_size={size}",
+                     f"train.output_dir={scripted}/{name}"]) == 0
+    whole, one = untimed_metrics(scripted / "whole"), untimed_metrics(scripted / "one")
+    assert [r["agents/new_sequences"] for r in whole] == [4] and whole[0]["grad_norm"] > 0
+    assert_close_metrics(whole, one)
 
 
 

@@ -16,6 +16,10 @@ Two variants, the same values and gradients (tests/test_logprobs.py checks both 
   (model.gradient_checkpointing) drops the key/value cache in training mode, so the policy's
   forward takes this path when it is on.
 
+A row can hold several sequences (an agent's requests that did not extend the one before:
+RolloutBatch.sequence_ids): each attends only to its own tokens, at positions from 0, through a
+4D attention mask, so a token's log-prob is the one it was sampled with.
+
 `LogProbs` runs a step's passes (reference, old, policy) through one method, `LogProbs.of`: the
 one place where a batch's model inputs meet the model.
 """
@@ -29,11 +33,43 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
+from grpokit.errors import ConfigError
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that skip left padding: the first real token of every row is position 0."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
+
+
+def sequence_layout(model, prompt_mask: torch.Tensor, sequence_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention mask (B, 1, L, L) and positions (B, L) of rows that are a prompt, then
+    completion tokens but the last (L = Lp + T - 1), where completion token t is of sequence
+    sequence_ids[:, t] (0: the prompt's; RolloutBatch.sequence_ids): a token attends to the earlier
+    tokens of its own sequence (the prompt's real tokens are sequence 0's), and a later sequence's
+    positions start at 0. Every token attends to itself, so no row of the mask is empty (padding's
+    included, whose outputs nothing reads). The mask is in the form the model's attention takes
+    it: boolean, or additive for eager attention.
+
+    prompt_mask: (B, Lp) left-padded; sequence_ids: (B, T)."""
+    B, Lp = prompt_mask.shape
+    sequence = torch.cat([torch.zeros_like(prompt_mask), sequence_ids[:, :-1]], 1)  # (B, L)
+    real = torch.cat([prompt_mask, torch.ones_like(sequence_ids[:, :-1])], 1).bool()  # (B, L)
+    index = torch.arange(sequence.shape[1], device=sequence.device)  # (L,)
+    allowed = (index[:, None] >= index) & (sequence[:, :, None] == sequence[:, None, :]) & real[:, None, :]  # (B, L, L)
+    allowed |= torch.eye(len(index), dtype=torch.bool, device=sequence.device)
+    begins = torch.ones_like(real)  # (B, L) where a sequence's first token is
+    begins[:, 1:] = sequence[:, 1:] != sequence[:, :-1]
+    first = torch.where(begins, index, 0).cummax(1).values  # (B, L) the index of each token's sequence's first token
+    positions = torch.where(sequence == 0, position_ids(real), index - first)  # (B, L)
+    implementation = getattr(model.config, "_attn_implementation", "sdpa")
+    if implementation == "eager":
+        dtype = next(model.parameters()).dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+        return mask[:, None], positions
+    if implementation != "sdpa":
+        raise ConfigError(f"an agent's requests trained as sequences of their own need a 4D attention mask, which "
+                          f"attention implementation {implementation!r} does not take: use sdpa or eager attention")
+    return allowed[:, None], positions
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -127,6 +163,7 @@ def completion_logprobs(
     whole_model: bool = False,
     vision=None,
     images: list[tuple] | None = None,
+    sequence_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """log pi(completion token t | prompt, tokens < t), shape (B, T).
 
@@ -141,8 +178,11 @@ def completion_logprobs(
     vision, images: a vision-language model's vision.Vision, and each prompt row's images (a tuple
     each): the passes that run a prompt get its images' inputs and the model's position ids. Its
     prompts run through the whole model (which merges the image features into the embeddings).
+    sequence_ids: (B, T) rows that hold several sequences (sequence_layout), or None.
     """
     targets = completion_ids
+    if sequence_ids is not None and vision is not None:
+        raise ValueError("rows of several sequences are text rows")
     if vision is not None:
         whole_model = True
         completion_ids = vision.as_text(completion_ids)  # inputs: a sampled image token ends its completion
@@ -157,10 +197,12 @@ def completion_logprobs(
                 return model(**inputs, logits_to_keep=1, output_hidden_states=True).hidden_states[-1][:, -keep:]
             return decoder(**inputs).last_hidden_state[:, -keep:]  # -0: every position
     seen = None if vision is None else _Seen(model, vision, images)
+    layout = None if sequence_ids is None else functools.partial(sequence_layout, model, sequence_ids=sequence_ids)
     if share_prompt:
-        out = _shared_prompt_pass(model, run, prompt_ids, prompt_mask, completion_ids, prompt_index, whole_model, seen)
+        out = _shared_prompt_pass(model, run, prompt_ids, prompt_mask, completion_ids, prompt_index, whole_model, seen,
+                                  layout)
     else:
-        out = _whole_sequence_pass(run, prompt_ids, prompt_mask, completion_ids, prompt_index, seen)  # (B, T, V) or (B, T, H)
+        out = _whole_sequence_pass(run, prompt_ids, prompt_mask, completion_ids, prompt_index, seen, layout)  # (B, T, V) or (B, T, H)
     if chunk_size is None:
         return token_logprobs(out, targets, temperature)  # (B, T)
     return chunked_logprobs(out, model.get_output_embeddings(), targets, temperature, chunk_size)
@@ -182,17 +224,21 @@ class _Seen:
         return self.vision.continued(self.model, start, length)
 
 
-def _whole_sequence_pass(run, prompt_ids, prompt_mask, completion_ids, prompt_index, seen=None) -> torch.Tensor:
+def _whole_sequence_pass(run, prompt_ids, prompt_mask, completion_ids, prompt_index, seen=None,
+                         layout=None) -> torch.Tensor:
     """`run`'s outputs (B, T, ...) at the positions that predict each completion token, every
     completion run whole: its prompt (with its images, `seen`) and its tokens but the last, no cache.
-    run(keep, **inputs): the model's outputs at the last `keep` positions (0: all)."""
+    run(keep, **inputs): the model's outputs at the last `keep` positions (0: all). layout(prompt_mask):
+    rows of several sequences' attention mask and positions (sequence_layout), or None."""
     B, T = completion_ids.shape
     if prompt_index is None:
         prompt_index = torch.arange(B, device=completion_ids.device)
     prompt_ids, prompt_mask = prompt_ids.index_select(0, prompt_index), prompt_mask.index_select(0, prompt_index)
     ids = torch.cat([prompt_ids, completion_ids[:, :-1]], dim=1)  # (B, Lp + T - 1)
     attention = torch.cat([prompt_mask, prompt_mask.new_ones(B, T - 1)], dim=1)
-    if seen is None:
+    if layout is not None:
+        extra, (attention, positions) = {}, layout(prompt_mask)
+    elif seen is None:
         extra, positions = {}, position_ids(attention)
     else:  # each completion's prompt images, repeated
         inputs = seen.inputs(ids, attention, prompt_index)
@@ -219,7 +265,7 @@ def _cache_keyword(model_class: type) -> str:
 
 
 def _shared_prompt_pass(model, run, prompt_ids, prompt_mask, completion_ids, prompt_index, whole_model,
-                        seen=None) -> torch.Tensor:
+                        seen=None, layout=None) -> torch.Tensor:
     """As _whole_sequence_pass, with each prompt run once and its key/value cache shared by the
     completions that continue it (the module docstring).
 
@@ -268,7 +314,10 @@ def _shared_prompt_pass(model, run, prompt_ids, prompt_mask, completion_ids, pro
     # token t-1 at position len(prompt) + t - 1 predicts token t. Padding after an EOS is attended
     # only by later padding (causal), so a mask of ones changes no real token.
     attention = torch.cat([prompt_mask, prompt_mask.new_ones(B, T - 1)], dim=1)  # (B, Lp + T - 1)
-    if seen is None:
+    if layout is not None:  # rest's queries' rows of the mask (every key: the cached prefix's, then rest's)
+        attention, positions = layout(prompt_mask)  # (B, 1, L, L), (B, L)
+        attention, positions = attention[:, :, Lp - last:], positions[:, Lp - last:]
+    elif seen is None:
         start = prompt_mask.sum(-1, keepdim=True) - last  # (B, 1): the position of rest's first token
         positions = start + torch.arange(rest_ids.shape[1], device=start.device)  # (B, T - 1 + last)
     else:  # last == 0: rest starts after the prompt, where the model's positions say
@@ -306,6 +355,7 @@ class LogProbs:
             share_prompt=not (self.checkpointing and model.training),
             whole_model=self.whole_model,
             vision=self.vision, images=None if batch.images is None else [batch.images[i] for i in first.tolist()],
+            sequence_ids=None if batch.sequence_ids is None else batch.sequence_ids[rows].to(self.device),
         )
 
     def old(self, batch, active: torch.Tensor) -> torch.Tensor:

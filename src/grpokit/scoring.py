@@ -193,16 +193,16 @@ def _conversation_metrics(config: Config, batch: RolloutBatch) -> dict:
     """Tool use over all processes' conversations: calls and failed calls (raised, timed out,
     unknown or malformed) per rollout and in all, model turns, and the share of rollouts that
     used their last turn (the budget's share is completions/clipped_ratio). Agents' (agents.py):
-    trained requests per rollout, failed rollouts, refused and untrained requests."""
+    requests per rollout, failed rollouts, refused requests and requests trained as sequences of their own."""
     from grpokit.rollout.agents import AgentOutcome
 
     N, U = config.completions_per_step, config.completions_per_update
     if isinstance(batch.conversations[0].environment, AgentOutcome):
         per_rollout = torch.tensor([[c.turns, c.environment.error is not None, c.environment.refused,
-                                     c.environment.untrained] for c in batch.conversations], dtype=torch.float64)  # (n, 4)
-        turns, failed, refused, untrained = distributed.gather_rows(per_rollout, N, U).T  # (N,) each
+                                     c.environment.new_sequences] for c in batch.conversations], dtype=torch.float64)  # (n, 4)
+        turns, failed, refused, new_sequences = distributed.gather_rows(per_rollout, N, U).T  # (N,) each
         return {"turns/mean": turns.mean().item(), "agents/failed": failed.sum().item(),
-                "agents/refused_requests": refused.sum().item(), "agents/untrained_requests": untrained.sum().item()}
+                "agents/refused_requests": refused.sum().item(), "agents/new_sequences": new_sequences.sum().item()}
     per_rollout = torch.tensor([[c.calls, c.failures, c.turns, c.stop == "max_turns"] for c in batch.conversations],
                                dtype=torch.float64)  # (n, 4)
     calls, failures, turns, max_turns = distributed.gather_rows(per_rollout, N, U).T  # (N,) each

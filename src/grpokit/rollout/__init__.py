@@ -70,6 +70,10 @@ class RolloutBatch:
     conversations: list | None = None  # multi-turn rollouts: one conversation.Conversation each
     # A vision-language model's: each completion's prompt images (a tuple of PIL images, maybe empty).
     images: list | None = None
+    # (N, T) which sequence of its row each completion token belongs to: 0 continues the prompt; k > 0
+    # is the k-th of an agent's requests that began a sequence of their own (rollout/agents.py), whose
+    # tokens attend only to each other, at positions from 0 (logprobs.py). None: all continue the prompt.
+    sequence_ids: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.trained_mask is None:
@@ -120,6 +124,8 @@ class RolloutBatch:
 
         def joined(name: str, left: bool):
             values = [getattr(b, name) for b in batches]
+            if name == "sequence_ids" and any(v is not None for v in values):  # a batch without: all continue the prompt
+                values = [torch.zeros_like(b.completion_ids) if v is None else v for v, b in zip(values, batches)]
             if values[0] is None:
                 return None
             if isinstance(values[0], list):

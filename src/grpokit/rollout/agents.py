@@ -9,11 +9,15 @@ tools and loop) and returns its reward, or a dict of named rewards (their sum is
 is logged as `agent/<name>`). That reward is the `agent` reward function's value, added to
 reward.functions'.
 
-What is trained is what the endpoint recorded: the first request's context is the prompt; each
-request that extends the previous exchange (endpoint.py) adds its new messages as context (never
-trained) and its sampled tokens (trained). Requests that start a new sequence instead (the agent
-rebuilt its messages, or the chat template renders history otherwise than before) are generated
-and answered, but not trained yet: they are counted in `agents/untrained_requests`.
+What is trained is what the endpoint recorded, one row per rollout: the first request's context is
+the prompt; each request that extends the previous exchange (endpoint.py) adds its new messages as
+context (never trained) and its sampled tokens (trained). A request that does not (the agent
+rebuilt its messages, or the chat template renders history otherwise than before: a thinking
+model's dropping earlier reasoning) is trained as a sequence of its own: its whole context, then
+its sampled tokens, in the same row but attending only to each other, at positions from 0
+(RolloutBatch.sequence_ids), so its log-probs are those it was sampled with. The rollout's tokens
+share its one advantage and count as one completion in the loss, as a multi-turn rollout's turns
+do. Such requests are counted in `agents/new_sequences`.
 
 A failed rollout (the agent raised, exceeded `rollout.agent_timeout`, made no request, or returned
 something that is not a reward) gets no reward (None: advantage 0, no part in its group's
@@ -47,7 +51,7 @@ class AgentOutcome:
     rewards: dict[str, float] = field(default_factory=dict)  # named rewards, as returned (logged as agent/<name>)
     error: str | None = None  # why it failed
     refused: int = 0  # requests the endpoint refused
-    untrained: int = 0  # requests that started a new sequence
+    new_sequences: int = 0  # requests trained as a sequence of their own (not extending the one before)
 
 
 def import_openai():
@@ -180,15 +184,12 @@ class Agents:
             w.answer.set_result(exchange)
 
     def _batch(self, rows: list, transcripts: list[Transcript], outcomes: list[AgentOutcome]) -> RolloutBatch:
-        """One trained sequence per rollout: its first request's, extended by the requests that extend it."""
+        """One row per rollout: its first request's sequence, extended by the requests that extend
+        it, and a sequence of its own for each request that does not (module docstring)."""
         sequences = []
         for example, t, outcome in zip(rows, transcripts, outcomes):
-            chain = t.exchanges[:1]
-            for exchange in t.exchanges[1:]:
-                if not exchange.extends:
-                    break
-                chain.append(exchange)
-            outcome.refused, outcome.untrained = len(t.errors), len(t.exchanges) - len(chain)
+            chain = t.exchanges
+            outcome.refused, outcome.new_sequences = len(t.errors), sum(not e.extends for e in chain[1:])
             if not chain and outcome.error is None:
                 outcome.error = "made no request to its endpoint"
             if outcome.error is not None:
@@ -199,8 +200,10 @@ class Agents:
             if chain:
                 sequence = RolloutTokens(chain[0].prompt, {}, conversation, finish=chain[-1].finish)
                 for previous, exchange in zip([None, *chain], chain):
-                    if previous is not None:
+                    if previous is not None and exchange.extends:
                         sequence.add(exchange.prompt[len(previous.prompt) + len(previous.sampled):], False)
+                    elif previous is not None:
+                        sequence.begin_sequence(exchange.prompt)
                     sequence.add(exchange.sampled, True, exchange.logps, exchange.entropies)
             else:  # nothing sampled: the row's one token is context, never trained
                 prompt = encode_prompt(self.tokenizer, example.prompt, self.max_prompt_length)

@@ -58,13 +58,22 @@ class RolloutTokens:
     logps: list[float] = field(default_factory=list)
     entropies: list[float] | None = field(default_factory=list)
     finish: str = "stop"
+    sequence_ids: list[int] = field(default_factory=list)  # which sequence each token is of (RolloutBatch.sequence_ids)
+    sequence: int = 0  # the sequence tokens are added to
 
     def add(self, ids: list[int], trained: bool, logps=None, entropies=None) -> None:
         self.ids += ids
         self.trained += [int(trained)] * len(ids)
+        self.sequence_ids += [self.sequence] * len(ids)
         self.logps += logps if logps is not None else [0.0] * len(ids)
         if self.entropies is not None:
             self.entropies = None if trained and entropies is None else self.entropies + (entropies or [0.0] * len(ids))
+
+    def begin_sequence(self, context: list[int]) -> None:
+        """A sequence of its own from here: `context` (never trained), then what is added after it;
+        the tokens before it are not in its context."""
+        self.sequence += 1
+        self.add(context, False)
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -215,4 +224,8 @@ def sequences_batch(rollouts: list[RolloutTokens], pad_id: int) -> RolloutBatch:
     for i, r in enumerate(rollouts):
         trained[i, : len(r.trained)] = torch.tensor(r.trained, dtype=torch.long)
     batch.trained_mask, batch.conversations = trained, [r.conversation for r in rollouts]
+    if any(r.sequence for r in rollouts):  # some row holds several sequences
+        batch.sequence_ids = torch.zeros_like(batch.completion_mask)  # (N, T)
+        for i, r in enumerate(rollouts):
+            batch.sequence_ids[i, : len(r.sequence_ids)] = torch.tensor(r.sequence_ids, dtype=torch.long)
     return batch

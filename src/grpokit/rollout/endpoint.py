@@ -35,6 +35,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from grpokit.errors import ConfigError
 from grpokit.rollout.conversation import turn_segment
 from grpokit.rollout.tools import parse_calls
 
@@ -99,16 +100,30 @@ class Transcript:
         n = len(self.last_messages or ())
         extends = (last is not None and self.last_messages is not None and tools == self._tools and len(messages) > n + 1
                    and messages[:n] == self.last_messages and same_reply(messages[n], self.last_reply)
-                   and rendered.startswith(self._rendered))  # the history renders as it did
+                   and self._renders_as_before(rendered, messages[:n + 1], tools))
         if extends:
             after_eos = last.sampled[-1] if last.sampled and last.sampled[-1] in self.eos_ids else None
-            ids = last.prompt + last.sampled + turn_segment(self.tokenizer, messages[n + 1:], tools, after_eos)
-        else:
+            try:
+                ids = last.prompt + last.sampled + turn_segment(self.tokenizer, messages[n + 1:], tools, after_eos)
+            except ConfigError:  # the template tells no turn apart from the history before it
+                extends = False
+        if not extends:
             ids = self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
         if self.first_messages is None:
             self.first_messages = messages
         self.last_messages, self._tools, self._rendered, self._text = messages, tools, rendered, None
         return ids, extends
+
+    def _renders_as_before(self, rendered: str, history: list[dict], tools: list[dict] | None) -> bool:
+        """Whether `rendered` (a request's messages) begins with the last request's context and the
+        reply it got as the template renders them as the last turn: a template that renders
+        history otherwise once a turn follows (a thinking model's dropping earlier reasoning)
+        does not."""
+        try:
+            before = self.tokenizer.apply_chat_template(history, tools=tools, tokenize=False)
+        except Exception:  # noqa: BLE001 - a template that cannot end on an assistant turn: no telling
+            return False
+        return rendered.startswith(self._rendered) and rendered.startswith(before)
 
     def completion(self, prompt: str) -> tuple[list[int], bool]:
         """A completions request's context ids: the previous exchange's ids and the new text's when
