@@ -253,7 +253,6 @@ def test_agents_that_fail_are_counted_and_the_run_goes_on(scripted, monkeypatch)
 
 @pytest.mark.parametrize("setting, message", [
     (["rollout.tools=[grpokit.tasks.calculator:calculator]"], "runs its own tools and loop"),
-    (["rollout.max_staleness=1"], "rollout.max_staleness=1"),
 ])
 def test_agents_refuse_what_does_not_go_with_them(scripted, capsys, setting, message):
     assert main(["train", "--no-progress", *T, f"data.path={scripted}/data.jsonl",

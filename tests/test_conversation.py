@@ -609,3 +609,35 @@ def test_an_openenv_environment_on_127_0_0_1_runs_as_an_environment_factory(scri
     sample = json.loads((run / "completions.jsonl").read_text().splitlines()[0])
     assert sample["prompt"][-1]["content"].endswith(" (pressed 0 times so far)")
     assert [m["content"] for m in sample["completion"] if m["role"] == "tool"] == ["pressed 3 times"]
+
+
+def test_a_tool_called_off_the_main_thread_still_times_out(scripted):
+    """Generating ahead (rollout.max_staleness), conversations run in the pipeline's worker thread,
+    where no signal ends a call: a tool that hangs is given up on after rollout.tool_timeout all the
+    same, and a tool's own TimeoutError is its error, not the limit's."""
+    import threading
+    import time
+
+    from grpokit.rollout.tools import ToolCall, Tools
+
+    doc = '    """A tool.\n\n    Args:\n        x: Anything.\n    """\n'
+    (scripted / "slow.py").write_text(
+        "import asyncio, time\n"
+        f"def hang(x: str) -> str:\n{doc}    time.sleep(30)\n"
+        f"async def ahang(x: str) -> str:\n{doc}    await asyncio.sleep(30)\n"
+        f"def late(x: str) -> str:\n{doc}    raise TimeoutError('its own')\n")
+    tools = Tools([f"{scripted}/slow.py:{n}" for n in ("hang", "ahang", "late")], None, 0.3)
+    results = {}
+
+    def worker():
+        for name in ("hang", "ahang", "late"):
+            results[name] = tools.call(tools.callables(None), ToolCall(name, {"x": "?"}))
+
+    thread = threading.Thread(target=worker)
+    start = time.monotonic()
+    thread.start()
+    thread.join(timeout=20)
+    assert not thread.is_alive() and time.monotonic() - start < 5
+    assert results["hang"].text == "error: tool 'hang' did not return within 0.3 s"
+    assert results["ahang"].text == "error: tool 'ahang' did not return within 0.3 s"
+    assert results["late"].text == "error: TimeoutError: its own"

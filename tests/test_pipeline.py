@@ -80,6 +80,87 @@ def test_an_async_run_killed_and_resumed_is_the_uninterrupted_run(server, tmp_pa
     assert_same_run(killed, tmp_path / "whole")
 
 
+CONVERSATIONS_PY = '''
+class Tally:
+    """A TRL-shaped environment whose reward reads what reset() saw."""
+
+    def reset(self, prompt, **row):
+        self.size = len(prompt[-1]["content"])
+        return " (a button you may press)"
+
+    def press(self, times: int) -> str:
+        """Press the button.
+
+        Args:
+            times: How many times.
+        """
+        return str(times)
+
+    def get_reward(self) -> float:
+        return float(self.size % 3)
+
+
+async def follow_up(client, model, row):
+    messages = list(row["prompt"])
+    first = await client.chat.completions.create(model=model, messages=messages, max_tokens=6)
+    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Shorter?"}]
+    second = await client.chat.completions.create(model=model, messages=messages, max_tokens=6)
+    return -len(second.choices[0].message.content or "") / 10
+'''
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("rollout", ["rollout.agent={d}/conversations.py:follow_up",
+                                     "rollout.environment={d}/conversations.py:Tally"])
+def test_async_conversations_killed_and_resumed_are_the_uninterrupted_run(server, tmp_path, rollout):
+    """Agents and environments generated ahead (their conversations, environment instances and
+    outcomes held by the checkpoint): the schedule's staleness, and SIGKILL + resume is the
+    uninterrupted run, bit for bit."""
+    pytest.importorskip("openai")
+    (tmp_path / "conversations.py").write_text(CONVERSATIONS_PY)
+    s = server()
+    run = [*ASYNC, "train.max_steps=6", "train.save_every=2", "data.eval_size=2", f"rollout.server_url={s.url}",
+           "rollout.max_staleness=1", "rollout.max_completion_length=24", rollout.format(d=tmp_path)]
+    killed = tmp_path / "killed"
+    command = [sys.executable, "-m", "grpokit", "train", *run, f"train.output_dir={killed}"]
+    trainer = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=same_threads_env())
+    deadline = time.monotonic() + 200
+    while not (killed / "checkpoints" / "step-2").is_dir():
+        assert time.monotonic() < deadline and trainer.poll() is None, trainer.communicate()
+        time.sleep(0.01)
+    trainer.send_signal(signal.SIGKILL)
+    trainer.wait(timeout=30)
+    saved = torch.load(killed / "checkpoints" / "step-2" / "rollouts_ahead.pt", weights_only=True)
+    assert saved[0]["step"] == 3 and "conversations" in saved[0]
+    result = subprocess.run(command, capture_output=True, text=True, env=same_threads_env(), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert main(["train", *run, f"train.output_dir={tmp_path / 'whole'}"]) == 0
+    assert_same_run(killed, tmp_path / "whole", steps=6)
+    rows = [r for r in untimed_metrics(killed) if "loss" in r]
+    assert [r["staleness"] for r in rows] == [0, 1, 1, 1, 1, 1]
+    assert all(r["turns/mean"] == (2 if "agent" in rollout else 1) for r in rows)
+
+
+def test_a_step_whose_environments_cannot_be_saved_is_generated_again_on_resume():
+    """An environment instance that cannot be pickled (a lock, a connection): the checkpoint holds
+    the step by its seeds, and the resumed run says it generated it again."""
+    import threading
+
+    from grpokit.rollout import from_completions
+    from grpokit.rollout.conversation import Conversation
+
+    batch = from_completions([[1, 2]], [1], [{"token_ids": [3], "logprobs": [0.0], "finish_reason": "stop"}], 0)
+    batch.conversations = [Conversation([], environment=threading.Lock())]
+    saved = Pipeline.saved([Queued(5, [], [7], 3, batch)])
+    assert "batch" not in saved[0] and "cannot be saved (TypeError" in saved[0]["unsaved"]
+    pipeline = Pipeline(None, 1, None)
+    pipeline.restore(saved, lambda: ["example"])
+    assert pipeline.again == {5: (["example"], [7])}
+    assert pipeline.notes[5].startswith("step 5 was generated again on resume, with the checkpoint's weights: its "
+                                        "environments cannot be saved")
+
+
 @pytest.mark.process
 def test_a_server_lost_mid_run_loses_no_trained_step(server, tmp_path):
     """The only server dies: the run stops with its error, the state after the last trained step is

@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 from grpokit import signals
@@ -103,6 +104,35 @@ def submit(coroutine, what: str) -> concurrent.futures.Future:
         _loop = asyncio.new_event_loop()
         threading.Thread(target=_run_loop, args=(_loop,), name="grpokit-user-code", daemon=True).start()
     return asyncio.run_coroutine_threadsafe(exits_caught_async(coroutine, what), _loop)
+
+
+def in_thread(fn: Callable[[], object], what: str) -> concurrent.futures.Future:
+    """fn(), a call into the user's code (`what`), in a daemon thread of its own: a wait on it can
+    give up (its timeout) where no signal can end it, off the main thread. One that never returns
+    keeps its thread, which never holds the process's exit."""
+    future = concurrent.futures.Future()
+    future.set_running_or_notify_cancel()  # running: a cancel() no longer applies, the result is set
+
+    def run():
+        try:
+            with exits_caught(what):
+                future.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on it
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="grpokit-user-call", daemon=True).start()
+    return future
+
+
+def wait(future: concurrent.futures.Future, timeout: float | None, what: str):
+    """The result of `future`, a call into the user's code (`what`), waited for up to `timeout`
+    seconds (None: for ever): signals.WaitTimedOut after that; its own TimeoutError passes as any error."""
+    try:
+        return future.result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+        if future.done():  # it ended meanwhile, or raised a TimeoutError of its own
+            return future.result()
+        raise signals.WaitTimedOut(f"{what} did not return within {timeout:g} s") from None
 
 
 def _run_loop(loop: asyncio.AbstractEventLoop) -> None:

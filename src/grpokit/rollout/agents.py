@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import math
 import numbers
+import threading
 from dataclasses import dataclass, field, replace
 
 from grpokit import user_code
@@ -75,7 +76,9 @@ class Agents:
         self.openai = import_openai()
         self.agent, self.name, self.tokenizer, self.eos_ids = agent, name, tokenizer, list(eos_ids)
         self.timeout, self.max_prompt_length = timeout, max_prompt_length
-        self.endpoint: Endpoint | None = None
+        # One endpoint per thread that generates: with rollout.max_staleness, the pipeline's worker
+        # generates the steps ahead while an evaluation generates in the trainer's thread.
+        self.endpoints: dict[int, Endpoint] = {}
 
     @classmethod
     def from_config(cls, config, tokenizer, eos_ids) -> Agents:
@@ -99,42 +102,49 @@ class Agents:
 
         return (("agent", agent),)
 
+    @property
+    def endpoint(self) -> Endpoint:
+        """This thread's endpoint (started on first use)."""
+        thread = threading.get_ident()
+        if thread not in self.endpoints:
+            self.endpoints[thread] = Endpoint(self.tokenizer, self.eos_ids)
+        return self.endpoints[thread]
+
     def close(self) -> None:
-        if self.endpoint is not None:
-            self.endpoint.close()
+        for endpoint in self.endpoints.values():
+            endpoint.close()
 
     # ------------------------------------------------------------------ sampling
 
     def generate(self, engine, examples: list, counts: list[int], params: SamplingParams,
                  seeds: list[int] | None = None) -> RolloutBatch:
         """counts[i] rollouts of examples[i] (those of one example contiguous), seeds[r]: rollout r's."""
-        if self.endpoint is None:
-            self.endpoint = Endpoint(self.tokenizer, self.eos_ids)
+        endpoint = self.endpoint
         rows = [e for e, count in zip(examples, counts) for _ in range(count)]
-        transcripts = self.endpoint.open(len(rows))
+        transcripts = endpoint.open(len(rows))
         outcomes = [AgentOutcome() for _ in rows]
-        runs = [user_code.submit(self._run(self.endpoint.base_url(r), e, outcomes[r]), f"rollout.agent {self.name!r}")
+        runs = [user_code.submit(self._run(endpoint, r, e, outcomes[r]), f"rollout.agent {self.name!r}")
                 for r, e in enumerate(rows)]
         for run in runs:
-            run.add_done_callback(lambda _: self.endpoint.notify())
+            run.add_done_callback(lambda _: endpoint.notify())
         starts = [0] * len(rows)  # each rollout's exchange that starts its current sequence
 
         def running() -> set[int]:
             return {r for r, run in enumerate(runs) if not run.done()}
 
         while running():
-            taken = self.endpoint.take(running)
+            taken = endpoint.take(running)
             if taken:
                 self._round(engine, taken, transcripts, starts, params, seeds)
         for run in runs:
             run.result()  # an exit of the user's code (UserCodeExit) stops the run; other errors are outcomes
         return self._batch(rows, transcripts, outcomes)
 
-    async def _run(self, base_url: str, example, outcome: AgentOutcome) -> None:
-        client = self.openai.AsyncOpenAI(base_url=base_url, api_key="grpokit", max_retries=0)
+    async def _run(self, endpoint: Endpoint, rollout: int, example, outcome: AgentOutcome) -> None:
+        client = self.openai.AsyncOpenAI(base_url=endpoint.base_url(rollout), api_key="grpokit", max_retries=0)
         row = {"prompt": example.prompt, **example.columns}
         try:
-            result = await asyncio.wait_for(self.agent(client, self.endpoint.model_name, row), self.timeout)
+            result = await asyncio.wait_for(self.agent(client, endpoint.model_name, row), self.timeout)
         except asyncio.TimeoutError:
             outcome.error = f"did not return within rollout.agent_timeout={self.timeout:g} s"
         except user_code.UserCodeExit:

@@ -16,13 +16,19 @@ weights it was sampled with, and one that is not the schedule's stops the run.
 The prompts and sampling seeds of a queued step are drawn when it is queued. A checkpoint after
 step m holds the completions of steps m + 1 .. m + k (waited for): they were sampled with weights
 the checkpoint no longer has, so a resumed run takes them from it instead of sampling them again.
-A step whose generation failed (its servers down) is held by its seeds instead: a resumed run
-generates it again, with its newest weights. So does a run resumed with a larger
+Multi-turn completions (tools, environments, agents) are held with their conversations, pickled
+with the environment instances the reward functions read. A step whose generation failed (its
+servers down), or whose environments cannot be pickled, is held by its seeds instead: a resumed
+run generates it again, with its newest weights. So does a run resumed with a larger
 train.max_steps for the steps its checkpoint did not hold. The `staleness` metric says so.
+
+Multi-turn generation runs in the worker thread too, tools and agents included: they overlap the
+training of the steps before, as the engine's calls do.
 """
 
 from __future__ import annotations
 
+import pickle
 import queue
 import threading
 from collections.abc import Callable
@@ -73,6 +79,7 @@ class Pipeline:
         self.engine, self.k, self.generate = engine, max_staleness, generate
         self.queued: dict[int, Queued] = {}
         self.again: dict[int, list[int]] = {}  # steps of a checkpoint to generate again: their seeds
+        self.notes: dict[int, str] = {}  # what the user hears when such a step trains
         self.published: int | None = None  # the step of the weights last handed to the engine
         self.jobs: queue.Queue | None = None
         if engine is not None:
@@ -132,7 +139,8 @@ class Pipeline:
         return self.queued.pop(step)
 
     def through(self):
-        """The engine, its generations run in the worker thread in turn (an evaluation's)."""
+        """The engine, its generations run in the worker thread in turn (an evaluation's, whose
+        multi-turn loop and reward functions run in the trainer's thread)."""
         pipeline = self
 
         class Through:
@@ -164,6 +172,12 @@ class Pipeline:
                 entry["batch"] = {f.name: getattr(batch, f.name) for f in fields(batch)
                                   if f.name not in ("conversations", "images")}
                 entry["images"] = batch.images is not None
+                if batch.conversations is not None:  # with their environments, which reward functions read
+                    try:
+                        entry["conversations"] = pickle.dumps(batch.conversations)
+                    except Exception as e:  # noqa: BLE001 - an environment holding a connection, say
+                        del entry["batch"]
+                        entry["unsaved"] = f"its environments cannot be saved ({type(e).__name__}: {e})"
             out.append(entry)
         return out
 
@@ -174,10 +188,15 @@ class Pipeline:
             examples = draw_examples()
             if "batch" not in e:
                 self.again[e["step"]] = (examples, e["seeds"])
+                if "unsaved" in e:
+                    self.notes[e["step"]] = (f"step {e['step']} was generated again on resume, with the checkpoint's "
+                                             f"weights: {e['unsaved']}")
                 continue
             batch = RolloutBatch(**e["batch"]) if self.engine is not None else None
             if batch is not None and e.get("images"):
                 batch.images = [examples[p].images for p in batch.prompt_index.tolist()]
+            if batch is not None and "conversations" in e:
+                batch.conversations = pickle.loads(e["conversations"])  # the run's own checkpoint
             self.queued[e["step"]] = Queued(e["step"], examples, e["seeds"], e["weights_step"], batch)
 
     def close(self) -> None:

@@ -59,7 +59,6 @@ def check_config(config: Config, tools: Tools | None, lockstep: bool, vision: bo
     agent = config.rollout.agent
     refusals = [(vision, "a vision-language model (the endpoint takes text messages only)"),
                 (lockstep, "sharded weights (FSDP2, ZeRO-3): the processes would make different numbers of requests"),
-                (config.rollout.max_staleness, f"rollout.max_staleness={config.rollout.max_staleness} (not yet: use 0)"),
                 (distributed.world_size() > 1 and remote, "rollout.engine=server on several processes: the agents' "
                  "outcomes live in process 0, which alone talks to the server; use one process, or the transformers "
                  "engine"),
@@ -78,9 +77,6 @@ def check_config(config: Config, tools: Tools | None, lockstep: bool, vision: bo
     if tools is not None and lockstep:
         raise ConfigError("multi-turn rollouts (rollout.tools, rollout.environment) with sharded weights (FSDP2, "
                           "ZeRO-3) are not supported: the processes would take different numbers of turns")
-    if tools is not None and config.rollout.max_staleness:
-        raise ConfigError(f"rollout.max_staleness={config.rollout.max_staleness} with multi-turn rollouts (tools, "
-                          "an environment) is not supported yet: use rollout.max_staleness=0")
     if tools is not None and tools.environment is not None and distributed.world_size() > 1:
         if remote:
             raise ConfigError("rollout.environment with rollout.engine=server on several processes is not supported: "
@@ -145,7 +141,8 @@ class Rollouts:
             queued = self.ahead.take(step)
             batch = self._own_rows(distributed.on_main(queued.result))
             return Sampled(queued.examples, batch, scorer.score(queued.examples, batch, state),
-                           {"staleness": step - 1 - queued.weights_step}, len(queued.examples))
+                           {"staleness": step - 1 - queued.weights_step}, len(queued.examples),
+                           self.ahead.notes.pop(step, None))
         examples = self.next_prompts()
         batch = self.sample(examples)
         return Sampled(examples, batch, scorer.score(examples, batch, state), {}, len(examples))

@@ -26,6 +26,7 @@ import copy
 import inspect
 import json
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -201,14 +202,20 @@ class Tools:
             return ToolResult.failure(call.name, f"there is no tool named {call.name!r}; the tools are: {', '.join(tools)}")
         what = f"tool {call.name!r}"
         future = None
+        # Off the main thread (the pipeline's worker, generating ahead: rollout.max_staleness) no
+        # signal ends a call: it runs in a thread of its own, given up on after rollout.tool_timeout.
+        main = threading.current_thread() is threading.main_thread()
         try:  # a stop request (SIGTERM) and rollout.tool_timeout end a call that never returns
             with signals.waiting_on(what, self.timeout):
                 if user_code.is_async(fn):  # on the long-lived loop; the wait here is what times out
                     future = user_code.submit(fn(**call.arguments), what)
-                    result = future.result()
-                else:
+                    result = user_code.wait(future, None if main else self.timeout, what)
+                elif main:
                     with user_code.exits_caught(what):
                         result = fn(**call.arguments)
+                else:
+                    future = user_code.in_thread(lambda: fn(**call.arguments), what)
+                    result = user_code.wait(future, self.timeout, what)
         except signals.WaitTimedOut:
             if future is not None:
                 future.cancel()
