@@ -115,6 +115,27 @@ def test_an_agent_trains_as_the_same_conversations_through_grpokit_s_tools(scrip
     assert record["completion"][1]["content"] == "3" and record["reward"] == 1.0
 
 
+@pytest.mark.process
+def test_an_agent_on_a_rollout_server_s_openai_routes_is_the_in_process_run(scripted, server):
+    """rollout.engine=server: the agents' requests go to `grpokit serve`'s own OpenAI routes, which
+    generate them in the same rounds from the same seeds as the trainer's endpoint in front of the
+    in-process engine: the same run, bit for bit (evaluations included). The server also renders
+    with the trainer's chat template (here one that rewrites history, which it sends)."""
+    from helpers import assert_same_run
+
+    (scripted / "rewriting.jinja").write_text(REWRITING_TEMPLATE)
+    s = server()
+    common = ["model.name=tiny-random", f"rollout.agent={scripted}/agents.py:follow_up", "train.max_steps=2",
+              "rollout.num_generations=2", "train.prompts_per_step=2", "rollout.max_completion_length=16",
+              "data.eval_size=2", "train.eval_every=2", "train.learning_rate=1e-3",
+              f"model.chat_template={scripted}/rewriting.jinja"]
+    assert main(["train", "--no-progress", *common, "rollout.engine=server", f"rollout.server_url={s.url}",
+                 f"train.output_dir={scripted}/served"]) == 0
+    assert main(["train", "--no-progress", *common, f"train.output_dir={scripted}/local"]) == 0
+    assert_same_run(scripted / "served", scripted / "local", steps=2)
+    assert training_rows(scripted / "served")[0]["agents/new_sequences"] == 4
+
+
 def test_recorded_tokens_are_what_the_engine_sampled(tiny):
     """Each request samples from its rollout's turn seed; a request that extends the previous
     exchange reuses its ids (never decoded and encoded again), and only sampled tokens are trained."""

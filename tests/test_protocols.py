@@ -4,6 +4,7 @@
     PipelineEngine  the engines that rollout.max_staleness > 0 accepts (the config decides): server
     ServedEngine    the engines `grpokit serve` accepts (the CLI decides: those not `remote`), and
                     DataParallelVLLM, which serve() builds for --data-parallel-size > 1
+    AgentsEngine    the engines whose servers host the agents' OpenAI routes: server
 
 Each engine class is checked without making one (vLLM's module imports without vLLM): it has
 every member of the protocols it must satisfy, methods with the protocol's parameters (the same
@@ -24,7 +25,7 @@ from pathlib import Path
 import pytest
 
 import grpokit
-from grpokit.rollout import ENGINES, PipelineEngine, RolloutEngine, ServedEngine, engine_class
+from grpokit.rollout import ENGINES, AgentsEngine, PipelineEngine, RolloutEngine, ServedEngine, engine_class
 
 SRC = Path(grpokit.__file__).parent
 
@@ -190,6 +191,11 @@ def test_the_engines_grpokit_serve_serves_are_served_engines(monkeypatch):
     assert not any(faults.values()), faults
 
 
+def test_the_server_engine_hosts_agents_and_no_other_does():
+    assert problems(engine_class("server"), AgentsEngine) == []
+    assert [name for name in ENGINES if name != "server" and not problems(engine_class(name), AgentsEngine)] == []
+
+
 def test_a_transformers_engine_is_each_protocol_it_must_be_at_runtime(tiny):
     from grpokit.rollout.transformers_engine import TransformersEngine
 
@@ -197,6 +203,7 @@ def test_a_transformers_engine_is_each_protocol_it_must_be_at_runtime(tiny):
     engine = TransformersEngine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id])
     assert isinstance(engine, RolloutEngine) and isinstance(engine, ServedEngine)
     assert not isinstance(engine, PipelineEngine)  # no weights_step: it cannot generate ahead
+    assert not isinstance(engine, AgentsEngine)  # agents reach it through the trainer's endpoint
 
 
 # ---------------------------------------------------------------- the callers
@@ -204,7 +211,7 @@ def test_a_transformers_engine_is_each_protocol_it_must_be_at_runtime(tiny):
 
 # The modules that hold an engine of another protocol than RolloutEngine; every other module of
 # grpokit that uses an engine uses a RolloutEngine (the trainer, evaluation, multi-turn, the CLI).
-CALLERS = {"rollout/pipeline.py": PipelineEngine, "rollout/server.py": ServedEngine}
+CALLERS = {"rollout/pipeline.py": PipelineEngine, "rollout/server.py": ServedEngine, "rollout/agents.py": AgentsEngine}
 NOT_CALLERS = {
     "sharding.py": "DeepSpeed's engine, not a rollout engine",
     "rollout/vllm_engine.py": "DataParallelVLLM's replicas drive their own VLLMEngine",

@@ -19,6 +19,8 @@ checks every engine against those it must satisfy):
     PipelineEngine  a RolloutEngine that generates ahead of training (rollout.max_staleness > 0):
                     the server engine
     ServedEngine    what `grpokit serve` asks of the engine it serves (the engines not `remote`)
+    AgentsEngine    a RolloutEngine whose servers host the agents' OpenAI routes themselves
+                    (rollout/agents.py): the server engine
 
 To add an engine: a class with the protocols' attributes and methods, registered in ENGINES.
 """
@@ -227,6 +229,30 @@ class PipelineEngine(RolloutEngine, Protocol):
         """Generate with `weights`, (name, tensor), from the next generation on: a sharded policy's
         gathered weights (RolloutEngine.use_weights), or the pipeline's host copy of the weights
         after trainer step `step`, with which later generations are labelled (`weights_step`)."""
+        ...
+
+
+@runtime_checkable
+class AgentsEngine(RolloutEngine, Protocol):
+    """A RolloutEngine whose rollout servers host the OpenAI-compatible routes of an agents'
+    generation themselves (server.py), so that the agents' requests reach the servers directly;
+    agents.py uses the trainer's own endpoint in front of any other engine. The server engine:
+    ServerEngine (client.py)."""
+
+    def open_agents(self, counts: list[int], params: SamplingParams, seeds: Sequence[int] | None,
+                    chat_template: str | None) -> list[str]:
+        """Open a generation of counts[i] rollouts of prompt i (seeds[r]: rollout r's), their
+        messages rendered with `chat_template` (None: the model's own): each rollout's base URL.
+        It says which weights it samples with (PipelineEngine.weights_step), as `generate` does."""
+        ...
+
+    def agents_finished(self, rollouts: list[int]) -> None:
+        """These rollouts' agents have returned: the generation's rounds stop waiting for them."""
+        ...
+
+    def close_agents(self) -> list[dict]:
+        """Every rollout's record of what its agent sent and got (endpoint.Transcript.record), in
+        rollout order, once all have finished."""
         ...
 
 

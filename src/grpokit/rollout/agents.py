@@ -32,16 +32,17 @@ multi-turn rollouts: once spent, a request is answered at once with no tokens an
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import math
 import numbers
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from grpokit import user_code
 from grpokit.errors import ConfigError, StartupError
-from grpokit.rollout import RolloutBatch, SamplingParams, consecutive_groups, encode_prompt
-from grpokit.rollout.conversation import Conversation, RolloutTokens, sequences_batch, turn_seed
-from grpokit.rollout.endpoint import Endpoint, Exchange, Transcript, Waiting
+from grpokit.rollout import AgentsEngine, RolloutBatch, SamplingParams, encode_prompt
+from grpokit.rollout.conversation import Conversation, RolloutTokens, sequences_batch
+from grpokit.rollout.endpoint import MODEL_NAME, Endpoint, Transcript
 
 
 @dataclass
@@ -118,33 +119,43 @@ class Agents:
 
     def generate(self, engine, examples: list, counts: list[int], params: SamplingParams,
                  seeds: list[int] | None = None) -> RolloutBatch:
-        """counts[i] rollouts of examples[i] (those of one example contiguous), seeds[r]: rollout r's."""
-        endpoint = self.endpoint
+        """counts[i] rollouts of examples[i] (those of one example contiguous), seeds[r]: rollout r's.
+        The requests reach the rollout servers' own OpenAI routes when the engine has them
+        (rollout.engine=server: server.py), else this thread's endpoint in front of `engine`."""
         rows = [e for e, count in zip(examples, counts) for _ in range(count)]
-        transcripts = endpoint.open(len(rows))
         outcomes = [AgentOutcome() for _ in rows]
-        runs = [user_code.submit(self._run(endpoint, r, e, outcomes[r]), f"rollout.agent {self.name!r}")
-                for r, e in enumerate(rows)]
-        for run in runs:
-            run.add_done_callback(lambda _: endpoint.notify())
-        starts = [0] * len(rows)  # each rollout's exchange that starts its current sequence
-
-        def running() -> set[int]:
-            return {r for r, run in enumerate(runs) if not run.done()}
-
-        while running():
-            taken = endpoint.take(running)
-            if taken:
-                self._round(engine, taken, transcripts, starts, params, seeds)
+        if isinstance(engine, AgentsEngine):
+            urls = engine.open_agents(counts, params, seeds, self.tokenizer.chat_template)
+            runs = self._start(urls, rows, outcomes)
+            reported = set()
+            while len(reported) < len(runs):
+                concurrent.futures.wait([runs[r] for r in range(len(runs)) if r not in reported],
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
+                ended = [r for r, run in enumerate(runs) if run.done() and r not in reported]
+                engine.agents_finished(ended)
+                reported.update(ended)
+            transcripts = [Transcript.from_record(t, self.tokenizer, self.eos_ids) for t in engine.close_agents()]
+        else:
+            endpoint = self.endpoint
+            transcripts = endpoint.open(len(rows))
+            runs = self._start([endpoint.base_url(r) for r in range(len(rows))], rows, outcomes)
+            for run in runs:
+                run.add_done_callback(lambda _: endpoint.notify())
+            endpoint.generate_rounds(engine, params, seeds, lambda: {r for r, run in enumerate(runs) if not run.done()})
         for run in runs:
             run.result()  # an exit of the user's code (UserCodeExit) stops the run; other errors are outcomes
         return self._batch(rows, transcripts, outcomes)
 
-    async def _run(self, endpoint: Endpoint, rollout: int, example, outcome: AgentOutcome) -> None:
-        client = self.openai.AsyncOpenAI(base_url=endpoint.base_url(rollout), api_key="grpokit", max_retries=0)
+    def _start(self, urls: list[str], rows: list, outcomes: list[AgentOutcome]) -> list[concurrent.futures.Future]:
+        """Each rollout's agent, running on the user code's loop, its client on its base URL."""
+        return [user_code.submit(self._run(url, e, outcome), f"rollout.agent {self.name!r}")
+                for url, e, outcome in zip(urls, rows, outcomes)]
+
+    async def _run(self, base_url: str, example, outcome: AgentOutcome) -> None:
+        client = self.openai.AsyncOpenAI(base_url=base_url, api_key="grpokit", max_retries=0)
         row = {"prompt": example.prompt, **example.columns}
         try:
-            result = await asyncio.wait_for(self.agent(client, endpoint.model_name, row), self.timeout)
+            result = await asyncio.wait_for(self.agent(client, MODEL_NAME, row), self.timeout)
         except asyncio.TimeoutError:
             outcome.error = f"did not return within rollout.agent_timeout={self.timeout:g} s"
         except user_code.UserCodeExit:
@@ -155,43 +166,6 @@ class Agents:
             _take_reward(result, outcome)
         finally:
             await client.close()
-
-    def _round(self, engine, taken: list[Waiting], transcripts: list[Transcript], starts: list[int],
-               params: SamplingParams, seeds: list[int] | None) -> None:
-        """Generate the waiting requests in one engine call, each cut to what its rollout's budget
-        and its own max_tokens allow, and answer them."""
-        limits = []
-        for w in taken:
-            t = transcripts[w.rollout]
-            start = len(t.exchanges[starts[w.rollout]].prompt) if w.extends else len(w.prompt)
-            room = params.max_tokens - (len(w.prompt) - start)
-            limits.append(max(0, min(room, w.max_tokens if w.max_tokens is not None else room)))
-        asked = [(w, limit) for w, limit in zip(taken, limits) if limit > 0]
-        batch = None
-        if asked:
-            turn_seeds = None if seeds is None else [turn_seed(int(seeds[w.rollout]), len(transcripts[w.rollout].exchanges))
-                                                     for w, _ in asked]
-            # Rollouts in a row with the same context (a group's first requests) share one prefill,
-            # as single-turn and multi-turn sampling do: the same engine call, the same tokens.
-            prompts, counts = consecutive_groups([w.prompt for w, _ in asked])
-            batch = engine.generate(prompts, counts, replace(params, max_tokens=max(l for _, l in asked)), turn_seeds)
-        row = 0
-        for w, limit in zip(taken, limits):
-            t = transcripts[w.rollout]
-            exchange = Exchange(w.prompt, w.extends, finish="length")
-            if limit > 0:
-                n = int(batch.completion_mask[row].sum())
-                exchange.finish = batch.finish_reasons[row]
-                if n > limit:  # the engine was asked for the longest limit of the round
-                    n, exchange.finish = limit, "length"
-                exchange.sampled = batch.completion_ids[row, :n].tolist()
-                exchange.logps = batch.sampling_logps[row, :n].tolist()
-                exchange.entropies = None if batch.entropies is None else batch.entropies[row, :n].tolist()
-                row += 1
-            if not w.extends:
-                starts[w.rollout] = len(t.exchanges)
-            t.exchanges.append(exchange)
-            w.answer.set_result(exchange)
 
     def _batch(self, rows: list, transcripts: list[Transcript], outcomes: list[AgentOutcome]) -> RolloutBatch:
         """One row per rollout: its first request's sequence, extended by the requests that extend

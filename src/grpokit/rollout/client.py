@@ -197,31 +197,34 @@ class RolloutServer:
 
     # ---------------------------------------------------------------- generation
 
-    def completions(self, body: dict) -> tuple[list[dict], int | None]:
-        """POST /generate `body` (prompts, counts, sampling, seeds) with the trainer's weights,
-        pushing them first when due: each completion's dict, in order, and the trainer step of
-        the weights they were sampled with (None: not labelled)."""
+    def with_weights(self, path: str, body: dict) -> dict:
+        """POST `path` `body` (a generation) expecting the trainer's weights, pushing them first
+        when due, and again when the server holds others."""
         failures = []
         while len(failures) < 3:  # each wait inside is bounded by timeout_s
             try:
                 if self.dirty:
                     self._push()
-                answer = self._request("/generate", {"fingerprint": self.fingerprint, **body,
-                                                     "session": self.session, "weights_version": self.version})
+                return self._request(path, {"fingerprint": self.fingerprint, **body, "session": self.session,
+                                            "weights_version": self.version})
             except _Stale:  # restarted, or a push it did not finish: push again and repeat
                 failures.append(STALE_WEIGHTS)
                 self.dirty = True
-                continue
             except _PushFailed as e:
                 failures.append(str(e))
                 self.dirty = True
-                continue
-            if len(answer["completions"]) != sum(body["n"]):
-                raise RolloutServerError(f"the rollout server at {self.url} was asked for {sum(body['n'])} completions "
-                                         f"and answered {len(answer['completions'])}")
-            return answer["completions"], answer.get("weights_step")
         raise RolloutServerError(f"the rollout server at {self.url} could not be given the trainer's weights, 3 tries: "
                                  + "; ".join(failures))
+
+    def completions(self, body: dict) -> tuple[list[dict], int | None]:
+        """POST /generate `body` (prompts, counts, sampling, seeds) with the trainer's weights:
+        each completion's dict, in order, and the trainer step of the weights they were sampled
+        with (None: not labelled)."""
+        answer = self.with_weights("/generate", body)
+        if len(answer["completions"]) != sum(body["n"]):
+            raise RolloutServerError(f"the rollout server at {self.url} was asked for {sum(body['n'])} completions "
+                                     f"and answered {len(answer['completions'])}")
+        return answer["completions"], answer.get("weights_step")
 
     def close(self) -> None:
         if self.group is not None:
@@ -251,6 +254,7 @@ class ServerEngine:
         self.last_error: RolloutServerError | None = None  # why the last of them was left out
         self.exact_logprobs = all(s.exact_logprobs for s in self.servers)
         self.weights_step: int | None = None  # the trainer step of the weights the last generation used
+        self.agents: list[tuple[RolloutServer, int, list[int]]] = []  # an agents' generation: (server, its id, rollouts)
 
     @property
     def up(self) -> list[RolloutServer]:
@@ -329,6 +333,51 @@ class ServerEngine:
                                      f"steps {sorted(steps, key=str)}: their weights are out of step")
         self.weights_step = steps.pop() if steps else None
         return join_generation(prompts, counts, answered, self.pad_id, images)
+
+    # ---------------------------------------------------------------- agents (rollout/agents.py)
+
+    def open_agents(self, counts: list[int], params: SamplingParams, seeds: Sequence[int] | None,
+                    chat_template: str | None) -> list[str]:
+        """An agents' generation on the servers' OpenAI routes (server.py): counts[i] rollouts of
+        prompt i, whole groups split among the servers in order. Each rollout's base URL."""
+        up = self.up
+        if not up:
+            raise RolloutServerError(f"every rollout server is down: {self.last_error}")
+        sampling = {"max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
+                    "top_k": params.top_k, "min_p": params.min_p}
+        starts = [sum(counts[:i]) for i in range(len(counts) + 1)]
+        shares = [range(starts[len(counts) * k // len(up)], starts[len(counts) * (k + 1) // len(up)])
+                  for k in range(len(up))]
+        jobs = {server: list(share) for server, share in zip(up, shares) if len(share)}
+
+        def open_on(server: RolloutServer, rollouts: list[int]) -> dict:
+            return server.with_weights("/agents/open", {
+                "rollouts": len(rollouts), "sampling": sampling, "chat_template": chat_template,
+                "seeds": None if seeds is None else [int(seeds[r]) for r in rollouts]})
+
+        answers = _concurrently(open_on, jobs)
+        for answer in answers.values():
+            if isinstance(answer, BaseException):  # no moving an agents' generation to another server
+                raise answer
+        if len({a["weights_step"] for a in answers.values()}) > 1:
+            raise RolloutServerError("the rollout servers opened one agents' generation with the weights of different "
+                                     "steps: their weights are out of step")
+        self.weights_step = next(iter(answers.values()))["weights_step"]
+        self.agents = [(server, answers[server]["generation"], rollouts) for server, rollouts in jobs.items()]
+        return [f"{server.url}/r/{generation}-{local}/v1" for server, generation, rollouts in self.agents
+                for local in range(len(rollouts))]
+
+    def agents_finished(self, rollouts: list[int]) -> None:
+        """These rollouts' agents have returned: the servers' rounds stop waiting for them."""
+        for server, generation, owned in self.agents:
+            mine = [local for local, r in enumerate(owned) if r in rollouts]
+            if mine:
+                server._request("/agents/finished", {"generation": generation, "rollouts": mine}, retry=False)
+
+    def close_agents(self) -> list[dict]:
+        """What each rollout's agent sent and got (endpoint.Transcript.record), in rollout order."""
+        return [t for server, generation, _ in self.agents
+                for t in server._request("/agents/close", {"generation": generation}, retry=False)["transcripts"]]
 
     def _leave_out(self, server: RolloutServer, error: BaseException) -> None:
         """`server` failed for good: its share moves to the others, or, if it was the last, the run stops."""

@@ -33,13 +33,16 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from grpokit.errors import ConfigError
-from grpokit.rollout.conversation import turn_segment
+from grpokit.rollout import consecutive_groups
+from grpokit.rollout.conversation import turn_seed, turn_segment
 from grpokit.rollout.tools import parse_calls
 
 
+# The model's name in requests and answers (the `model` argument an agent is given).
+MODEL_NAME = "grpokit"
 # Requests that have waited this long are generated without waiting for the agents still working
 # (on their own tools, say): see the module docstring.
 GATHER_S = 2.0
@@ -79,6 +82,7 @@ class Transcript:
     def __init__(self, tokenizer, eos_ids: set[int]):
         self.tokenizer, self.eos_ids = tokenizer, eos_ids
         self.exchanges: list[Exchange] = []
+        self.start = 0  # the exchange that begins the current sequence (the token budget counts from its prompt)
         self.errors: list[str] = []  # requests refused (messages the template cannot render, ...)
         self.first_messages: list[dict] | None = None
         self.last_messages: list[dict] | None = None  # the last chat request's
@@ -143,6 +147,20 @@ class Transcript:
         if self._text is not None:
             self._text += text
 
+    def record(self) -> dict:
+        """What the trainer builds the rollout's row from, as JSON (a rollout server's answer)."""
+        return {"exchanges": [asdict(e) for e in self.exchanges], "errors": self.errors,
+                "first_messages": self.first_messages, "last_messages": self.last_messages,
+                "last_reply": self.last_reply}
+
+    @classmethod
+    def from_record(cls, record: dict, tokenizer, eos_ids) -> "Transcript":
+        t = cls(tokenizer, set(eos_ids))
+        t.exchanges = [Exchange(**e) for e in record["exchanges"]]
+        t.errors, t.first_messages = record["errors"], record["first_messages"]
+        t.last_messages, t.last_reply = record["last_messages"], record["last_reply"]
+        return t
+
 
 def same_reply(message: dict, reply: dict | None) -> bool:
     """Whether `message` (sent back by an agent) is the assistant `reply` it was given."""
@@ -183,28 +201,39 @@ def _text_content(messages) -> list[dict]:
 
 
 class Endpoint:
-    """The HTTP endpoint (in a thread of its own) and the requests waiting for generation."""
+    """The requests waiting for generation, their rollouts' transcripts, and the HTTP routes: on an
+    HTTP server of its own on 127.0.0.1 (the trainer's, `listen`), or added to another app (a
+    rollout server's: `add_routes`)."""
 
-    def __init__(self, tokenizer, eos_ids, model_name: str = "grpokit"):
-        import uvicorn
-
-        self.tokenizer, self.eos_ids, self.model_name = tokenizer, set(eos_ids), model_name
+    def __init__(self, tokenizer, eos_ids, listen: bool = True):
+        self.tokenizer, self.eos_ids = tokenizer, set(eos_ids)
         self.transcripts: dict[int, Transcript] = {}
         self.waiting: list[Waiting] = []
         self.changed = threading.Condition()
         self.session = 0  # rollout ids of an earlier generate are refused
+        self.url, self.server = None, None
+        if listen:
+            self._listen()
+
+    def _listen(self) -> None:
+        import uvicorn
+        from fastapi import FastAPI
+
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(self._app(), log_level="warning", lifespan="off"))
+        app = FastAPI(title="grpokit OpenAI-compatible endpoint")
+        self.add_routes(app)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True,
                                        name="grpokit-endpoint")
         self.thread.start()
         while not self.server.started and self.thread.is_alive():
             time.sleep(0.01)
 
-    def base_url(self, rollout: int) -> str:
-        return f"{self.url}/r/{self.session}-{rollout}/v1"
+    def base_url(self, rollout: int, url: str | None = None) -> str:
+        """Rollout `rollout`'s base URL, on this endpoint's server or on `url`'s."""
+        return f"{url or self.url}/r/{self.session}-{rollout}/v1"
 
     def open(self, rollouts: int) -> list[Transcript]:
         """Transcripts for a generation's `rollouts` agents (those of the last one are dropped)."""
@@ -236,8 +265,60 @@ class Endpoint:
             return taken
 
     def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=5)
+        if self.server is not None:
+            self.server.should_exit = True
+            self.thread.join(timeout=5)
+
+    # ------------------------------------------------------------------ generation
+
+    def generate_rounds(self, engine, params, seeds: list[int] | None, running: Callable[[], set[int]]) -> None:
+        """Generate the rollouts' requests with `engine` in rounds (`take`) until none runs
+        (`running()`: those whose agent has not returned); seeds[r]: rollout r's."""
+        while running():
+            taken = self.take(running)
+            if taken:
+                self._round(engine, taken, params, seeds)
+
+    def _round(self, engine, taken: list[Waiting], params, seeds: list[int] | None) -> None:
+        """Generate the waiting requests in one engine call, each cut to what its rollout's budget
+        and its own max_tokens allow, and answer them."""
+        limits = []
+        for w in taken:
+            t = self.transcripts[w.rollout]
+            start = len(t.exchanges[t.start].prompt) if w.extends else len(w.prompt)
+            room = params.max_tokens - (len(w.prompt) - start)
+            limits.append(max(0, min(room, w.max_tokens if w.max_tokens is not None else room)))
+        asked = [(w, limit) for w, limit in zip(taken, limits) if limit > 0]
+        batch = None
+        if asked:
+            turn_seeds = None if seeds is None else [turn_seed(int(seeds[w.rollout]), len(self.transcripts[w.rollout].exchanges))
+                                                     for w, _ in asked]
+            # Rollouts in a row with the same context (a group's first requests) share one prefill,
+            # as single-turn and multi-turn sampling do: the same engine call, the same tokens.
+            prompts, counts = consecutive_groups([w.prompt for w, _ in asked])
+            try:
+                batch = engine.generate(prompts, counts, replace(params, max_tokens=max(l for _, l in asked)), turn_seeds)
+            except BaseException as e:
+                for w in taken:  # their handlers answer with the error, and the agents end
+                    w.answer.set_exception(e)
+                raise
+        row = 0
+        for w, limit in zip(taken, limits):
+            t = self.transcripts[w.rollout]
+            exchange = Exchange(w.prompt, w.extends, finish="length")
+            if limit > 0:
+                n = int(batch.completion_mask[row].sum())
+                exchange.finish = batch.finish_reasons[row]
+                if n > limit:  # the engine was asked for the longest limit of the round
+                    n, exchange.finish = limit, "length"
+                exchange.sampled = batch.completion_ids[row, :n].tolist()
+                exchange.logps = batch.sampling_logps[row, :n].tolist()
+                exchange.entropies = None if batch.entropies is None else batch.entropies[row, :n].tolist()
+                row += 1
+            if not w.extends:
+                t.start = len(t.exchanges)
+            t.exchanges.append(exchange)
+            w.answer.set_result(exchange)
 
     # ------------------------------------------------------------------ HTTP
 
@@ -248,9 +329,9 @@ class Endpoint:
         return int(index), self.transcripts[int(index)]
 
     def _check_model(self, body: dict) -> None:
-        if body.get("model") not in (None, self.model_name):
+        if body.get("model") not in (None, MODEL_NAME):
             raise RequestError(f"model {body.get('model')!r}: this endpoint serves the model being trained, "
-                               f"named {self.model_name!r} (the `model` argument an agent is given)")
+                               f"named {MODEL_NAME!r} (the `model` argument an agent is given)")
         if body.get("n", 1) != 1:
             raise RequestError("n must be 1: each request is one sample of a rollout")
 
@@ -262,11 +343,10 @@ class Endpoint:
             self.changed.notify_all()
         return await asyncio.wrap_future(waiting.answer)
 
-    def _app(self):
-        from fastapi import FastAPI, Request
+    def add_routes(self, app) -> None:
+        """The OpenAI routes of every rollout, on FastAPI `app`."""
+        from fastapi import Request
         from fastapi.responses import JSONResponse
-
-        app = FastAPI(title="grpokit OpenAI-compatible endpoint")
 
         @app.exception_handler(RequestError)
         async def refused(request: Request, error: RequestError):
@@ -278,7 +358,7 @@ class Endpoint:
 
         @app.get("/r/{rollout}/v1/models")
         async def models(rollout: str):
-            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "grpokit"}]}
+            return {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "grpokit"}]}
 
         @app.post("/r/{rollout}/v1/chat/completions")
         async def chat(rollout: str, request: Request):
@@ -315,10 +395,8 @@ class Endpoint:
             return self._response(rollout, t, exchange, "text_completion",
                                   {"index": 0, "text": text, "finish_reason": exchange.finish, "logprobs": None})
 
-        return app
-
     def _response(self, rollout: str, t: Transcript, exchange: Exchange, kind: str, choice: dict) -> dict:
         return {"id": f"grpokit-{rollout}-{len(t.exchanges)}", "object": kind, "created": int(time.time()),
-                "model": self.model_name, "choices": [choice],
+                "model": MODEL_NAME, "choices": [choice],
                 "usage": {"prompt_tokens": len(exchange.prompt), "completion_tokens": len(exchange.sampled),
                           "total_tokens": len(exchange.prompt) + len(exchange.sampled)}}

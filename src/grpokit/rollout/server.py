@@ -20,10 +20,19 @@ HTTP (FastAPI) carries control; tensors go over a torch.distributed group (weigh
   session; a server restarted or taken over by another trainer knows the old session no more.
 - `POST /weights/update`: receive every tensor over the group, load them, and answer the new
   version and checksum. Generation waits while weights change.
+- Agents (`rollout.agent` with `rollout.engine=server`, rollout/agents.py): the OpenAI-compatible
+  routes of rollout/endpoint.py, `/r/<generation>-<rollout>/v1/chat/completions`, `/completions`
+  and `/models`, so that the agents' requests reach the server itself. `POST /agents/open` starts
+  a generation of that many rollouts (sampling parameters, one seed per rollout, the weights it
+  expects, as /generate): the server generates their requests in rounds, as the trainer's own
+  endpoint does; `POST /agents/finished` says which rollouts' agents have returned (a round waits
+  for the others only); `POST /agents/close` answers what each rollout sent and got (its
+  transcript: prompt ids, sampled ids, sampling log-probs). A text model's server only.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 import uuid
 from typing import Literal
@@ -33,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from grpokit.errors import StartupError
 from grpokit.rollout import STALE_WEIGHTS, TAKEN_OVER, SamplingParams, ServedEngine
+from grpokit.rollout.endpoint import Endpoint
 from grpokit.rollout.weights import WeightGroup, device_id, fingerprint_differences, layout_hash
 from grpokit.vision import from_png
 
@@ -76,13 +86,38 @@ class UpdateRequest(BaseModel):
     tensors: list[list]  # weights.layout(): [name, shape, dtype] in the order they are sent
 
 
-class RolloutService:
-    """The server's state: one engine (a ServedEngine), its weights' version and checksum, and the
-    weight group."""
+class AgentsRequest(BaseModel):
+    fingerprint: dict
+    session: str | None
+    weights_version: int
+    rollouts: int = Field(ge=1)
+    sampling: Sampling
+    seeds: list[int] | None = None  # one per rollout
+    chat_template: str | None = None  # the trainer's, which renders the agents' messages (None: the model's own)
 
-    def __init__(self, engine: ServedEngine, engine_name: str, model_name: str, fingerprint: dict, vocab_size: int):
+
+class FinishedRequest(BaseModel):
+    generation: int
+    rollouts: list[int]
+
+
+class CloseRequest(BaseModel):
+    generation: int
+
+
+class RolloutService:
+    """The server's state: one engine (a ServedEngine), its weights' version and checksum, the
+    weight group, and the agents' endpoint (a text model's)."""
+
+    def __init__(self, engine: ServedEngine, engine_name: str, model_name: str, fingerprint: dict, vocab_size: int,
+                 tokenizer=None, eos_ids: list[int] | None = None):
         self.engine, self.engine_name, self.model_name = engine, engine_name, model_name
         self.fingerprint, self.vocab_size = fingerprint, vocab_size
+        text = tokenizer is not None and getattr(engine, "vision", None) is None
+        # Its own tokenizer object: each generation renders with the chat template its trainer sends.
+        self.endpoint = Endpoint(copy.copy(tokenizer), eos_ids, listen=False) if text else None
+        self.chat_template = getattr(tokenizer, "chat_template", None)  # the model's own
+        self.agents: _Agents | None = None  # the agents' generation open now
         self.boot_id = uuid.uuid4().hex
         self.device = device_id() if engine.device.type == "cuda" else "cpu"
         # The trainer whose weights it holds: a weight group session (one trainer per server), and
@@ -110,6 +145,13 @@ class RolloutService:
             raise Refused(409, f"this server generates with model {self.model_name} ({self.engine_name}), which "
                                "does not match the trainer's:\n  " + "\n  ".join(differences))
 
+    def _check_weights(self, session: str | None, version: int) -> None:
+        """Under the lock: the request expects the weights this server holds."""
+        if self.session is not None and session != self.session:
+            raise Refused(409, TAKEN_OVER)
+        if self.session is None or version != self.version:
+            raise Refused(409, STALE_WEIGHTS)
+
     def generate(self, request: GenerateRequest) -> dict:
         self.check_fingerprint(request.fingerprint)
         if len(request.n) != len(request.prompts) or any(k < 1 for k in request.n):
@@ -122,10 +164,7 @@ class RolloutService:
             raise Refused(422, f"sampling needs one seed per completion ({sum(request.n)})")
         images = self._images(request)
         with self.lock:
-            if self.session is not None and request.session != self.session:
-                raise Refused(409, TAKEN_OVER)
-            if self.session is None or request.weights_version != self.version:
-                raise Refused(409, STALE_WEIGHTS)
+            self._check_weights(request.session, request.weights_version)
             batch = self.engine.generate(request.prompts, request.n, params, request.seeds, **images)
             version, step = self.version, self.weights_step
         lengths = batch.completion_mask.sum(-1).tolist()
@@ -190,6 +229,74 @@ class RolloutService:
             return {"weights_version": self.version, "weights_step": self.weights_step, "checksum": self.checksum}
 
 
+    # ---------------------------------------------------------------- agents
+
+    def open_agents(self, request: AgentsRequest) -> dict:
+        self.check_fingerprint(request.fingerprint)
+        if self.endpoint is None:
+            raise Refused(422, f"{self.model_name} is served without a chat tokenizer or as a vision-language model: "
+                               "the agents' OpenAI routes take text messages only")
+        params = SamplingParams(**request.sampling.model_dump())
+        if params.temperature > 0 and (request.seeds is None or len(request.seeds) != request.rollouts):
+            raise Refused(422, f"sampling needs one seed per rollout ({request.rollouts})")
+        with self.lock:
+            self._check_weights(request.session, request.weights_version)
+            self.endpoint.open(request.rollouts)  # an earlier generation's requests are refused from now
+            self.endpoint.tokenizer.chat_template = request.chat_template or self.chat_template
+            self.agents = _Agents(self, request.rollouts, params, request.seeds)
+            return {"generation": self.agents.generation, "weights_step": self.weights_step}
+
+    def agents_finished(self, request: FinishedRequest) -> dict:
+        self._open(request.generation).finish(request.rollouts)
+        return {}
+
+    def close_agents(self, request: CloseRequest) -> dict:
+        agents = self._open(request.generation)
+        agents.finish(range(agents.rollouts))  # the trainer closes once its agents have returned
+        agents.thread.join()
+        if agents.error is not None:
+            raise Refused(500, f"generating the agents' requests failed: {type(agents.error).__name__}: {agents.error}")
+        return {"transcripts": [self.endpoint.transcripts[r].record() for r in range(agents.rollouts)]}
+
+    def _open(self, generation: int) -> _Agents:
+        if self.agents is None or self.agents.generation != generation:
+            raise Refused(409, f"agents' generation {generation} is not open on this server (restarted, or another "
+                               "generation opened since)")
+        return self.agents
+
+
+class _Agents:
+    """An agents' generation on a rollout server: its requests generated in rounds (Endpoint.
+    generate_rounds) in a thread of its own, each round's engine call under the service's lock."""
+
+    def __init__(self, service: RolloutService, rollouts: int, params: SamplingParams, seeds: list[int] | None):
+        self.service, self.rollouts, self.error = service, rollouts, None
+        self.generation = service.endpoint.session
+        self.finished: set[int] = set()
+        self.thread = threading.Thread(target=self._run, args=(params, seeds), daemon=True, name="grpokit-agents")
+        self.thread.start()
+
+    def finish(self, rollouts) -> None:
+        with self.service.endpoint.changed:
+            self.finished.update(rollouts)
+            self.service.endpoint.changed.notify_all()
+
+    def running(self) -> set[int]:
+        if self.service.endpoint.session != self.generation:  # another generation opened since
+            return set()
+        return set(range(self.rollouts)) - self.finished
+
+    def generate(self, *args, **kwargs):
+        with self.service.lock:
+            return self.service.engine.generate(*args, **kwargs)
+
+    def _run(self, params: SamplingParams, seeds: list[int] | None) -> None:
+        try:
+            self.service.endpoint.generate_rounds(self, params, seeds, self.running)
+        except Exception as e:  # noqa: BLE001 - answered to the trainer's close
+            self.error = e
+
+
 class Refused(Exception):
     def __init__(self, status: int, detail: str):
         super().__init__(detail)
@@ -211,6 +318,11 @@ def make_app(service: RolloutService):
     app.post("/generate")(service.generate)
     app.post("/weights/group")(service.join_group)
     app.post("/weights/update")(service.update)
+    app.post("/agents/open")(service.open_agents)
+    app.post("/agents/finished")(service.agents_finished)
+    app.post("/agents/close")(service.close_agents)
+    if service.endpoint is not None:
+        service.endpoint.add_routes(app)
     return app
 
 
@@ -261,7 +373,8 @@ def serve(model_name: str, engine_name: str, host: str, port: int, dtype: str, t
         fp = fingerprint(model)
     else:
         raise StartupError(f"grpokit serve has no way to build the {engine_name!r} engine: use transformers or vllm")
-    service = RolloutService(engine, engine_name, model_name, fp, fp["vocab_size"])
+    eos = eos_token_ids(shapes if engine_name == "vllm" else model, tokenizer)
+    service = RolloutService(engine, engine_name, model_name, fp, fp["vocab_size"], tokenizer, eos)
     spread = f", tensor parallel {tensor_parallel_size} x data parallel {data_parallel_size}" if engine_name == "vllm" else ""
     print(f"grpokit serve: {model_name} ({engine_name}, {dtype}{spread}) on http://{host}:{port}", flush=True)
     try:
