@@ -60,3 +60,33 @@ def test_micro_batching_changes_nothing_in_float64(tmp_path):
         for key in a:
             assert b[key] == pytest.approx(a[key], rel=1e-9, abs=1e-12), key
     assert all(torch.allclose(whole[k], micro[k], rtol=0, atol=1e-6) for k in whole)  # a thousandth of an update
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_the_captured_static_decoder_samples_what_the_dynamic_one_does(dtype):
+    """rollout.decoder=static on CUDA (its step replayed as a CUDA graph) against the dynamic
+    decoder: the same tokens, masks and finish reasons, log-probs to rounding."""
+    from grpokit.models import load_model, load_tokenizer
+    from grpokit.rollout import SamplingParams
+    from grpokit.rollout.transformers_engine import TransformersEngine
+
+    model, tokenizer = load_model("tiny-random").to("cuda", dtype), load_tokenizer("tiny-random")
+    prompts = [tokenizer(text)["input_ids"] for text in ("What is 2 + 2?", "Hi", "A longer prompt than the two others")]
+    first = TransformersEngine(model, tokenizer.pad_token_id, [tokenizer.pad_token_id], decoder="dynamic").generate(
+        prompts, [3, 1, 2], SamplingParams(40, 1.0), list(range(6)))
+    stops = first.completion_ids[:1, 20].tolist()  # one completion ends at token 20 or before, the others run on
+    a, b = (TransformersEngine(model, tokenizer.pad_token_id, stops, decoder=d).generate(
+        prompts, [3, 1, 2], SamplingParams(40, 1.0), list(range(6))) for d in ("dynamic", "static"))
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.completion_mask, b.completion_mask)
+    assert a.finish_reasons == b.finish_reasons and a.completion_mask[0].sum() <= 21
+    tol = 1e-9 if dtype == torch.float64 else 1e-4
+    torch.testing.assert_close(b.sampling_logps, a.sampling_logps, atol=tol, rtol=0)
+
+
+def test_a_vision_language_model_trains_three_steps_in_bfloat16(tmp_path):
+    example = Path(__file__).parent.parent / "examples" / "vision.yaml"
+    out = tmp_path / "vlm"
+    assert main(["train", "--no-progress", "--config", str(example), "model.name=tiny-random-vlm", "model.dtype=bfloat16",
+                 "train.max_steps=3", "data.eval_size=4", "train.eval_every=3", f"train.output_dir={out}"]) == 0
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert len(steps) == 3 and all(torch.isfinite(torch.tensor(r["grad_norm"])) for r in steps)

@@ -121,6 +121,9 @@ class RewardConfig:
     )
 
 
+DECODERS = ("auto", "dynamic", "static")  # rollout.decoder (rollout/transformers_engine.py)
+
+
 @dataclass
 class RolloutConfig:
     engine: str = _f(
@@ -146,6 +149,11 @@ class RolloutConfig:
         "most k updates stale; old log-probs are then the trainer's and rollout.is_correction covers the lag"
     )
     min_p: float = _f(0.0, "min-p sampling: drop tokens less likely than min_p times the most likely one; 0 turns it off")
+    decoder: str = _f(
+        "auto", "how rollout.engine=transformers decodes: dynamic (a key/value cache grown token by token) | static (a "
+        "cache sized once, every step the same shapes, captured as a CUDA graph on a GPU; the same tokens) | auto (the "
+        "one measured faster on the device: docs/speed-and-memory.md)"
+    )
     is_correction: bool = _f(
         True, "correct for sampling log-probs that come from other kernels than the trainer's (vLLM) by weighting each "
         "token's policy term with the importance ratio exp(old_logp - sampling_logp), bounded as rollout.is_level, "
@@ -540,6 +548,7 @@ def _check_engine(c: Config) -> list[str]:
         p.need(not r.dynamic_sampling, f"rollout.max_staleness={r.max_staleness} with rollout.dynamic_sampling is not "
                "supported: which prompts a step draws depends on the rewards of the step before; turn one of them off")
     p.need(r.server_timeout > 0, f"rollout.server_timeout={r.server_timeout}: must be > 0")
+    p.need(r.decoder in DECODERS, f"rollout.decoder={r.decoder!r}: must be one of {', '.join(DECODERS)}")
     return p
 
 
@@ -683,6 +692,7 @@ _PROMPT_LIMIT = Variant("data.max_prompt_length", lambda c: c.data.max_prompt_le
                         "data.max_prompt_length (in tokens)")
 _SERVER = Variant("rollout.engine", lambda c: c.rollout.engine == "server", "rollout.engine=server")
 _VLLM = Variant("rollout.engine", lambda c: c.rollout.engine == "vllm", "rollout.engine=vllm")
+_TRANSFORMERS = Variant("rollout.engine", lambda c: c.rollout.engine == "transformers", "rollout.engine=transformers")
 
 
 def _nothing_to_correct(c: Config) -> bool:
@@ -741,6 +751,7 @@ VARIANT_SETTINGS: dict[str, Variant] = {
     "rollout.server_timeout": _SERVER,
     "rollout.vllm_gpu_memory_utilization": _VLLM,
     "rollout.vllm_sleep": _VLLM,
+    "rollout.decoder": _TRANSFORMERS,
     "rollout.is_level": _CORRECTION,
     "rollout.is_mode": _CORRECTION,
     "rollout.is_cap": _CORRECTION,

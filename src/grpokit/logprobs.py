@@ -61,15 +61,20 @@ def sequence_layout(model, prompt_mask: torch.Tensor, sequence_ids: torch.Tensor
     begins[:, 1:] = sequence[:, 1:] != sequence[:, :-1]
     first = torch.where(begins, index, 0).cummax(1).values  # (B, L) the index of each token's sequence's first token
     positions = torch.where(sequence == 0, position_ids(real), index - first)  # (B, L)
+    return attention_form(model, allowed[:, None]), positions
+
+
+def attention_form(model, allowed: torch.Tensor) -> torch.Tensor:
+    """A 4D attention mask (B, 1, Q, K), True where a query sees a key, in the form the model's
+    attention takes it as given: boolean (sdpa), or additive (eager)."""
     implementation = getattr(model.config, "_attn_implementation", "sdpa")
     if implementation == "eager":
         dtype = next(model.parameters()).dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
-        return mask[:, None], positions
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
     if implementation != "sdpa":
-        raise ConfigError(f"an agent's requests trained as sequences of their own need a 4D attention mask, which "
-                          f"attention implementation {implementation!r} does not take: use sdpa or eager attention")
-    return allowed[:, None], positions
+        raise ConfigError(f"attention implementation {implementation!r} does not take the 4D attention mask that "
+                          "rows of several sequences (an agent's) and the static decoder need: use sdpa or eager")
+    return allowed
 
 
 class _TokenLogprobs(torch.autograd.Function):

@@ -80,6 +80,7 @@ class Agents:
         # One endpoint per thread that generates: with rollout.max_staleness, the pipeline's worker
         # generates the steps ahead while an evaluation generates in the trainer's thread.
         self.endpoints: dict[int, Endpoint] = {}
+        self.http = None  # the HTTP client every rollout's openai client shares (made on the user code's loop)
 
     @classmethod
     def from_config(cls, config, tokenizer, eos_ids) -> Agents:
@@ -114,6 +115,8 @@ class Agents:
     def close(self) -> None:
         for endpoint in self.endpoints.values():
             endpoint.close()
+        if self.http is not None:
+            user_code.submit(self.http.close_shared(), "the agents' HTTP client").result(timeout=10)
 
     # ------------------------------------------------------------------ sampling
 
@@ -152,7 +155,9 @@ class Agents:
                 for url, e, outcome in zip(urls, rows, outcomes)]
 
     async def _run(self, base_url: str, example, outcome: AgentOutcome) -> None:
-        client = self.openai.AsyncOpenAI(base_url=base_url, api_key="grpokit", max_retries=0)
+        if self.http is None:  # an openai client making its own HTTP client takes ~25 ms: a second a step
+            self.http = _shared_http(self.openai)
+        client = self.openai.AsyncOpenAI(base_url=base_url, api_key="grpokit", max_retries=0, http_client=self.http)
         row = {"prompt": example.prompt, **example.columns}
         try:
             result = await asyncio.wait_for(self.agent(client, MODEL_NAME, row), self.timeout)
@@ -195,6 +200,19 @@ class Agents:
                 sequence.add(self.eos_ids[:1], False)
             sequences.append(sequence)
         return sequences_batch(sequences, self.tokenizer.pad_token_id)
+
+
+def _shared_http(openai):
+    """The openai client's default HTTP client, which an agent's `client.close()` (or `async with
+    client`) leaves open for the other rollouts; closed with the Agents."""
+    class Shared(openai.DefaultAsyncHttpxClient):
+        async def aclose(self) -> None:
+            pass
+
+        async def close_shared(self) -> None:
+            await super().aclose()
+
+    return Shared()
 
 
 def _messages(t: Transcript) -> list[dict]:

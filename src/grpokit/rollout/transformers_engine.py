@@ -20,12 +20,6 @@ from grpokit.rollout.weights import checksum, named_weights
 from grpokit.vision import IMAGE_TOKEN
 
 
-def entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy (B,) of softmax(logits (B, V))."""
-    logp = torch.log_softmax(logits, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
 def sample_next(
     logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -38,10 +32,18 @@ def sample_next(
     if params.temperature == 0:
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         tokens = logprobs.argmax(-1)
-        return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1), entropy(logits.float())
-    logits = logits.float() / params.temperature
-    policy_entropy = entropy(logits)
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1), _entropy_of(logprobs)
+    # Few (B, V) float32 temporaries at a time (in place where the arithmetic is the same): on a
+    # GPU, with a large vocabulary, they are most of a decoding step's memory.
+    logits = logits.float().div_(params.temperature) if logits.dtype != torch.float32 else logits / params.temperature
+    unfiltered = torch.log_softmax(logits, dim=-1)  # (B, V)
+    policy_entropy = _entropy_of(unfiltered)
+    top_k = 0 < params.top_k < logits.shape[-1]
+    if not (top_k or params.top_p < 1.0 or params.min_p > 0):  # no filter: the sampling distribution is the policy's
+        del logits
+        return _inverse_cdf(unfiltered, uniforms) + (policy_entropy,)
+    del unfiltered
+    if top_k:
         kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
@@ -56,12 +58,23 @@ def sample_next(
         probs = torch.softmax(logits, dim=-1)
         logits = logits.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), float("-inf"))
     logprobs = torch.log_softmax(logits, dim=-1)  # (B, V)
-    cdf = logprobs.exp().cumsum(-1)  # (B, V)
+    del logits
+    return _inverse_cdf(logprobs, uniforms) + (policy_entropy,)
+
+
+def _entropy_of(logprobs: torch.Tensor) -> torch.Tensor:
+    """Entropy (B,) of the distribution whose log-probs are `logprobs` (B, V)."""
+    return -(logprobs.exp().mul_(logprobs)).sum(-1)
+
+
+def _inverse_cdf(logprobs: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of `logprobs` (B, V), the first whose CDF exceeds its uniform (B,), and its log-prob."""
+    cdf = logprobs.exp().cumsum_(-1)  # (B, V)
     total = cdf[:, -1:]  # (B, 1), ~1
     # Strictly below the total, the first entry of the CDF above x is a token of positive probability.
     x = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))  # (B, 1)
     tokens = torch.searchsorted(cdf, x, right=True).squeeze(-1)  # (B,)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1), policy_entropy
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
 class TransformersEngine:
@@ -72,15 +85,19 @@ class TransformersEngine:
 
     @classmethod
     def from_config(cls, rollout, model, tokenizer, eos_ids, model_name, lockstep, vision=None) -> TransformersEngine:
-        return cls(model, pad_id=tokenizer.pad_token_id, eos_ids=eos_ids, lockstep=lockstep, vision=vision)
+        return cls(model, pad_id=tokenizer.pad_token_id, eos_ids=eos_ids, lockstep=lockstep, vision=vision,
+                   decoder=rollout.decoder)
 
-    def __init__(self, model, pad_id: int, eos_ids: list[int], lockstep: bool = False, vision=None):
-        """vision: a vision-language model's vision.Vision (prompts come with their images)."""
+    def __init__(self, model, pad_id: int, eos_ids: list[int], lockstep: bool = False, vision=None,
+                 decoder: str = "auto"):
+        """vision: a vision-language model's vision.Vision (prompts come with their images);
+        decoder: rollout.decoder (config.DECODERS)."""
         self.model = model
         self.lockstep = lockstep
         self.pad_id = pad_id
         self.eos_ids = torch.tensor(eos_ids)
         self.vision = vision
+        self.decoder = decoder
 
     @property
     def device(self) -> torch.device:
@@ -142,7 +159,11 @@ class TransformersEngine:
         cached = cache_inputs(self.model, cache)
         prompt_index, prompt_ids, prompt_mask, logits, next_pos = self._prefill(prompts, counts, cache, cached, device,
                                                                                  images)
-        decoded = self._decode(logits, prompt_mask, next_pos, params, uniforms, cached, device)
+        if self._decoder(device) == "static" and params.max_tokens > 1:
+            decoded = StaticDecoder(self.model, self.pad_id, self.eos_ids, self.lockstep, cache, prompt_mask, next_pos,
+                                    params, uniforms).run(logits)
+        else:
+            decoded = self._decode(logits, prompt_mask, next_pos, params, uniforms, cached, device)
         batch = decoded.batch(prompt_index, prompt_ids, prompt_mask)
         if images is not None:
             batch.images = [images[i] for i in prompt_index.tolist()]
@@ -183,20 +204,19 @@ class TransformersEngine:
         attn = prompt_mask
         for t in range(params.max_tokens):
             tok = decoded.add(*sample_next(logits, params, None if uniforms is None else uniforms[:, t]))
-            if self._all_finished(decoded.finished) or t == params.max_tokens - 1:  # the last token needs no logits after it
+            if _all_ended(decoded.finished, self.lockstep) or t == params.max_tokens - 1:  # the last token needs no logits after it
                 break
             attn = torch.cat([attn, torch.ones((N, 1), dtype=attn.dtype, device=device)], dim=1)
             logits = self._next_logits(tok, attn, next_pos, cached)
             next_pos = next_pos + 1
         return decoded
 
-    def _all_finished(self, finished: torch.Tensor) -> bool:
-        """Whether every completion has ended; with sharded weights (lockstep), every process's:
-        each decodes until all are done, since every forward call is a collective."""
-        unfinished = (~finished).sum()
-        if self.lockstep:
-            unfinished = distributed.all_reduce(unfinished)
-        return unfinished.item() == 0
+    def _decoder(self, device: torch.device) -> str:
+        """The decoder this generation uses: rollout.decoder, "auto" being the one measured faster
+        on the device (DEFAULT_DECODER); a vision-language model decodes dynamically."""
+        if self.vision is not None:
+            return "dynamic"
+        return DEFAULT_DECODER[device.type == "cuda"] if self.decoder == "auto" else self.decoder
 
     def _next_logits(self, tok: torch.Tensor, attn: torch.Tensor, next_pos: torch.Tensor, cached: dict) -> torch.Tensor:
         """One decoding step: the tokens just sampled (N,) through the model, at positions
@@ -212,6 +232,15 @@ class TransformersEngine:
             **cached,
         )
         return out.logits[:, -1]
+
+
+def _all_ended(finished: torch.Tensor, lockstep: bool) -> bool:
+    """Whether every completion has ended (a host synchronisation); with sharded weights (lockstep),
+    every process's: each decodes until all are done, since every forward call is a collective."""
+    unfinished = (~finished).sum()
+    if lockstep:
+        unfinished = distributed.all_reduce(unfinished)
+    return unfinished.item() == 0
 
 
 def _completion_counts(prompts: list[list[int]], n: int | Sequence[int]) -> torch.Tensor:
@@ -286,3 +315,128 @@ class _Decoded:
             finish_reasons=[IMAGE_TOKEN if i else "stop" if f else "length"
                             for f, i in zip(self.finished.tolist(), self.imaged.tolist())],
         )
+
+
+# rollout.decoder=auto: the decoder measured faster on each device (docs/speed-and-memory.md),
+# {on CUDA: decoder}. "dynamic" grows the key/value cache token by token (TransformersEngine._decode);
+# "static" decodes at a fixed shape over a cache sized once (StaticDecoder).
+DEFAULT_DECODER = {False: "dynamic", True: "static"}
+# The static decoder asks whether every completion has ended once per this many tokens (a host
+# synchronisation each time; a GPU's kernels run ahead of the host in between).
+CHECK_EVERY = 8
+
+
+class StaticDecoder:
+    """Decoding at a fixed shape (rollout.decoder=static): the key/value cache sized once, for the
+    batch and the longest sequence (the prompts' width plus max_tokens), and every step the same
+    shapes: the N tokens just sampled, at one cache slot, an attention mask over the whole cache,
+    sampling on the device into preallocated (N, max_tokens) outputs. A completion that has ended
+    goes on being computed, its tokens recorded as padding and masked out, so the batch keeps its
+    shape; the host learns whether all have ended only every CHECK_EVERY tokens. On CUDA, one step
+    (sampling a token, then the model's forward on it) is captured once as a CUDA graph and
+    replayed: one launch a token instead of one a kernel.
+
+    It samples what the dynamic decoder samples: completion i from its own uniforms, the same
+    tokens, log-probs equal to rounding (the attention runs over the whole cache, masked)."""
+
+    def __init__(self, model, pad_id: int, eos_ids: torch.Tensor, lockstep: bool, prefilled: DynamicCache,
+                 prompt_mask: torch.Tensor, next_pos: torch.Tensor, params: SamplingParams,
+                 uniforms: torch.Tensor | None):
+        """The engine's model, pad id, EOS ids and lockstep (TransformersEngine); prefilled: the
+        prompts' cache, one row per completion (N); prompt_mask (N, Lp); next_pos (N,): each
+        completion's first position; uniforms (N, max_tokens) or None (greedy)."""
+        from transformers import StaticCache
+
+        self.model, self.pad_id, self.lockstep, self.params, self.uniforms = model, pad_id, lockstep, params, uniforms
+        device = prompt_mask.device
+        (N, Lp), T = prompt_mask.shape, params.max_tokens
+        length = Lp + T - 1  # the last token sampled is never fed
+        self.cache = StaticCache(config=self.model.config, max_cache_len=length)
+        for i, layer in enumerate(prefilled.layers):  # the prompts' keys and values in slots 0 .. Lp - 1
+            self.cache.update(layer.keys, layer.values, i, {"cache_position": torch.arange(Lp, device=device)})
+            layer.keys = layer.values = None  # not held twice while decoding
+        self.cached = cache_inputs(self.model, self.cache)
+        # A step's inputs, updated in place: the tokens fed (N, 1), their positions (N, 1), their
+        # cache slot (1,), the slots each completion sees (N, 1, 1, length), the token index (1,).
+        self.ids = torch.full((N, 1), pad_id, dtype=torch.long, device=device)
+        self.positions = next_pos[:, None].clone()
+        self.slot = torch.tensor([Lp], device=device)
+        self.seen = torch.zeros((N, 1, 1, length), dtype=torch.bool, device=device)
+        self.seen[:, 0, 0, :Lp] = prompt_mask.bool()
+        self.step = torch.zeros(1, dtype=torch.long, device=device)
+        self.eos_ids = eos_ids.to(device)
+        # What is sampled, (N, T) each, and which completions have ended (N,).
+        self.tokens = torch.full((N, T), pad_id, dtype=torch.long, device=device)
+        self.logps = torch.zeros((N, T), device=device)
+        self.entropies = torch.zeros((N, T), device=device)
+        self.alive = torch.zeros((N, T), dtype=torch.bool, device=device)
+        self.finished = torch.zeros(N, dtype=torch.bool, device=device)
+        self.logits = None  # (N, V) the logits the next token is sampled from (a graph's output)
+
+    def run(self, logits: torch.Tensor) -> _Decoded:
+        """Decode from the prompts' last logits (N, V) until every completion has ended or
+        max_tokens tokens; the outputs as the dynamic decoder gives them."""
+        T, graph = self.params.max_tokens, None
+        self.logits = logits.clone()  # read by a step's sampling, written by its forward
+        for t in range(T - 1):
+            if graph is None and t == 1 and logits.device.type == "cuda" and not self.lockstep:
+                graph = self._capture()  # step 0 ran eagerly: every lazy allocation is made
+            if graph is not None:
+                graph.replay()
+            else:
+                self._step()
+            if (t + 1) % CHECK_EVERY == 0 and _all_ended(self.finished, self.lockstep):
+                break
+        else:
+            self._sample()  # the last token: no logits after it
+        return self._outputs()
+
+    def _capture(self):
+        """One step as a CUDA graph, on the step's buffers (captured, not run)."""
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            self._step()
+        return graph
+
+    def _step(self) -> None:
+        """Sample token `step`, then run it through the model for the logits of the next."""
+        self.logits.copy_(self._forward(self._sample()))
+
+    def _sample(self) -> torch.Tensor:
+        """Token `step` of every completion (N,), recorded; an ended completion's is padding."""
+        uniforms = None if self.uniforms is None else self.uniforms.index_select(1, self.step).squeeze(1)
+        tok, lp, ent = sample_next(self.logits, self.params, uniforms)
+        alive = ~self.finished
+        tok = torch.where(alive, tok, self.pad_id)
+        self.tokens.index_copy_(1, self.step, tok[:, None])
+        self.logps.index_copy_(1, self.step, torch.where(alive, lp, 0.0)[:, None])
+        self.entropies.index_copy_(1, self.step, torch.where(alive, ent, 0.0)[:, None])
+        self.alive.index_copy_(1, self.step, alive[:, None])
+        self.finished.logical_or_(torch.isin(tok, self.eos_ids))
+        return tok
+
+    def _forward(self, tok: torch.Tensor) -> torch.Tensor:
+        """The tokens just sampled (N,) through the model at their slot; the logits (N, V) after them."""
+        from grpokit.logprobs import attention_form
+
+        self.ids.copy_(tok[:, None])
+        self.seen.index_fill_(3, self.slot, True)
+        out = self.model(input_ids=self.ids, attention_mask=attention_form(self.model, self.seen),
+                         position_ids=self.positions, cache_position=self.slot, **self.cached)
+        self.positions.add_(1)
+        self.slot.add_(1)
+        self.step.add_(1)
+        return out.logits[:, -1]
+
+    def _outputs(self) -> _Decoded:
+        """The decoded completions, cut after the last token any of them sampled (every process's,
+        with sharded weights: they decode alike)."""
+        last = int(self.alive.any(0).nonzero().max())  # token 0 is always sampled
+        if self.lockstep:
+            last = int(distributed.all_reduce(torch.tensor(last), "max"))
+        decoded = _Decoded(self.finished.shape[0], self.pad_id, self.eos_ids, self.finished.device)
+        decoded.tokens, decoded.logps = list(self.tokens[:, :last + 1].T), list(self.logps[:, :last + 1].T)
+        decoded.entropies, decoded.masks = list(self.entropies[:, :last + 1].T), list(self.alive[:, :last + 1].T)
+        decoded.finished = self.finished
+        return decoded
