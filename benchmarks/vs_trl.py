@@ -56,7 +56,7 @@ def grpokit_worker(conn, args) -> None:
     config = load_config(None, [
         f"model.name={args.model}", f"model.dtype={args.dtype}", f"train.prompts_per_step={PROMPTS_PER_STEP}",
         f"rollout.num_generations={GENERATIONS}", f"rollout.max_completion_length={args.max_completion_length}",
-        f"rollout.decoder={args.decoder}", f"train.logprob_chunk_size={args.logprob_chunk_size or 'null'}",
+        f"rollout.decoder={args.decoder}", f"train.logprob_chunk_size={'null' if args.logprob_chunk_size is None else args.logprob_chunk_size}",
         "algorithm.loss_type=dapo", f"algorithm.beta={args.beta}", "algorithm.scale_rewards=group", "algorithm.epsilon=0.2",
         "train.max_grad_norm=1.0", f"train.learning_rate={LR}", "train.weight_decay=0.0", "train.warmup_steps=0",
         f"train.max_steps={args.steps}", "data.eval_size=0", "train.eval_every=0", "train.save_every=0",
@@ -166,7 +166,7 @@ def main() -> int:
     parser.add_argument("--generations", type=int, default=8, help="completions per prompt")
     parser.add_argument("--decoder", default="auto", help="grpokit's rollout.decoder (auto: the device's default)")
     parser.add_argument("--logprob-chunk-size", type=int, default=None,
-                        help="grpokit's train.logprob_chunk_size (a memory knob; TRL's log-softmax goes row by row)")
+                        help="grpokit's train.logprob_chunk_size (a memory knob; 0: all at once; default: the device's)")
     args = parser.parse_args()
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # both train on the CPU, even on a machine with a GPU

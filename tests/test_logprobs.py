@@ -158,6 +158,28 @@ def test_chunking_refuses_heads_that_do_more_than_the_output_layer(tiny):
         check_chunkable(model)
 
 
+def test_the_chunk_size_left_null_is_the_device_s(tiny):
+    """train.logprob_chunk_size=null: chunks of GPU_CHUNK on a GPU for a text model whose head is
+    the output layer alone; all at once on the CPU, for such a head, and for a vision-language
+    model; 0 is all at once, a number that number."""
+    from grpokit.logprobs import GPU_CHUNK, chunk_size
+
+    model = copy.deepcopy(tiny[0])
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # the check runs where the model is
+    assert chunk_size(None, model, cpu) is None and chunk_size(None, model, cuda) == GPU_CHUNK
+    assert chunk_size(0, model, cuda) is None and chunk_size(5, model, cpu) == 5
+    assert chunk_size(None, model, cuda, vision=object()) is None
+    forward = model.forward
+
+    def soft_capped(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        out.logits = 0.5 * torch.tanh(out.logits / 0.5)
+        return out
+
+    model.forward = soft_capped
+    assert chunk_size(None, model, cuda) is None
+
+
 @pytest.mark.parametrize("prompts", [[[5], [9]], [[9], [5, 6, 7, 8]]], ids=["all-one-token", "one-token-and-longer"])
 @pytest.mark.parametrize("variant", [{}, dict(whole_model=True)], ids=["default", "whole-model"])
 def test_one_token_prompts(tiny, float64, prompts, variant):

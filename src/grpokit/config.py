@@ -278,7 +278,8 @@ class TrainConfig:
     logprob_chunk_size: int | None = _f(
         None, "run the output layer and log-softmax over at most this many completion tokens at a time, "
         "recomputed in the backward pass, so that memory grows with it and not with tokens x vocabulary; a "
-        "memory knob only (same values and gradients); null: all at once"
+        "memory knob only (same values and gradients); null: 1024 on a GPU (for a text model whose output layer "
+        "allows it), all at once on the CPU, where chunks only cost time (docs/speed-and-memory.md); 0: all at once"
     )
     learning_rate: float = _f(2e-5, "AdamW peak learning rate")
     warmup_steps: int = _f(0, "linear warm-up, in optimizer updates; train.lr_scheduler afterwards")
@@ -603,8 +604,8 @@ def _check_train(c: Config) -> list[str]:
     p.need(not (m.freeze_language_model and m.lora_rank),
            f"model.freeze_language_model with model.lora_rank={m.lora_rank}: LoRA's adapters are the language model's, "
            "which would then train after all; drop one of them")
-    p.need(t.logprob_chunk_size is None or t.logprob_chunk_size >= 1,
-           f"train.logprob_chunk_size={t.logprob_chunk_size}: must be >= 1, or null")
+    p.need(t.logprob_chunk_size is None or t.logprob_chunk_size >= 0,
+           f"train.logprob_chunk_size={t.logprob_chunk_size}: must be >= 0 (0: all at once), or null")
     p.need(t.keep_checkpoints is None or t.keep_checkpoints >= 1,
            f"train.keep_checkpoints={t.keep_checkpoints}: must be >= 1, or null to keep every checkpoint")
     p.need(c.monitor.log_completions >= 0, f"monitor.log_completions={c.monitor.log_completions}: must be >= 0")

@@ -494,7 +494,7 @@ def load_policy(config, device: torch.device, model=None):
     _freeze(policy, m)
     if m.gradient_checkpointing:  # after the reference copy, which never trains
         enable_activation_checkpointing(policy)
-    if config.train.logprob_chunk_size is not None:
+    if config.train.logprob_chunk_size:  # asked for: a model whose head does more is refused (null decides itself)
         try:
             check_chunkable(policy)
         except ValueError as e:

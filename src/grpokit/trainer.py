@@ -71,7 +71,7 @@ from grpokit.config import Config, reward_specs
 from grpokit.diagnose import RunFacts
 from grpokit.errors import ConfigError
 from grpokit.evaluate import summarize
-from grpokit.logprobs import LogProbs, check_inputs_embeds
+from grpokit.logprobs import LogProbs, check_inputs_embeds, chunk_size
 from grpokit.loss import IS_MAX, IS_MEAN, IS_OUTSIDE, LossInputs, LossOutput, LossSettings, compute_loss, token_metric_names
 from grpokit.models import load_policy, save_model
 from grpokit.model_card import write_model_card
@@ -172,6 +172,7 @@ class Trainer:
             # Log-prob passes call the whole model on token ids when only such a call gathers sharded
             # weights, or when the model uses the ids for more than the embedding lookup (logprobs.py).
             whole_model = self.parallel.lockstep or not check_inputs_embeds(self.policy)
+            chunk = chunk_size(config.train.logprob_chunk_size, self.policy, self.device, self.vision)
             self.rollouts = Rollouts(config, self.task, self.tokenizer, self.tools, self.policy, self.parallel,
                                      self.device, seed_stream, self.vision)
             self.scorer = Scorer(config, self.tokenizer, self.rewards, self.rollouts.rows, self.device,
@@ -183,7 +184,7 @@ class Trainer:
             self.params = [p for p in self.policy.parameters() if p.requires_grad]
             self.optimizer, self.scheduler = self._make_optimizer()
             self.logprobs = LogProbs(self.policy, self.reference, config.rollout.temperature,
-                                     config.train.logprob_chunk_size, config.model.gradient_checkpointing, whole_model,
+                                     chunk, config.model.gradient_checkpointing, whole_model,
                                      config.micro_batch_size(distributed.world_size()), self.device, self.vision)
             self.loss_settings = LossSettings.from_config(config)
             # The metrics.jsonl rows kept from before the checkpoint, and what to tell the user about them.
