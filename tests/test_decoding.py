@@ -91,3 +91,23 @@ def test_auto_decodes_dynamically_on_the_cpu_and_a_bad_name_is_refused(tiny):
     with pytest.raises(ConfigError, match="rollout.decoder='fast': must be one of auto, dynamic, static"):
         load_config(None, ["rollout.decoder=fast"])
     assert StaticDecoder.__doc__  # the path the docs describe exists
+
+
+def test_a_model_the_static_decoder_cannot_run_decodes_dynamically_or_is_refused():
+    """A sliding window (Mistral's, Gemma 3's sliding layers) keeps a cache of the window's size,
+    which the static decoder's whole-cache mask does not fit: auto decodes such a model dynamically
+    on CUDA too, and rollout.decoder=static is refused at start-up, naming why."""
+    from transformers import Gemma3TextConfig, Gemma3ForCausalLM, MistralConfig, MistralForCausalLM
+
+    from grpokit.rollout.transformers_engine import static_decoding_problem
+
+    small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=8)
+    mistral = MistralForCausalLM(MistralConfig(**small, sliding_window=4))
+    gemma = Gemma3ForCausalLM(Gemma3TextConfig(**small))
+    assert "sliding window of 4 tokens" in static_decoding_problem(mistral)
+    assert "other kinds than full attention" in static_decoding_problem(gemma)
+    for model in (mistral, gemma):
+        assert TransformersEngine(model, 0, [1])._decoder(torch.device("cuda")) == "dynamic"
+        with pytest.raises(ConfigError, match="rollout.decoder=static: .*use rollout.decoder=dynamic"):
+            TransformersEngine(model, 0, [1], decoder="static")

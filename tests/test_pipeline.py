@@ -159,6 +159,15 @@ def test_a_step_whose_environments_cannot_be_saved_is_generated_again_on_resume(
     assert pipeline.again == {5: (["example"], [7])}
     assert pipeline.notes[5].startswith("step 5 was generated again on resume, with the checkpoint's weights: its "
                                         "environments cannot be saved")
+    # Saved, but unreadable on resume (the environment's class moved or changed since): the same.
+    batch.conversations = [Conversation([])]
+    saved = Pipeline.saved([Queued(6, [], [8], 4, batch)])
+    saved[0]["conversations"] = b"not a pickle"
+    with_engine = Pipeline(object(), 1, None)  # the process that generates (the others hold no completions)
+    with_engine.restore(saved, lambda: ["another"])
+    with_engine.close()
+    assert with_engine.again[6] == (["another"], [8]) and 6 not in with_engine.queued
+    assert "its environments could not be read back (UnpicklingError" in with_engine.notes[6]
 
 
 @pytest.mark.process

@@ -380,7 +380,9 @@ class LogProbs:
             share_prompt=not (self.checkpointing and model.training),
             whole_model=self.whole_model,
             vision=self.vision, images=None if batch.images is None else [batch.images[i] for i in first.tolist()],
-            sequence_ids=None if batch.sequence_ids is None else batch.sequence_ids[rows].to(self.device),
+            # Only rows of several sequences need the 4D mask (L x L per row).
+            sequence_ids=None if batch.sequence_ids is None or not batch.sequence_ids[rows].any()
+            else batch.sequence_ids[rows].to(self.device),
         )
 
     def old(self, batch, active: torch.Tensor) -> torch.Tensor:

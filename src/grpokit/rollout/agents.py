@@ -212,7 +212,11 @@ def _shared_http(openai):
         async def close_shared(self) -> None:
             await super().aclose()
 
-    return Shared()
+    try:  # no cap on connections: a round waits for every running agent's request (openai's own: 1,000)
+        from openai._constants import DEFAULT_CONNECTION_LIMITS as limits
+        return Shared(limits=type(limits)(max_connections=None, max_keepalive_connections=limits.max_keepalive_connections))
+    except (ImportError, AttributeError, TypeError):
+        return Shared()
 
 
 def _messages(t: Transcript) -> list[dict]:

@@ -282,16 +282,18 @@ class Endpoint:
     def _round(self, engine, taken: list[Waiting], params, seeds: list[int] | None) -> None:
         """Generate the waiting requests in one engine call, each cut to what its rollout's budget
         and its own max_tokens allow, and answer them."""
+        # This generation's transcripts: a generation opened meanwhile (`open`) has its own.
+        transcripts = self.transcripts
         limits = []
         for w in taken:
-            t = self.transcripts[w.rollout]
+            t = transcripts[w.rollout]
             start = len(t.exchanges[t.start].prompt) if w.extends else len(w.prompt)
             room = params.max_tokens - (len(w.prompt) - start)
             limits.append(max(0, min(room, w.max_tokens if w.max_tokens is not None else room)))
         asked = [(w, limit) for w, limit in zip(taken, limits) if limit > 0]
         batch = None
         if asked:
-            turn_seeds = None if seeds is None else [turn_seed(int(seeds[w.rollout]), len(self.transcripts[w.rollout].exchanges))
+            turn_seeds = None if seeds is None else [turn_seed(int(seeds[w.rollout]), len(transcripts[w.rollout].exchanges))
                                                      for w, _ in asked]
             # Rollouts in a row with the same context (a group's first requests) share one prefill,
             # as single-turn and multi-turn sampling do: the same engine call, the same tokens.
@@ -300,11 +302,12 @@ class Endpoint:
                 batch = engine.generate(prompts, counts, replace(params, max_tokens=max(l for _, l in asked)), turn_seeds)
             except BaseException as e:
                 for w in taken:  # their handlers answer with the error, and the agents end
-                    w.answer.set_exception(e)
+                    if not w.answer.done():
+                        w.answer.set_exception(e)
                 raise
         row = 0
         for w, limit in zip(taken, limits):
-            t = self.transcripts[w.rollout]
+            t = transcripts[w.rollout]
             exchange = Exchange(w.prompt, w.extends, finish="length")
             if limit > 0:
                 n = int(batch.completion_mask[row].sum())

@@ -196,7 +196,14 @@ class Pipeline:
             if batch is not None and e.get("images"):
                 batch.images = [examples[p].images for p in batch.prompt_index.tolist()]
             if batch is not None and "conversations" in e:
-                batch.conversations = pickle.loads(e["conversations"])  # the run's own checkpoint
+                try:
+                    batch.conversations = pickle.loads(e["conversations"])  # the run's own checkpoint
+                except Exception as error:  # noqa: BLE001 - an environment's class moved or changed since
+                    self.again[e["step"]] = (examples, e["seeds"])
+                    self.notes[e["step"]] = (f"step {e['step']} was generated again on resume, with the checkpoint's "
+                                             f"weights: its environments could not be read back ({type(error).__name__}: "
+                                             f"{error})")
+                    continue
             self.queued[e["step"]] = Queued(e["step"], examples, e["seeds"], e["weights_step"], batch)
 
     def close(self) -> None:

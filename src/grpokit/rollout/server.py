@@ -295,6 +295,9 @@ class _Agents:
             self.service.endpoint.generate_rounds(self, params, seeds, self.running)
         except Exception as e:  # noqa: BLE001 - answered to the trainer's close
             self.error = e
+            with self.service.lock:  # the requests waiting fail, and later ones are refused (no rollout runs)
+                if self.service.endpoint.session == self.generation:
+                    self.service.endpoint.open(0)
 
 
 class Refused(Exception):

@@ -8,12 +8,14 @@ not depend on which other completions share its batch (or its process).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache
 
 from grpokit import distributed
+from grpokit.errors import ConfigError
 from grpokit.logprobs import cache_inputs, position_ids
 from grpokit.rollout import RolloutBatch, SamplingParams
 from grpokit.rollout.weights import checksum, named_weights
@@ -98,6 +100,8 @@ class TransformersEngine:
         self.eos_ids = torch.tensor(eos_ids)
         self.vision = vision
         self.decoder = decoder
+        if decoder == "static" and (problem := static_decoding_problem(model, vision)):
+            raise ConfigError(f"rollout.decoder=static: {problem}; use rollout.decoder=dynamic (or auto)")
 
     @property
     def device(self) -> torch.device:
@@ -213,10 +217,11 @@ class TransformersEngine:
 
     def _decoder(self, device: torch.device) -> str:
         """The decoder this generation uses: rollout.decoder, "auto" being the one measured faster
-        on the device (DEFAULT_DECODER); a vision-language model decodes dynamically."""
-        if self.vision is not None:
-            return "dynamic"
-        return DEFAULT_DECODER[device.type == "cuda"] if self.decoder == "auto" else self.decoder
+        on the device (DEFAULT_DECODER) where the static decoder can run (static_decoding_problem)."""
+        if self.decoder != "auto":
+            return self.decoder
+        static = DEFAULT_DECODER[device.type == "cuda"] == "static"
+        return "static" if static and static_decoding_problem(self.model, self.vision) is None else "dynamic"
 
     def _next_logits(self, tok: torch.Tensor, attn: torch.Tensor, next_pos: torch.Tensor, cached: dict) -> torch.Tensor:
         """One decoding step: the tokens just sampled (N,) through the model, at positions
@@ -326,6 +331,24 @@ DEFAULT_DECODER = {False: "dynamic", True: "static"}
 CHECK_EVERY = 8
 
 
+def static_decoding_problem(model, vision=None) -> str | None:
+    """Why the static decoder cannot decode with `model`, or None: it needs a text model whose every
+    layer attends to the whole cache (a sliding window's cache is the window's size) through an
+    attention that takes a 4D mask (sdpa, eager)."""
+    if vision is not None:
+        return "a vision-language model decodes dynamically (its image tokens end a completion)"
+    config = model.config.get_text_config(decoder=True)
+    layers = getattr(config, "layer_types", None)
+    if layers is not None and any(kind != "full_attention" for kind in layers):
+        return f"this model has layers of other kinds than full attention ({sorted(set(layers))})"
+    if layers is None and getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return f"this model attends through a sliding window of {config.sliding_window} tokens"
+    implementation = getattr(config, "_attn_implementation", "sdpa")
+    if implementation not in ("sdpa", "eager"):
+        return f"attention implementation {implementation!r} takes no 4D attention mask"
+    return None
+
+
 class StaticDecoder:
     """Decoding at a fixed shape (rollout.decoder=static): the key/value cache sized once, for the
     batch and the longest sequence (the prompts' width plus max_tokens), and every step the same
@@ -337,7 +360,9 @@ class StaticDecoder:
     replayed: one launch a token instead of one a kernel.
 
     It samples what the dynamic decoder samples: completion i from its own uniforms, the same
-    tokens, log-probs equal to rounding (the attention runs over the whole cache, masked)."""
+    tokens, log-probs equal to rounding (the attention runs over the whole cache, masked; in
+    bfloat16 that rounding can move a token drawn at the edge of two). static_decoding_problem
+    says which models it cannot decode."""
 
     def __init__(self, model, pad_id: int, eos_ids: torch.Tensor, lockstep: bool, prefilled: DynamicCache,
                  prompt_mask: torch.Tensor, next_pos: torch.Tensor, params: SamplingParams,
@@ -381,7 +406,7 @@ class StaticDecoder:
         for t in range(T - 1):
             if graph is None and t == 1 and logits.device.type == "cuda" and not self.lockstep:
                 graph = self._capture()  # step 0 ran eagerly: every lazy allocation is made
-            if graph is not None:
+            if graph:
                 graph.replay()
             else:
                 self._step()
@@ -392,11 +417,19 @@ class StaticDecoder:
         return self._outputs()
 
     def _capture(self):
-        """One step as a CUDA graph, on the step's buffers (captured, not run)."""
+        """One step as a CUDA graph, on the step's buffers (captured, not run); False where the
+        model's forward cannot be captured (one that synchronises with the host): the steps then
+        run eagerly, at the same fixed shapes. Thread-local capture: work that other threads put
+        on the GPU meanwhile (an agent's own) is not caught in it."""
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
-            self._step()
+        try:
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self._step()
+        except RuntimeError as e:
+            warnings.warn(f"rollout.decoder=static: the decoding step could not be captured as a CUDA graph ({e}); "
+                          "it runs eagerly", stacklevel=2)
+            return False
         return graph
 
     def _step(self) -> None:
