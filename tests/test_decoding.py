@@ -31,8 +31,8 @@ def assert_same_samples(a, b, dtype):
     torch.testing.assert_close(b.entropies, a.entropies, atol=10 * tol, rtol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
-@pytest.mark.parametrize("params", list(PARAMS))
+@pytest.mark.parametrize("dtype, params", [(torch.float64, p) for p in PARAMS] + [(torch.float32, "sampled")],
+                         ids=[f"float64-{p}" for p in PARAMS] + ["float32-sampled"])
 @pytest.mark.parametrize("ending", ["one-ends-early", "all-end-early"])
 def test_the_static_decoder_samples_what_the_dynamic_one_does(tiny, dtype, params, ending):
     """Prompts of different lengths (left padding), several completions sharing a prompt's prefill,
