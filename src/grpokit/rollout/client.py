@@ -33,6 +33,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from urllib.parse import urlparse
 
 import torch
@@ -297,8 +298,7 @@ class ServerEngine:
                  seeds: Sequence[int] | None = None, images: list[tuple] | None = None) -> RolloutBatch:
         counts = group_counts(prompts, n)
         pngs = None if images is None else [[to_png(i) for i in row] for row in images]  # each prompt's, once
-        sampling = {"max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
-                    "top_k": params.top_k, "min_p": params.min_p}
+        sampling = asdict(params)  # server.Sampling's fields
         answered: list[tuple[list[int], list[dict]]] = []  # (prompt indices, their completions)
         steps = set()
         todo = list(range(len(prompts)))
@@ -343,8 +343,7 @@ class ServerEngine:
         up = self.up
         if not up:
             raise RolloutServerError(f"every rollout server is down: {self.last_error}")
-        sampling = {"max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
-                    "top_k": params.top_k, "min_p": params.min_p}
+        sampling = asdict(params)  # server.Sampling's fields
         starts = [sum(counts[:i]) for i in range(len(counts) + 1)]
         shares = [range(starts[len(counts) * k // len(up)], starts[len(counts) * (k + 1) // len(up)])
                   for k in range(len(up))]

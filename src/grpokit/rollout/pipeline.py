@@ -187,10 +187,7 @@ class Pipeline:
         for e in saved:
             examples = draw_examples()
             if "batch" not in e:
-                self.again[e["step"]] = (examples, e["seeds"])
-                if "unsaved" in e:
-                    self.notes[e["step"]] = (f"step {e['step']} was generated again on resume, with the checkpoint's "
-                                             f"weights: {e['unsaved']}")
+                self._again(e, examples, e.get("unsaved"))
                 continue
             batch = RolloutBatch(**e["batch"]) if self.engine is not None else None
             if batch is not None and e.get("images"):
@@ -199,12 +196,17 @@ class Pipeline:
                 try:
                     batch.conversations = pickle.loads(e["conversations"])  # the run's own checkpoint
                 except Exception as error:  # noqa: BLE001 - an environment's class moved or changed since
-                    self.again[e["step"]] = (examples, e["seeds"])
-                    self.notes[e["step"]] = (f"step {e['step']} was generated again on resume, with the checkpoint's "
-                                             f"weights: its environments could not be read back ({type(error).__name__}: "
-                                             f"{error})")
+                    self._again(e, examples, f"its environments could not be read back ({type(error).__name__}: {error})")
                     continue
             self.queued[e["step"]] = Queued(e["step"], examples, e["seeds"], e["weights_step"], batch)
+
+    def _again(self, entry: dict, examples: list, why: str | None) -> None:
+        """A checkpoint's step held by its seeds, generated again on resume; `why`, when it is not
+        a failed generation, is said when the step trains."""
+        self.again[entry["step"]] = (examples, entry["seeds"])
+        if why is not None:
+            self.notes[entry["step"]] = (f"step {entry['step']} was generated again on resume, with the checkpoint's "
+                                         f"weights: {why}")
 
     def close(self) -> None:
         """Cancel what is queued; the worker ends after the job in hand, and nothing waits for it."""
