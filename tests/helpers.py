@@ -181,6 +181,32 @@ class Server:
             self.kill()
 
 
+# An agent (rollout/agents.py) of two requests, the second continuing the first: a reward with
+# variance on a random model. Python source, for the agent files tests write.
+FOLLOW_UP_AGENT = '''
+async def follow_up(client, model, row):
+    messages = list(row["prompt"])
+    first = await client.chat.completions.create(model=model, messages=messages, max_tokens=6)
+    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Shorter?"}]
+    second = await client.chat.completions.create(model=model, messages=messages, max_tokens=6)
+    return -len(second.choices[0].message.content or "") / 10
+'''
+
+
+def kill_once_saved(command: list[str], run: Path, step: int, timeout: float = 120) -> None:
+    """Start `command` (a `grpokit train` writing to `run`, in same_threads_env) and SIGKILL it once
+    its checkpoint of step `step` is in place (written whole, then renamed into place), the trainer
+    still running, at most `timeout` seconds after the start."""
+    trainer = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=same_threads_env())
+    deadline = time.monotonic() + timeout
+    while not (run / "checkpoints" / f"step-{step}").is_dir():
+        assert time.monotonic() < deadline and trainer.poll() is None, trainer.communicate()
+        time.sleep(0.01)
+    trainer.send_signal(signal.SIGKILL)
+    trainer.wait(timeout=30)
+
+
 def train_in_background(*args: str) -> subprocess.Popen:
     """`grpokit train *args` in its own process (same_threads_env), its stdout and stderr piped."""
     return subprocess.Popen([sys.executable, "-m", "grpokit", "train", *args], stdout=subprocess.PIPE,

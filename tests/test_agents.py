@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from exact import update_difference
-from helpers import (assert_close_metrics, completions_log, metric_rows, run_worker, tool_call, training_rows,
-                     untimed_metrics)
+from helpers import (FOLLOW_UP_AGENT, assert_close_metrics, completions_log, metric_rows, run_worker, tool_call,
+                     training_rows, untimed_metrics)
 from safetensors.torch import load_file
 
 import scripted_engine
@@ -57,15 +57,6 @@ async def with_tools(client, model, row):
                              "content": str(add(**json.loads(call.function.arguments)))})
 
 
-async def follow_up(client, model, row):
-    """Two requests, the second continuing the first: a reward with variance on a random model."""
-    messages = list(row["prompt"])
-    first = await client.chat.completions.create(model=model, messages=messages, max_tokens=6)
-    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Shorter?"}]
-    second = await client.chat.completions.create(model=model, messages=messages, max_tokens=6)
-    return -len(second.choices[0].message.content or "") / 10
-
-
 async def misbehaving(client, model, row):
     """Row by row: fine, raises, another model, a bad reward, no request, never returns."""
     kind = int(row["kind"])
@@ -77,7 +68,7 @@ async def misbehaving(client, model, row):
     if kind == 1:
         raise RuntimeError("the agent broke")
     return "great" if kind == 3 else {"tidy": 1.0, "short": -len(reply.choices[0].message.content or "") / 100}
-'''
+''' + FOLLOW_UP_AGENT
 
 T = ["model.name=tiny-random", "train.max_steps=2", "rollout.num_generations=2", "train.prompts_per_step=2",
      "rollout.max_completion_length=400", "data.eval_size=0", "reward.functions=[exact_answer]"]

@@ -2,16 +2,14 @@
 The schedule (which weights sample which step) is fixed, read back from the server's answers; a run
 is reproducible; killed (SIGKILL) and resumed, it is the uninterrupted run."""
 
-import signal
 import subprocess
 import sys
-import time
 from concurrent.futures import Future
 
 import pytest
 import torch
-from helpers import (SERVER_RUN, assert_same_run, get_health, same_threads_env, train_in_background, untimed_metrics,
-                     wait_for_rows)
+from helpers import (FOLLOW_UP_AGENT, SERVER_RUN, assert_same_run, get_health, kill_once_saved, same_threads_env, train_in_background,
+                     untimed_metrics, wait_for_rows)
 
 from grpokit.cli import main
 from grpokit.rollout.pipeline import Pipeline, Queued, ScheduleError
@@ -65,16 +63,9 @@ def test_an_async_run_killed_and_resumed_is_the_uninterrupted_run(server, tmp_pa
     run = [*ASYNC, "train.max_steps=8", "train.save_every=2", f"rollout.server_url={s.url}", "rollout.max_staleness=1"]
     killed = tmp_path / "killed"
     command = [sys.executable, "-m", "grpokit", "train", *run, f"train.output_dir={killed}"]
-    env = same_threads_env()
-    trainer = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    deadline = time.monotonic() + 120
-    while not (killed / "checkpoints" / "step-4").is_dir():  # written whole, then renamed into place
-        assert time.monotonic() < deadline and trainer.poll() is None, trainer.communicate()
-        time.sleep(0.01)
-    trainer.send_signal(signal.SIGKILL)
-    trainer.wait(timeout=30)
+    kill_once_saved(command, killed, 4)
     assert torch.load(killed / "checkpoints" / "step-4" / "rollouts_ahead.pt", weights_only=True)[0]["step"] == 5
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    result = subprocess.run(command, capture_output=True, text=True, env=same_threads_env(), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert main(["train", *run, f"train.output_dir={tmp_path / 'whole'}"]) == 0
     assert_same_run(killed, tmp_path / "whole")
@@ -98,15 +89,7 @@ class Tally:
 
     def get_reward(self) -> float:
         return float(self.size % 3)
-
-
-async def follow_up(client, model, row):
-    messages = list(row["prompt"])
-    first = await client.chat.completions.create(model=model, messages=messages, max_tokens=6)
-    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Shorter?"}]
-    second = await client.chat.completions.create(model=model, messages=messages, max_tokens=6)
-    return -len(second.choices[0].message.content or "") / 10
-'''
+''' + FOLLOW_UP_AGENT
 
 
 @pytest.mark.process
@@ -123,14 +106,7 @@ def test_async_conversations_killed_and_resumed_are_the_uninterrupted_run(server
            "rollout.max_staleness=1", "rollout.max_completion_length=24", rollout.format(d=tmp_path)]
     killed = tmp_path / "killed"
     command = [sys.executable, "-m", "grpokit", "train", *run, f"train.output_dir={killed}"]
-    trainer = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=same_threads_env())
-    deadline = time.monotonic() + 200
-    while not (killed / "checkpoints" / "step-2").is_dir():
-        assert time.monotonic() < deadline and trainer.poll() is None, trainer.communicate()
-        time.sleep(0.01)
-    trainer.send_signal(signal.SIGKILL)
-    trainer.wait(timeout=30)
+    kill_once_saved(command, killed, 2, timeout=200)
     saved = torch.load(killed / "checkpoints" / "step-2" / "rollouts_ahead.pt", weights_only=True)
     assert saved[0]["step"] == 3 and "conversations" in saved[0]
     result = subprocess.run(command, capture_output=True, text=True, env=same_threads_env(), timeout=300)

@@ -479,13 +479,11 @@ def test_generating_ahead_on_two_servers_killed_and_resumed_is_the_uninterrupted
     """Steps generated ahead (rollout.max_staleness=1) by two servers, each taking a share of the
     prompt groups with their images; a checkpoint holds the step queued ahead (its completions, the
     images drawn again with its prompts), and a run killed after it resumes as the run never stopped."""
-    import signal
     import subprocess
     import sys
-    import time
     from pathlib import Path
 
-    from helpers import same_threads_env
+    from helpers import kill_once_saved, same_threads_env
 
     urls = [server("--model", "tiny-random-vlm").url for _ in range(2)]
     example = Path(__file__).parent.parent / "examples" / "vision.yaml"
@@ -494,14 +492,7 @@ def test_generating_ahead_on_two_servers_killed_and_resumed_is_the_uninterrupted
            f"rollout.server_url=[{urls[0]}, {urls[1]}]", "rollout.max_staleness=1"]
     killed = tmp_path / "killed"
     command = [sys.executable, "-m", "grpokit", "train", *run, f"train.output_dir={killed}"]
-    trainer = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=same_threads_env())
-    deadline = time.monotonic() + 120
-    while not (killed / "checkpoints" / "step-2").is_dir():
-        assert time.monotonic() < deadline and trainer.poll() is None, trainer.communicate()
-        time.sleep(0.01)
-    trainer.send_signal(signal.SIGKILL)
-    trainer.wait(timeout=30)
+    kill_once_saved(command, killed, 2)
     assert torch.load(killed / "checkpoints" / "step-2" / "rollouts_ahead.pt", weights_only=True)[0]["images"]
     resumed = subprocess.run(command, capture_output=True, text=True, env=same_threads_env(), timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
