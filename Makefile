@@ -31,7 +31,7 @@ test: install chromium
 test-quick: install
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not process" $(ARGS)
 
-# Headless Chromium opens `grpokit report`'s page in tests/test_report.py. Installed where this user
+# Headless Chromium opens `grpokit report`'s page in tests/rundir/test_report.py. Installed where this user
 # can (root with apt-get, as in CI; a failed install there fails the target); elsewhere that one
 # test is skipped and pytest's summary says why.
 chromium:

@@ -3,7 +3,7 @@
 The bundled SmolLM2-135M-Instruct (vocabulary 49,152), float32 on CPU, in training mode with
 activation checkpointing (model.gradient_checkpointing), so that what is left to grow with the
 sequence is mostly the output layer's logits: one completion of L tokens after a 16-token prompt,
-forward and backward of grpokit.logprobs.completion_logprobs.
+forward and backward of grpokit.models.logprobs.completion_logprobs.
 
 Every measurement runs in a fresh process. Its figure is the peak resident memory during the step
 minus the resident memory just before it, after a 16-token warm-up step (the first backward
@@ -32,8 +32,9 @@ def _kib(field: str) -> int:
 def measure(length: int, chunk: int | None) -> dict:
     import torch
 
-    from grpokit.logprobs import completion_logprobs
-    from grpokit.models import BUNDLED, enable_activation_checkpointing, load_model
+    from grpokit.models.bundled import BUNDLED
+    from grpokit.models.loading import enable_activation_checkpointing, load_model
+    from grpokit.models.logprobs import completion_logprobs
 
     torch.manual_seed(0)
     model = load_model(BUNDLED).train()

@@ -30,7 +30,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from torch.profiler import ProfilerActivity, profile
 
-    from grpokit.rollout import SamplingParams
+    from grpokit.rollout.batch import SamplingParams
     from grpokit.rollout.transformers_engine import TransformersEngine
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).cuda().eval()

@@ -48,9 +48,9 @@ def grpokit_worker(conn, args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from grpokit.allocator import keep_freed_memory
-    from grpokit.config import load_config
-    from grpokit.trainer import Trainer
+    from grpokit.config.loading import load_config
+    from grpokit.runtime.allocator import keep_freed_memory
+    from grpokit.training.trainer import Trainer
 
     PROMPTS_PER_STEP, GENERATIONS = args.prompts, args.generations
     config = load_config(None, [
@@ -62,7 +62,7 @@ def grpokit_worker(conn, args) -> None:
         f"train.max_steps={args.steps}", "data.eval_size=0", "train.eval_every=0", "train.save_every=0",
         "train.keep_checkpoints=1", f"train.output_dir={Path(args.workdir) / 'grpokit-run'}", "train.resume=never",
     ])
-    keep_freed_memory()  # as `grpokit train` does (grpokit/allocator.py)
+    keep_freed_memory()  # as `grpokit train` does (grpokit/runtime/allocator.py)
     trainer = Trainer(config, progress=False)
     conn.send("ready")
     for step in range(1, args.steps + 1):
@@ -92,8 +92,8 @@ def trl_worker(conn, args) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from grpokit.models import bundled_model_path
-    from grpokit.rewards import get_reward_function
+    from grpokit.models.bundled import bundled_model_path
+    from grpokit.rewards.reward_set import get_reward_function
     from grpokit.tasks.arithmetic import ArithmeticTask
 
     PROMPTS_PER_STEP, GENERATIONS = args.prompts, args.generations
@@ -172,7 +172,7 @@ def main() -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # both train on the CPU, even on a machine with a GPU
     import trl  # noqa: F401 - fail before anything starts: pip install 'grpokit[bench]'
 
-    from grpokit.models import bundled_model_path
+    from grpokit.models.bundled import bundled_model_path
 
     if args.model == "smollm2-135m-instruct":
         bundled_model_path()  # converted once here, not inside a timed process

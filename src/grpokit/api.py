@@ -1,4 +1,5 @@
-"""grpokit from Python: `grpokit.train(...)`, and `run(config)` under it, which the CLI calls.
+"""grpokit from Python: `grpokit.train(...)`, and `run(config)` under it, which the CLI calls;
+`evaluate(config, model)`, what `grpokit eval` runs.
 
     import grpokit
     result = grpokit.train(model="smollm2-135m-instruct", dataset=rows, reward_functions=[my_reward],
@@ -29,10 +30,12 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from grpokit import user_code
-from grpokit.config import Config, ConfigError, flatten, load_config
-from grpokit.rewards import BUILTIN_REWARDS, REWARD_FUNCTIONS
-from grpokit.rundir import TrainResult
+from grpokit.config.loading import flatten, load_config, settle
+from grpokit.config.schema import Config
+from grpokit.rewards.reward_set import BUILTIN_REWARDS, REWARD_FUNCTIONS
+from grpokit.rundir.folder import TrainResult
+from grpokit.runtime import user_code
+from grpokit.runtime.errors import ConfigError
 from grpokit.tasks.dataset import IMAGE_COLUMNS
 
 
@@ -107,7 +110,7 @@ def _take_objects(config: Config, trl_names: dict, *, model, tokenizer, reward_f
                                             ("rollout.environment", environment), ("rollout.agent", agent),
                                             ("data.path", dataset),
                                             ("data.eval_path", eval_dataset)) if value is not None}
-    config.settle()
+    settle(config)
     return created
 
 
@@ -116,7 +119,7 @@ def _remove_if_unused(created: Path | None) -> None:
     its datasets (`created`) goes while it holds nothing else."""
     if (created is not None and os.environ.get("RANK", "0") == "0" and created.is_dir()
             and {p.name for p in created.iterdir()} <= {"data"}):
-        from grpokit.rundir import release_run_dir
+        from grpokit.rundir.folder import release_run_dir
 
         release_run_dir(created)
         shutil.rmtree(created, ignore_errors=True)
@@ -126,9 +129,60 @@ def run(config: Config, *, model=None, tokenizer=None, progress: bool = True) ->
     """Train with `config` as it is (every name in it resolvable; `model` a loaded model, trained in
     place, with its `tokenizer`). It sets config.train.output_dir to the run folder: the CLI's
     entry, which names that folder when a run stops."""
-    from grpokit.trainer import Trainer
+    from grpokit.training.trainer import Trainer
 
     return Trainer(config, progress=progress, model=model, tokenizer=tokenizer).train()
+
+
+def evaluate(config: Config, model_path: str, num_samples: int = 1, output: str | None = None) -> dict:
+    """`grpokit eval`: score the model in `model_path` on the held-out prompts of `config`'s data,
+    greedy (`num_samples` 1) or `num_samples` samples per prompt with pass@k; with `output`, every
+    completion with its rewards to that JSONL file. Its metrics."""
+    import torch
+
+    from grpokit.models.loading import eos_token_ids, load_model
+    from grpokit.rewards.reward_set import trainer_state
+    from grpokit.rollout.batch import SamplingParams
+    from grpokit.rollout.protocols import make_engine
+    from grpokit.runtime import distributed
+    from grpokit.sampling.evaluation import score, summarize
+    from grpokit.training import setup
+
+    facts = setup.checked_facts(config, model_name=model_path)
+    run = setup.prepare(config, model_name=model_path, model_facts=facts.model, train=False)
+    if not run.task.eval_examples:
+        raise ConfigError(f"no held-out prompts to score: data.eval_size={config.data.eval_size} (a run trained "
+                          "with data.eval_size=0 keeps that in its config): add data.eval_size=100, or data.eval_path")
+    for note in getattr(run.task, "notes", ()):
+        print(note)
+    model = load_model(model_path, config.model.dtype).to("cuda" if torch.cuda.is_available() else "cpu")
+    engine = make_engine(config.rollout, model, run.tokenizer, eos_token_ids(model, run.tokenizer), model_path,
+                         vision=run.vision)
+    kind = setup.make_kind(config, run, model)
+    params = SamplingParams.of(config.rollout, greedy=num_samples == 1)
+    logged = {}
+    try:
+        with torch.no_grad():
+            records = score(kind, engine, run.tokenizer, run.rewards, run.task.eval_examples, params, num_samples,
+                            seed=config.train.seed, logged=logged,
+                            state=trainer_state(config, _steps_trained(Path(model_path), config)))
+    finally:
+        kind.close()
+        engine.close()
+    if output:
+        with Path(output).open("w") as f:
+            for record in records:
+                prompt = run.task.eval_examples[record["index"]].prompt
+                f.write(json.dumps({"prompt": prompt, **record}, default=str) + "\n")
+    return {**summarize(records, run.rewards.names, num_samples, prefix=""), **distributed.means(logged)}
+
+
+def _steps_trained(model: Path, config) -> int:
+    """The steps of training behind a model folder, for reward functions' trainer_state: a run's
+    checkpoints/step-N has N, its final/ the run's train.max_steps, any other model 0."""
+    if model.parent.name == "checkpoints" and model.name.startswith("step-") and model.name[5:].isdigit():
+        return int(model.name[5:])
+    return config.train.max_steps if model.name == "final" and (model.parent / "config.yaml").is_file() else 0
 
 
 # TRL GRPOTrainer's argument names that grpokit.train takes, and its own name for each, in the
@@ -208,7 +262,7 @@ def _take_model(config: Config, model, tokenizer) -> None:
     if getattr(model, "hf_device_map", None) or getattr(model, "hf_quantizer", None):
         raise ConfigError(f"model= is a {type(model).__name__} loaded with device_map= or quantized: grpokit places "
                           "the model itself and trains its weights in model.dtype: load it without them")
-    from grpokit.models import DTYPES
+    from grpokit.models.loading import DTYPES
 
     dtype = next((name for name, d in DTYPES.items() if d == model.dtype), None)
     if dtype is None:
@@ -340,7 +394,7 @@ def _take_datasets(config: Config, dataset, eval_dataset) -> Path | None:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each process would stamp its own folder name
             raise ConfigError("a dataset object on several processes needs train.output_dir (the run folder it is "
                               "written to)")
-        from grpokit.rundir import default_output_dir
+        from grpokit.rundir.folder import default_output_dir
 
         config.train.output_dir = default_output_dir(config, "dataset")
     run_dir = Path(config.train.output_dir)
@@ -423,7 +477,7 @@ def _with_image_files(row: dict, picture) -> dict:
     """`row` with its images (column image / images, tasks/dataset.py) as file names: a PIL image or
     `datasets`' {"bytes", "path"} is written by picture(image) -> its name relative to the data
     file; a path given in Python is made absolute (it was relative to where Python ran)."""
-    from grpokit.vision import open_image
+    from grpokit.tasks.images import open_image
 
     def one(value):
         if isinstance(value, (str, Path)):

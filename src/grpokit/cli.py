@@ -7,7 +7,9 @@ import os
 import sys
 from pathlib import Path
 
-from grpokit.config import ConfigError, StartupError, describe, load_config, reset_unused
+from grpokit.config.loading import describe, load_config
+from grpokit.config.variants import reset_unused
+from grpokit.runtime.errors import ConfigError, StartupError
 
 
 def _train(args) -> int:
@@ -15,15 +17,16 @@ def _train(args) -> int:
     if args.merge and not config.model.lora_rank:
         raise ConfigError("--merge merges LoRA adapters into the model, but model.lora_rank=0 trains every weight: "
                           "final/ already holds the whole model")
-    from grpokit import api, distributed  # the trainer's imports (transformers, accelerate) only when training
-    from grpokit.allocator import keep_freed_memory
-    from grpokit.checkpoint import CheckpointError
-    from grpokit.rewards import RewardError
+    from grpokit import api
+    from grpokit.multiturn.tools import EnvironmentFailed
+    from grpokit.rewards.reward_set import RewardError
     from grpokit.rollout.client import RolloutServerError
-    from grpokit.rollout.tools import EnvironmentFailed
-    from grpokit.signals import StoppedWhileWaiting
-    from grpokit.trainer import Interrupted, NonFiniteError
-    from grpokit.user_code import UserCodeExit
+    from grpokit.rundir.checkpoint import CheckpointError
+    from grpokit.runtime import distributed
+    from grpokit.runtime.allocator import keep_freed_memory
+    from grpokit.runtime.signals import StoppedWhileWaiting
+    from grpokit.runtime.user_code import UserCodeExit
+    from grpokit.training.trainer import Interrupted, NonFiniteError
 
     keep_freed_memory()  # every step allocates the same tensors again: reuse their pages (allocator.py)
     try:
@@ -58,7 +61,7 @@ def _train(args) -> int:
             print(f"held-out greedy {key}: {first[key]:.3f} at step {first['step']} -> "
                   f"{last[key]:.3f} at step {last['step']}")
     if args.merge:
-        from grpokit.models import merge_adapter
+        from grpokit.models.loading import merge_adapter
 
         print(f"merged model: {merge_adapter(result.run_dir / 'final', config.model.dtype)}")
     print(f"run directory: {result.run_dir}  (metrics.jsonl, config.yaml, checkpoints/, final/)\n"
@@ -68,7 +71,7 @@ def _train(args) -> int:
 
 def _resume_hint(config) -> str:
     """How to go on with the run in config.train.output_dir once the cause is fixed."""
-    from grpokit.checkpoint import latest_checkpoint
+    from grpokit.rundir.checkpoint import latest_checkpoint
 
     run_dir = Path(config.train.output_dir)
     checkpoint = latest_checkpoint(run_dir)
@@ -96,12 +99,11 @@ def _eval(args) -> int:
     # A run's settings of the variants these overrides switch off (rollout.max_turns after
     # data.task=arithmetic on a calculator run) are read by nothing here: back to their defaults.
     reset_unused(config, keep={o.split("=", 1)[0] for o in overrides})
-    config.validate()
     if args.num_samples < 1:
         raise ConfigError(f"--num-samples={args.num_samples}: must be >= 1")
-    from grpokit.evaluate import evaluate_model
+    from grpokit import api
 
-    metrics = evaluate_model(config, args.model, args.num_samples, args.output)
+    metrics = api.evaluate(config, args.model, args.num_samples, args.output)  # the config checked there
     how = "greedy" if args.num_samples == 1 else f"{args.num_samples} samples per prompt at temperature {config.rollout.temperature}"
     print(f"{args.model}: held-out prompts, {how}")
     for key, value in metrics.items():
@@ -111,8 +113,28 @@ def _eval(args) -> int:
     return 0
 
 
+def _config(args) -> int:
+    if args.check is None:
+        if args.overrides:
+            raise ConfigError(f"grpokit config takes overrides with --check only, got {' '.join(args.overrides)}")
+        print(describe())
+        return 0
+    from grpokit.config.checks import model_facts
+
+    try:  # every rule of config/checks.py, against the launch and the model it names (read, not loaded)
+        config = load_config(args.check, args.overrides)
+    except ConfigError as e:
+        print(f"{args.check}: {e}")
+        return 1
+    model = (f"{config.model.name}'s config" if model_facts(config.model.name, local_only=True) is not None else
+             f"not {config.model.name}'s, which is not on this machine yet (a run checks it once fetched)")
+    print(f"{args.check}: no problems (the settings against each other, this launch's processes and {model}; the "
+          "data is checked when a run starts)")
+    return 0
+
+
 def _report(args) -> int:
-    from grpokit.report import report
+    from grpokit.rundir.report import report
 
     page = report(args.run_dir)
     plots = sorted(p.name for p in (args.run_dir / "plots").glob("*.png"))
@@ -126,9 +148,9 @@ def _serve(args) -> int:
         import uvicorn  # noqa: F401
     except ImportError:
         raise StartupError("grpokit serve needs FastAPI and uvicorn: pip install 'grpokit[server]'") from None
-    from grpokit.models import DTYPES
-    from grpokit.rollout import ENGINES, engine_class
-    from grpokit.rollout.server import serve
+    from grpokit.models.loading import DTYPES
+    from grpokit.rollout.protocols import ENGINES, engine_class
+    from grpokit.server import serve
 
     servable = [name for name in ENGINES if not engine_class(name).remote]  # a server cannot serve a server
     if args.engine not in servable:
@@ -167,8 +189,12 @@ def _parser() -> argparse.ArgumentParser:
     _add_eval(commands)
     _add_run_readers(commands)
     _add_serve(commands)
-    p = commands.add_parser("config", help="print every config field with its default and meaning")
-    p.set_defaults(run=lambda args: print(describe()) or 0)
+    p = commands.add_parser("config", help="print every config field with its default and meaning; with --check, "
+                                           "every problem of a config")
+    p.add_argument("--check", metavar="my.yaml", help="print every problem of this config file (with the overrides "
+                   "that follow) without loading a model, or that it has none; exit status 1 when it has")
+    p.add_argument("overrides", nargs="*", metavar="section.field=value")
+    p.set_defaults(run=_config)
     return parser
 
 
@@ -200,10 +226,10 @@ def _add_run_readers(commands) -> None:
         "doctor", help="diagnose a run from its folder alone (finished, running or stopped)",
         description="Reads <run_dir>/metrics.jsonl and config.yaml and prints the run's status and "
                     "each problem found, with the evidence and a fix. The checks are those of the live "
-                    "alerts; each compares windows of 20 steps (grpokit/diagnose.py documents them).",
+                    "alerts; each compares windows of 20 steps (grpokit/rundir/diagnose.py documents them).",
     )
     p.add_argument("run_dir", type=Path)
-    p.set_defaults(run=lambda args: print(__import__("grpokit.diagnose", fromlist=["x"]).doctor(args.run_dir)) or 0)
+    p.set_defaults(run=lambda args: print(__import__("grpokit.rundir.diagnose", fromlist=["x"]).doctor(args.run_dir)) or 0)
 
     p = commands.add_parser(
         "report", help="write <run_dir>/report.html and plots/*.png: curves, alerts, sample completions",
@@ -220,7 +246,7 @@ def _add_serve(commands) -> None:
         "serve", help="run a rollout server for rollout.engine=server (generation, weight sync)",
         description="Loads --model and serves generation over HTTP; a trainer with rollout.engine=server "
                     "and rollout.server_url=http://HOST:PORT sends it prompts and pushes it weights "
-                    "(grpokit/rollout/server.py documents the endpoints).",
+                    "(grpokit/server.py documents the endpoints).",
     )
     p.add_argument("--model", required=True, help="the trainer's model.name (built-in name, folder or Hub id)")
     p.add_argument("--engine", default="transformers", help="transformers | vllm")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from grpokit.rewards import completion_text
+from grpokit.rewards.reward_set import completion_text
 
 _NUMBER = re.compile(r"-?\d+")
 _LEADING = re.compile(r"\s*(-?\d+)")

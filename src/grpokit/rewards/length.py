@@ -3,7 +3,7 @@ length), and DAPO's soft overlong punishment."""
 
 from __future__ import annotations
 
-from grpokit.rewards import completion_text
+from grpokit.rewards.reward_set import completion_text
 
 
 def length(completions, target: int = 20, **columns) -> list[float]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from grpokit.rewards import completion_text
+from grpokit.rewards.reward_set import completion_text
 
 _LAST_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
 DEFAULT_FORMAT = r"<think>.*?</think>\s*.*\\boxed\{.*\}.*"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import json
 
-from grpokit.rewards import completion_text
+from grpokit.rewards.reward_set import completion_text
 
 
 @functools.cache

@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from grpokit.rewards import completion_text
+from grpokit.rewards.reward_set import completion_text
 
 
 @functools.lru_cache(maxsize=2)

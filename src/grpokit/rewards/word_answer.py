@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from grpokit.rewards import completion_text
+from grpokit.rewards.reward_set import completion_text
 
 
 def named_answer(completions, answer, options, **columns) -> list[float]:

@@ -39,12 +39,13 @@ from urllib.parse import urlparse
 import torch
 from tqdm.auto import tqdm
 
-from grpokit.errors import StartupError
-from grpokit.rollout import (STALE_WEIGHTS, TAKEN_OVER, RolloutBatch, SamplingParams, group_counts,
-                             join_generation, split_generation)
+from grpokit.rollout.balance import join_generation, split_generation
+from grpokit.rollout.batch import RolloutBatch, SamplingParams, group_counts
 from grpokit.rollout.weights import (WeightGroup, backend_between, checksum, device_id, fingerprint,
                                     fingerprint_differences, layout, named_weights)
-from grpokit.vision import to_png
+from grpokit.rollout.wire import STALE_WEIGHTS, TAKEN_OVER
+from grpokit.rollout.wire import to_png
+from grpokit.runtime.errors import StartupError
 
 
 class RolloutServerError(RuntimeError):
@@ -72,6 +73,7 @@ class RolloutServer:
         health = self._check_server()
         # The trainer's own sampling code on the same kind of device: log-probs need no correction.
         self.exact_logprobs = health["engine"] == "transformers" and health["device"].split(":")[0] == self.device.type
+        self.measures_entropies = health["engine"] == "transformers"
 
     # ---------------------------------------------------------------- HTTP with retries
 
@@ -239,6 +241,7 @@ class ServerEngine:
 
     remote = True  # the trainer gathers a step's prompts on process 0 and shares the completions
     exact_logprobs: bool  # every server runs the trainer's own sampling code on the same kind of device
+    measures_entropies: bool  # every server's engine measures them (vLLM's does not)
     weights_step: int | None  # the trainer step of the weights the last generation used (PipelineEngine)
 
     @classmethod
@@ -254,6 +257,7 @@ class ServerEngine:
         self.down: list[RolloutServer] = []  # failed for good: left out for the rest of the run
         self.last_error: RolloutServerError | None = None  # why the last of them was left out
         self.exact_logprobs = all(s.exact_logprobs for s in self.servers)
+        self.measures_entropies = all(s.measures_entropies for s in self.servers)
         self.weights_step: int | None = None  # the trainer step of the weights the last generation used
         self.agents: list[tuple[RolloutServer, int, list[int]]] = []  # an agents' generation: (server, its id, rollouts)
 
@@ -334,7 +338,7 @@ class ServerEngine:
         self.weights_step = steps.pop() if steps else None
         return join_generation(prompts, counts, answered, self.pad_id, images)
 
-    # ---------------------------------------------------------------- agents (rollout/agents.py)
+    # ---------------------------------------------------------------- agents (multiturn/agents.py)
 
     def open_agents(self, counts: list[int], params: SamplingParams, seeds: Sequence[int] | None,
                     chat_template: str | None) -> list[str]:

@@ -14,12 +14,11 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
-from grpokit import distributed
-from grpokit.errors import ConfigError
-from grpokit.logprobs import cache_inputs, position_ids
-from grpokit.rollout import RolloutBatch, SamplingParams
+from grpokit.models.logprobs import cache_inputs, position_ids
+from grpokit.models.vision import IMAGE_TOKEN
+from grpokit.rollout.batch import RolloutBatch, SamplingParams
 from grpokit.rollout.weights import checksum, named_weights
-from grpokit.vision import IMAGE_TOKEN
+from grpokit.runtime import distributed
 
 
 def sample_next(
@@ -83,6 +82,7 @@ class TransformersEngine:
     """A RolloutEngine (the trainer's default), and the ServedEngine of `grpokit serve`."""
 
     exact_logprobs = True
+    measures_entropies = True
     remote = False
 
     @classmethod
@@ -100,8 +100,9 @@ class TransformersEngine:
         self.eos_ids = torch.tensor(eos_ids)
         self.vision = vision
         self.decoder = decoder
-        if decoder == "static" and (problem := static_decoding_problem(model, vision)):
-            raise ConfigError(f"rollout.decoder=static: {problem}; use rollout.decoder=dynamic (or auto)")
+        if decoder == "static" and (problem := static_decoding_problem(model.config, vision is not None)):
+            # (config/checks.py refuses such a run at start-up: this is an engine made by hand)
+            raise ValueError(f"rollout.decoder=static: {problem}; use rollout.decoder=dynamic (or auto)")
 
     @property
     def device(self) -> torch.device:
@@ -221,14 +222,15 @@ class TransformersEngine:
         if self.decoder != "auto":
             return self.decoder
         static = DEFAULT_DECODER[device.type == "cuda"] == "static"
-        return "static" if static and static_decoding_problem(self.model, self.vision) is None else "dynamic"
+        return "static" if static and static_decoding_problem(self.model.config, self.vision is not None) is None \
+            else "dynamic"
 
     def _next_logits(self, tok: torch.Tensor, attn: torch.Tensor, next_pos: torch.Tensor, cached: dict) -> torch.Tensor:
         """One decoding step: the tokens just sampled (N,) through the model, at positions
         `next_pos` (N,) over the cache; the logits (N, V) of the tokens after them."""
         if self.vision is None:
             ids, positions = tok[:, None], next_pos[:, None]
-        else:  # an image token just sampled ended its completion: fed as text (vision.py)
+        else:  # an image token just sampled ended its completion: fed as text (models/vision.py)
             ids, positions = self.vision.as_text(tok[:, None]), self.vision.continued(self.model, next_pos, 1)
         out = self.model(
             input_ids=ids,
@@ -331,19 +333,20 @@ DEFAULT_DECODER = {False: "dynamic", True: "static"}
 CHECK_EVERY = 8
 
 
-def static_decoding_problem(model, vision=None) -> str | None:
-    """Why the static decoder cannot decode with `model`, or None: it needs a text model whose every
-    layer attends to the whole cache (a sliding window's cache is the window's size) through an
-    attention that takes a 4D mask (sdpa, eager)."""
-    if vision is not None:
+def static_decoding_problem(config, vision: bool = False) -> str | None:
+    """Why the static decoder cannot decode with a model of (transformers) `config`, or None: it
+    needs a text model (not `vision`) whose every layer attends to the whole cache (a sliding
+    window's cache is the window's size) through an attention that takes a 4D mask (sdpa, eager;
+    a model not loaded yet has none set, and loads with sdpa)."""
+    if vision:
         return "a vision-language model decodes dynamically (its image tokens end a completion)"
-    config = model.config.get_text_config(decoder=True)
+    config = config.get_text_config(decoder=True)
     layers = getattr(config, "layer_types", None)
     if layers is not None and any(kind != "full_attention" for kind in layers):
         return f"this model has layers of other kinds than full attention ({sorted(set(layers))})"
     if layers is None and getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         return f"this model attends through a sliding window of {config.sliding_window} tokens"
-    implementation = getattr(config, "_attn_implementation", "sdpa")
+    implementation = getattr(config, "_attn_implementation", None) or "sdpa"
     if implementation not in ("sdpa", "eager"):
         return f"attention implementation {implementation!r} takes no 4D attention mask"
     return None
@@ -451,7 +454,7 @@ class StaticDecoder:
 
     def _forward(self, tok: torch.Tensor) -> torch.Tensor:
         """The tokens just sampled (N,) through the model at their slot; the logits (N, V) after them."""
-        from grpokit.logprobs import attention_form
+        from grpokit.models.logprobs import attention_form
 
         self.ids.copy_(tok[:, None])
         self.seen.index_fill_(3, self.slot, True)

@@ -2,20 +2,20 @@
 with vLLM's offline `LLM` API. Needs a GPU and `pip install 'grpokit[vllm]'`.
 
 - Requests: each sampled completion is its own request (`SamplingParams(n=1, seed=...)`) so that
-  what it samples depends on its seed alone, as with every engine (rollout/__init__.py); vLLM's
+  what it samples depends on its seed alone, as with every engine (rollout/protocols.py); vLLM's
   prefix cache computes the prompt they share once. Greedy requests (no seeds) ask for `n`
   completions of a prompt in one request.
 - Log-probs: `SamplingParams(logprobs=0)` returns the sampled token's log-prob, and the engine is
   built with `logprobs_mode="processed_logprobs"`, so it is the log-prob under the distribution
   actually sampled from (after temperature, min-p, top-k, top-p), the trainer's `sampling_logps`. vLLM's
   kernels differ from the trainer's, so these differ from the trainer's log-probs: the trainer
-  corrects with truncated importance sampling (loss.py, `rollout.is_correction`).
+  corrects with truncated importance sampling (algorithm/loss.py, `rollout.is_correction`).
 - Entropies are not measured by vLLM: the `entropy` metric is left out with this engine.
 - Images (a vision-language model): a prompt with images goes to vLLM as its ids with each image's
   tokens folded back into the chat template's placeholder, and the images as `multi_modal_data`,
   since vLLM expands the placeholders itself (as verl and TRL hand them over). The prompt vLLM ran
   must be the one the trainer's processor made (`check_prompts`): the log-probs are computed on it.
-  The image placeholder token is a stop token, as with every engine (vision.py).
+  The image placeholder token is a stop token, as with every engine (models/vision.py).
 - Weights: `load_weights` hands (name, tensor) pairs to the model inside vLLM's worker through
   `LLM.collective_rpc`; vLLM's model classes take Hugging Face checkpoint names and fuse q/k/v and
   gate/up themselves. `vllm_name` strips the wrappers a trainer's names can carry. The prefix
@@ -48,14 +48,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from grpokit.errors import StartupError
-from grpokit.rollout import (RolloutBatch, SamplingParams, check_images, from_completions, group_counts,
-                             join_generation, split_generation)
+from grpokit.models.vision import IMAGE_TOKEN
+from grpokit.rollout.balance import join_generation, split_generation
+from grpokit.rollout.batch import RolloutBatch, SamplingParams, from_completions, group_counts
+from grpokit.rollout.prompts import check_images
 from grpokit.rollout.weights import Checksum
-from grpokit.vision import IMAGE_TOKEN
+from grpokit.runtime.errors import StartupError
 
 if TYPE_CHECKING:
-    from grpokit.vision import Vision
+    from grpokit.models.vision import Vision
 
 # Wrappers that put a prefix or infix on parameter names: DDP / accelerate, torch.compile, PEFT.
 _PREFIXES = ("module.", "_orig_mod.", "base_model.model.")
@@ -157,7 +158,7 @@ def check_prompts(outputs, prompts: list[list[int]]) -> None:
 
 def model_path(name: str) -> str:
     """A folder or Hub id vLLM can load for model.name (it builds its own model from it)."""
-    from grpokit.models import BUNDLED, BUNDLED_VLM, TINY, TINY_VLM, bundled_model_path, bundled_vlm_path
+    from grpokit.models.bundled import BUNDLED, BUNDLED_VLM, TINY, TINY_VLM, bundled_model_path, bundled_vlm_path
 
     if name in (TINY, TINY_VLM):
         raise StartupError(f"rollout.engine=vllm needs a model vLLM can load from a folder or the Hub; "
@@ -173,6 +174,7 @@ class VLLMEngine:
     """A RolloutEngine in the training process, and the ServedEngine of `grpokit serve --engine vllm`."""
 
     exact_logprobs = False  # vLLM's kernels: the trainer needs the importance-sampling correction
+    measures_entropies = False  # vLLM returns log-probs only
     remote = False
     device: torch.device  # CUDA (ServedEngine)
 
@@ -196,7 +198,7 @@ class VLLMEngine:
         if not torch.cuda.is_available():
             raise StartupError("rollout.engine=vllm needs a CUDA GPU; on CPU use rollout.engine=transformers")
         self.vllm, self.pad_id, self.eos_ids, self.sleeps, self.vision = vllm, pad_id, list(eos_ids), sleep, vision
-        # A sampled image placeholder ends its completion (vision.py): a stop token.
+        # A sampled image placeholder ends its completion (models/vision.py): a stop token.
         self.stop_ids = self.eos_ids + ([] if vision is None else [vision.image_token_id])
         self.llm = vllm.LLM(model=model_path, dtype=dtype, seed=seed, enable_sleep_mode=sleep,
                             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,

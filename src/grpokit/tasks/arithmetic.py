@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterator
 
-from grpokit.tasks import Example, stream_from
+from grpokit.tasks.task import Example, stream_from
 
 INSTRUCTION = "Answer with just the number."
 

@@ -18,7 +18,7 @@ import operator
 import random
 from collections.abc import Iterator
 
-from grpokit.tasks import Example, stream_from
+from grpokit.tasks.task import Example, stream_from
 
 # (a, b) of the worked examples training prompts and held-out prompts start with.
 TRAIN_SHOTS: tuple[tuple[int, int], ...] = ((7, 8), (6, 9))

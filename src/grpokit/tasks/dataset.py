@@ -27,16 +27,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from grpokit.errors import ConfigError
-from grpokit.rewards import RESERVED
-from grpokit.tasks import Example, stream_from
+from grpokit.rewards.reward_set import RESERVED
+from grpokit.runtime.errors import ConfigError
+from grpokit.tasks.task import DataError, Example, stream_from
 
 if TYPE_CHECKING:  # the config imports this module's LONG_PROMPTS
-    from grpokit.config import DataConfig
-
-
-class DataError(ConfigError):
-    """A problem with a dataset file, stated as file, row and problem."""
+    from grpokit.config.schema import DataConfig
 
 
 # The roles a chat message may have (what chat templates render).
@@ -145,7 +141,7 @@ IMAGE_COLUMNS = ("image", "images")
 
 def row_images(row: dict, where: str, base: Path | None) -> tuple:
     """The images of a row (its `image` or `images` column) as RGB PIL images."""
-    from grpokit.vision import open_image
+    from grpokit.tasks.images import open_image
 
     present = [c for c in IMAGE_COLUMNS if row.get(c) is not None]
     if not present:
@@ -208,7 +204,7 @@ def to_example(row: dict, where: str, cfg: DataConfig, base: Path | None = None)
 def _place_images(prompt, count: int, where: str, cfg: DataConfig):
     """The prompt with one image part per image: as it has them, or added before the first user
     message's text; DataError when it has image parts that do not match the images."""
-    from grpokit.vision import image_parts, with_image_parts
+    from grpokit.tasks.images import image_parts, with_image_parts
 
     parts = image_parts(prompt)
     if parts == count:

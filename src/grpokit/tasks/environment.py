@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from grpokit.tasks import Example
+from grpokit.tasks.task import Example
 
 # TRL's placeholder prompt: reset()'s text is appended to this message.
 PLACEHOLDER = ({"role": "user", "content": ""},)

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from grpokit.errors import ConfigError
-from grpokit.tasks import Example, stream_from
+from grpokit.runtime.errors import ConfigError
+from grpokit.tasks.task import Example, stream_from
 
 PREFIX = "reasoning_gym:"
 BLOCK = 1000

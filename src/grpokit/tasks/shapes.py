@@ -16,8 +16,8 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 
-from grpokit.errors import ConfigError
-from grpokit.tasks import Example, stream_from
+from grpokit.runtime.errors import ConfigError
+from grpokit.tasks.task import Example, stream_from
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 70), "blue": (40, 80, 220), "yellow": (230, 200, 30)}
 SHAPES = ("circle", "square", "triangle")

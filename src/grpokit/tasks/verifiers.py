@@ -3,7 +3,7 @@
 with `load_environment`'s arguments in `data.task_args`, or a `verifiers.Environment` object given to
 `grpokit.train(environment=...)`. Any of verifiers' environments runs unchanged (SingleTurnEnv,
 MultiTurnEnv, ToolEnv, StatefulToolEnv): verifiers' own `run_rollout` drives it, its client being
-the rollout's endpoint (agents.py), so its dataset, system prompt, parser, tools, max_turns and
+the rollout's endpoint (multiturn/agents.py), so its dataset, system prompt, parser, tools, max_turns and
 rubric are its own.
 
 The prompts are the environment's dataset (`get_dataset()`): the train stream goes through it in a
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from grpokit import user_code
-from grpokit.errors import ConfigError
-from grpokit.tasks import Example, stream_from
+from grpokit.runtime import user_code
+from grpokit.runtime.errors import ConfigError
+from grpokit.tasks.task import Example, stream_from
 
 PREFIX = "verifiers:"
 AGENT = "grpokit.tasks.verifiers:run"

@@ -1,0 +1,416 @@
+"""Per-token log-probabilities of completions under a causal LM, with the prompt run once per group.
+
+The G completions of a prompt share its tokens (with the default task, ~90% of every sequence).
+So the prompt goes through the model once, its key/value cache is indexed out to every completion
+that continues it, and the completions run on top of it. Autograd sums the completions' gradients
+into the shared prompt activations: the same math as running every sequence whole, a fraction of
+the FLOPs. Only positions that predict completion tokens reach the output layer.
+
+Two variants, the same values and gradients (tests/models/test_logprobs.py checks both in float64):
+
+- `chunk_size` (train.logprob_chunk_size): the output layer and the log-softmax run over at most
+  that many positions at a time, each chunk under activation checkpointing (its logits are
+  recomputed in the backward pass), so the memory of this step grows with the chunk, not with
+  completion tokens x vocabulary.
+- `share_prompt=False`: each completion runs whole, prompt included. Activation checkpointing
+  (model.gradient_checkpointing) drops the key/value cache in training mode, so the policy's
+  forward takes this path when it is on.
+
+A row can hold several sequences (an agent's requests that did not extend the one before:
+RolloutBatch.sequence_ids): each attends only to its own tokens, at positions from 0, through a
+4D attention mask, so a token's log-prob is the one it was sampled with.
+
+`LogProbs` runs a step's passes (reference, old, policy) through one method, `LogProbs.of`: the
+one place where a batch's model inputs meet the model.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+from torch.utils.checkpoint import checkpoint
+from transformers import DynamicCache
+
+from grpokit.runtime.errors import ConfigError
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding: the first real token of every row is position 0."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
+
+
+def sequence_layout(model, prompt_mask: torch.Tensor, sequence_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention mask (B, 1, L, L) and positions (B, L) of rows that are a prompt, then
+    completion tokens but the last (L = Lp + T - 1), where completion token t is of sequence
+    sequence_ids[:, t] (0: the prompt's; RolloutBatch.sequence_ids): a token attends to the earlier
+    tokens of its own sequence (the prompt's real tokens are sequence 0's), and a later sequence's
+    positions start at 0. Every token attends to itself, so no row of the mask is empty (padding's
+    included, whose outputs nothing reads). The mask is in the form the model's attention takes
+    it: boolean, or additive for eager attention.
+
+    prompt_mask: (B, Lp) left-padded; sequence_ids: (B, T)."""
+    B, Lp = prompt_mask.shape
+    sequence = torch.cat([torch.zeros_like(prompt_mask), sequence_ids[:, :-1]], 1)  # (B, L)
+    real = torch.cat([prompt_mask, torch.ones_like(sequence_ids[:, :-1])], 1).bool()  # (B, L)
+    index = torch.arange(sequence.shape[1], device=sequence.device)  # (L,)
+    allowed = (index[:, None] >= index) & (sequence[:, :, None] == sequence[:, None, :]) & real[:, None, :]  # (B, L, L)
+    allowed |= torch.eye(len(index), dtype=torch.bool, device=sequence.device)
+    begins = torch.ones_like(real)  # (B, L) where a sequence's first token is
+    begins[:, 1:] = sequence[:, 1:] != sequence[:, :-1]
+    first = torch.where(begins, index, 0).cummax(1).values  # (B, L) the index of each token's sequence's first token
+    positions = torch.where(sequence == 0, position_ids(real), index - first)  # (B, L)
+    return attention_form(model, allowed[:, None]), positions
+
+
+def attention_form(model, allowed: torch.Tensor) -> torch.Tensor:
+    """A 4D attention mask (B, 1, Q, K), True where a query sees a key, in the form the model's
+    attention takes it as given: boolean (sdpa), or additive (eager)."""
+    implementation = getattr(model.config, "_attn_implementation", "sdpa")
+    if implementation == "eager":
+        dtype = next(model.parameters()).dtype
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+    if implementation != "sdpa":  # only the data tells: an agent that rewrote its history, at that step
+        raise ConfigError(f"attention implementation {implementation!r} does not take the 4D attention mask that "
+                          "rows of several sequences (an agent's) and the static decoder need: use sdpa or eager")
+    return allowed
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """log softmax(logits)[target] with a backward pass that writes one tensor of logits' size:
+    onehot(target) - softmax(logits), scaled by the incoming gradient. Autograd's own backward of
+    logsumexp and gather makes five such tensors, and with a 49k vocabulary writing them is most
+    of the cost. The same arithmetic, value for value (tests/models/test_logprobs.py)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logz = torch.logsumexp(logits, dim=-1)  # (...)
+        ctx.save_for_backward(logits, targets, logz)
+        return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # its backward is not differentiable again
+    def backward(ctx, grad: torch.Tensor):
+        logits, targets, logz = ctx.saved_tensors
+        g = grad.unsqueeze(-1)  # (..., 1)
+        out = torch.sub(logits, logz.unsqueeze(-1)).exp_().mul_(-g)  # (..., V): -grad * softmax
+        return out.scatter_add_(-1, targets.unsqueeze(-1), g), None
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / temperature) at `targets`: logits (..., V), targets (...) -> (...)."""
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()  # log-softmax over a 49k vocabulary needs more than 8 mantissa bits
+    if temperature != 1.0:
+        logits = logits / temperature
+    return _TokenLogprobs.apply(logits, targets)
+
+
+def chunked_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, temperature: float,
+                     chunk_size: int) -> torch.Tensor:
+    """token_logprobs(head(hidden), targets) over at most `chunk_size` positions at a time, each
+    recomputed in the backward pass: hidden (B, T, H), targets (B, T) -> (B, T)."""
+    B, T, H = hidden.shape
+    flat, flat_targets = hidden.reshape(B * T, H), targets.reshape(B * T)
+
+    def chunk(h, t):
+        return token_logprobs(head(h), t, temperature)
+
+    # split(), not slicing: one backward for all the pieces (each slice's would be a full-size zero gradient).
+    parts = [checkpoint(chunk, h, t, use_reentrant=False)
+             for h, t in zip(flat.split(chunk_size), flat_targets.split(chunk_size))]
+    return torch.cat(parts).view(B, T)
+
+
+@torch.no_grad()
+def _logits_two_ways(model, other) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's own logits for a few tokens, and `other(ids)` for the same ids, in eval mode."""
+    was_training = model.training
+    model.eval()
+    try:
+        ids = torch.tensor([[1, 2, 3, 4]], device=next(model.parameters()).device)
+        return model(input_ids=ids).logits, other(ids)
+    finally:
+        model.train(was_training)
+
+
+# train.logprob_chunk_size=null on a GPU: the training pass's logits chunked (docs/speed-and-memory.md:
+# on an H100, 64 x 256 completion tokens, the step's peak went from 21.9 to 14.7 GB for 8% more time).
+GPU_CHUNK = 1024
+
+
+def chunk_size(setting: int | None, model, device: torch.device, vision=None) -> int | None:
+    """The log-prob passes' chunk size for train.logprob_chunk_size = `setting` (None: all at once):
+    0 is all at once; null is GPU_CHUNK on a GPU for a text model whose output layer allows it
+    (check_chunkable), all at once otherwise."""
+    if setting is not None:
+        return setting or None
+    if device.type != "cuda" or vision is not None:
+        return None
+    try:
+        check_chunkable(model)
+    except ValueError:
+        return None
+    return GPU_CHUNK
+
+
+def check_chunkable(model) -> None:
+    """The chunked path applies the output layer to the decoder's last hidden state itself; some
+    models' heads do more (Gemma's soft-capping, Cohere's logit scaling, ...). Checked on the
+    model's own output: the output layer alone must reproduce its logits."""
+    logits, alone = _logits_two_ways(
+        model, lambda ids: model.get_output_embeddings()(model.get_decoder()(input_ids=ids).last_hidden_state))
+    if not torch.allclose(alone.float(), logits.float(), rtol=1e-4, atol=1e-4):
+        raise ValueError("train.logprob_chunk_size applies the output layer alone, but this model's head does more "
+                         "(its logits differ from the output layer's): leave train.logprob_chunk_size null for it")
+
+
+def check_inputs_embeds(model) -> bool:
+    """Whether the model's logits from token embeddings (looked up by its input embedding module)
+    equal those from the token ids: the shared pass gives the model embeddings it looked up itself,
+    and some models use the ids for more than the lookup (Gemma 3n's per-layer inputs). Those get
+    completion_logprobs(whole_model=True)."""
+    from_ids, from_embeds = _logits_two_ways(
+        model, lambda ids: model(inputs_embeds=model.get_input_embeddings()(ids)).logits)
+    return torch.equal(from_ids, from_embeds)
+
+
+def completion_logprobs(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    prompt_index: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    share_prompt: bool = True,
+    whole_model: bool = False,
+    vision=None,
+    images: list[tuple] | None = None,
+    sequence_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """log pi(completion token t | prompt, tokens < t), shape (B, T).
+
+    prompt_ids, prompt_mask: (P, Lp) left-padded, each prompt once.
+    completion_ids: (B, T) right-padded; padding positions get values that the caller masks.
+    prompt_index: (B,) the prompt row each completion continues; None means row i of both (P == B).
+    Logits are divided by `temperature` so that log-probs are those of the sampling distribution
+    (as TRL does). `chunk_size`, `share_prompt`: see the module docstring. `whole_model`: every
+    pass calls the whole model with token ids: its weights are sharded (training/sharding.py) and only a
+    call of the whole model gathers all of them, or the model uses token ids for more than the
+    embedding lookup (check_inputs_embeds).
+    vision, images: a vision-language model's vision.Vision, and each prompt row's images (a tuple
+    each): the passes that run a prompt get its images' inputs and the model's position ids. Its
+    prompts run through the whole model (which merges the image features into the embeddings).
+    sequence_ids: (B, T) rows that hold several sequences (sequence_layout), or None.
+    """
+    targets = completion_ids
+    if sequence_ids is not None and vision is not None:
+        raise ValueError("rows of several sequences are text rows")
+    if vision is not None:
+        whole_model = True
+        completion_ids = vision.as_text(completion_ids)  # inputs: a sampled image token ends its completion
+    if chunk_size is None:  # logits from the model's own head
+        def run(keep: int, **inputs) -> torch.Tensor:
+            return model(**inputs, logits_to_keep=keep).logits
+    else:  # hidden states, for the output layer to be applied chunk by chunk
+        decoder = model.get_decoder()
+
+        def run(keep: int, **inputs) -> torch.Tensor:
+            if whole_model:  # for one position's logits; its last hidden state is the decoder's
+                return model(**inputs, logits_to_keep=1, output_hidden_states=True).hidden_states[-1][:, -keep:]
+            return decoder(**inputs).last_hidden_state[:, -keep:]  # -0: every position
+    seen = None if vision is None else _Seen(model, vision, images)
+    layout = None if sequence_ids is None else functools.partial(sequence_layout, model, sequence_ids=sequence_ids)
+    if share_prompt:
+        out = _shared_prompt_pass(model, run, prompt_ids, prompt_mask, completion_ids, prompt_index, whole_model, seen,
+                                  layout)
+    else:
+        out = _whole_sequence_pass(run, prompt_ids, prompt_mask, completion_ids, prompt_index, seen, layout)  # (B, T, V) or (B, T, H)
+    if chunk_size is None:
+        return token_logprobs(out, targets, temperature)  # (B, T)
+    return chunked_logprobs(out, model.get_output_embeddings(), targets, temperature, chunk_size)
+
+
+class _Seen:
+    """A vision-language model's pass inputs for prompt rows and their images (vision.Vision);
+    a text model's passes have none (None in their place)."""
+
+    def __init__(self, model, vision, images: list[tuple]):
+        self.model, self.vision, self.images = model, vision, images
+
+    def inputs(self, ids: torch.Tensor, mask: torch.Tensor, index: torch.Tensor | None = None):
+        """vision.ModelInputs of rows `ids`, `mask`, whose images are those of prompt rows `index` (default: each its own)."""
+        images = self.images if index is None else [self.images[i] for i in index.tolist()]
+        return self.vision.inputs(self.model, ids, mask, images)
+
+    def continued(self, start: torch.Tensor, length: int) -> torch.Tensor:
+        return self.vision.continued(self.model, start, length)
+
+
+def _whole_sequence_pass(run, prompt_ids, prompt_mask, completion_ids, prompt_index, seen=None,
+                         layout=None) -> torch.Tensor:
+    """`run`'s outputs (B, T, ...) at the positions that predict each completion token, every
+    completion run whole: its prompt (with its images, `seen`) and its tokens but the last, no cache.
+    run(keep, **inputs): the model's outputs at the last `keep` positions (0: all). layout(prompt_mask):
+    rows of several sequences' attention mask and positions (sequence_layout), or None."""
+    B, T = completion_ids.shape
+    if prompt_index is None:
+        prompt_index = torch.arange(B, device=completion_ids.device)
+    prompt_ids, prompt_mask = prompt_ids.index_select(0, prompt_index), prompt_mask.index_select(0, prompt_index)
+    ids = torch.cat([prompt_ids, completion_ids[:, :-1]], dim=1)  # (B, Lp + T - 1)
+    attention = torch.cat([prompt_mask, prompt_mask.new_ones(B, T - 1)], dim=1)
+    if layout is not None:
+        extra, (attention, positions) = {}, layout(prompt_mask)
+    elif seen is None:
+        extra, positions = {}, position_ids(attention)
+    else:  # each completion's prompt images, repeated
+        inputs = seen.inputs(ids, attention, prompt_index)
+        extra, positions = inputs.extra, inputs.position_ids
+    # The last T positions, Lp - 1 .. Lp + T - 2, predict the T completion tokens.
+    return run(T, input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False, **extra)
+
+
+def cache_inputs(model: torch.nn.Module, cache: DynamicCache) -> dict:
+    """The keyword arguments that hand `model` (or its decoder) a key/value cache: `cache=` where its
+    forward takes one (transformers' name from 5.2x on, which warns at the older name), else
+    `past_key_values=`. Read from the first transformers model inside (under peft's or FSDP's
+    wrappers), with `use_cache`."""
+    from transformers import PreTrainedModel
+
+    inner = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), model)
+    return {_cache_keyword(type(inner)): cache, "use_cache": True}
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    """Read once per model class: every generation and log-prob pass asks."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def _shared_prompt_pass(model, run, prompt_ids, prompt_mask, completion_ids, prompt_index, whole_model,
+                        seen=None, layout=None) -> torch.Tensor:
+    """As _whole_sequence_pass, with each prompt run once and its key/value cache shared by the
+    completions that continue it (the module docstring).
+
+    By default the prompt but its last token fills the cache and needs no output; the last token
+    and the completion's tokens but the last then run on top, and their T outputs are all the
+    outputs needed: the output layer runs once, over B x T positions, and all the tokens'
+    embeddings are looked up in one call, so the embedding table gets one gradient, not two (each
+    is a dense vocabulary x hidden tensor). With `whole_model`, both passes are calls of the whole
+    model on token ids, and the whole prompt runs first with its last position's output (which
+    predicts completion token 0) used: under FSDP2 a layer gathers its weights for the backward
+    pass when the gradient reaches its output, so a gradient must reach every layer's output in
+    both passes."""
+    B, T = completion_ids.shape
+    if prompt_index is None:
+        prompt_index = torch.arange(B, device=completion_ids.device)
+    last = 0 if whole_model else 1  # prompt tokens that run with the completions
+    Lp = prompt_ids.shape[1]
+    prefix_ids, prefix_mask = prompt_ids[:, :Lp - last], prompt_mask[:, :Lp - last]  # (P, Lp - last)
+    # Left padding: every prompt's last token is in the last column.
+    rest_ids = torch.cat([prompt_ids[:, Lp - last:].index_select(0, prompt_index), completion_ids[:, :-1]], dim=1)  # (B, T - 1 + last)
+    cache = DynamicCache()
+    cached = cache_inputs(model, cache)
+    prefix_inputs = dict(attention_mask=prefix_mask, position_ids=position_ids(prefix_mask), **cached)
+    if seen is not None:  # whole_model: the prompts with their images, once each
+        inputs = seen.inputs(prefix_ids, prefix_mask)
+        prefix_inputs.update(position_ids=inputs.position_ids, **inputs.extra)
+    if whole_model:
+        first = run(1, input_ids=prefix_ids, **prefix_inputs).index_select(0, prompt_index)  # (B, 1, ...)
+        rest = {"input_ids": rest_ids}
+    else:
+        embeds = model.get_input_embeddings()(torch.cat([prefix_ids.reshape(-1), rest_ids.reshape(-1)]))  # (P*(Lp-1) + B*T, H)
+        prefix_embeds, rest_embeds = embeds.split([prefix_ids.numel(), rest_ids.numel()])
+        if Lp > 1:
+            model.get_decoder()(inputs_embeds=prefix_embeds.view(*prefix_ids.shape, -1), **prefix_inputs)
+        rest = {"inputs_embeds": rest_embeds.view(B, T, -1)}
+    # (P, ...) -> (B, ...), differentiable. index_select, not Tensor[index] (what the cache's own
+    # batch_select_indices does): the backward of indexing sums the rows that share a prompt in an
+    # order that varies from run to run on several CPU threads; index_select's sums in a fixed
+    # order, so a run is bit for bit repeatable (and resumable).
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys.index_select(0, prompt_index), layer.values.index_select(0, prompt_index)
+    if rest_ids.shape[1] == 0:  # whole_model, one token per completion: the prompt's output is all
+        return first
+    prompt_mask = prompt_mask.index_select(0, prompt_index)  # (B, Lp)
+    # The prompt's last token, at position len(prompt) - 1, predicts completion token 0; completion
+    # token t-1 at position len(prompt) + t - 1 predicts token t. Padding after an EOS is attended
+    # only by later padding (causal), so a mask of ones changes no real token.
+    attention = torch.cat([prompt_mask, prompt_mask.new_ones(B, T - 1)], dim=1)  # (B, Lp + T - 1)
+    if layout is not None:  # rest's queries' rows of the mask (every key: the cached prefix's, then rest's)
+        attention, positions = layout(prompt_mask)  # (B, 1, L, L), (B, L)
+        attention, positions = attention[:, :, Lp - last:], positions[:, Lp - last:]
+    elif seen is None:
+        start = prompt_mask.sum(-1, keepdim=True) - last  # (B, 1): the position of rest's first token
+        positions = start + torch.arange(rest_ids.shape[1], device=start.device)  # (B, T - 1 + last)
+    else:  # last == 0: rest starts after the prompt, where the model's positions say
+        positions = seen.continued(inputs.next_position.index_select(0, prompt_index), rest_ids.shape[1])
+    out = run(0, **rest, attention_mask=attention, position_ids=positions, **cached)  # (B, T - 1 + last, ...)
+    return torch.cat([first, out], dim=1) if whole_model else out  # (B, T, ...)
+
+
+class LogProbs:
+    """The reference, old and policy passes of a step: log-probs (n, T) of a batch's completions,
+    each pass through `of`, the one place where a batch's model inputs meet the model."""
+
+    def __init__(self, policy, reference, temperature: float, chunk_size: int | None, checkpointing: bool,
+                 whole_model: bool, micro_batch: int, device: torch.device, vision=None):
+        """reference: the frozen reference model, or None (with LoRA, the policy without its
+        adapters is the reference); checkpointing: the policy recomputes its activations in the
+        backward pass; whole_model: see completion_logprobs; micro_batch: completions per no-grad pass;
+        vision: a vision-language model's vision.Vision (the batches carry their prompts' images)."""
+        self.policy, self.reference, self.vision = policy, reference, vision
+        self.temperature, self.chunk_size, self.checkpointing = temperature, chunk_size, checkpointing
+        self.whole_model, self.micro_batch, self.device = whole_model, micro_batch, device
+
+    def of(self, model, batch, rows: torch.Tensor) -> torch.Tensor:
+        """Log-probs (len(rows), T) under `model` of the completions `rows` of `batch` (a
+        rollout.RolloutBatch), each distinct prompt run once."""
+        groups, prompt_index = torch.unique(batch.prompt_index[rows], return_inverse=True)
+        # One row per distinct prompt; which one does not matter, they hold the same prompt tokens.
+        first = torch.empty_like(groups)
+        first[prompt_index] = rows
+        return completion_logprobs(
+            model, batch.prompt_ids[first], batch.prompt_mask[first],
+            batch.completion_ids[rows], prompt_index.to(self.device), self.temperature,
+            chunk_size=self.chunk_size,
+            # Checkpointed layers drop the key/value cache in training mode: run completions whole.
+            share_prompt=not (self.checkpointing and model.training),
+            whole_model=self.whole_model,
+            vision=self.vision, images=None if batch.images is None else [batch.images[i] for i in first.tolist()],
+            # Only rows of several sequences need the 4D mask (L x L per row).
+            sequence_ids=None if batch.sequence_ids is None or not batch.sequence_ids[rows].any()
+            else batch.sequence_ids[rows].to(self.device),
+        )
+
+    def old(self, batch, active: torch.Tensor) -> torch.Tensor:
+        """The policy's log-probs (n, T) before the step's first update."""
+        return self.frozen(self.policy, batch, active)
+
+    def ref(self, batch, active: torch.Tensor) -> torch.Tensor:
+        """The reference model's log-probs (n, T): its own copy, or, with LoRA, the policy without adapters."""
+        if self.reference is not None:
+            return self.frozen(self.reference, batch, active)
+        with self.policy.disable_adapter():
+            return self.frozen(self.policy, batch, active)
+
+    @torch.no_grad()
+    def frozen(self, model, batch, active: torch.Tensor) -> torch.Tensor:
+        """Log-probs (n, T) under `model` of the `active` completions, in micro-batches, no gradient;
+        the inactive rows (never used) are 0."""
+        was_training = model.training
+        model.eval()
+        try:
+            # completion_logprobs returns float32 for 16-bit models, the model's dtype otherwise.
+            dtype = torch.promote_types(model.dtype, torch.float32)
+            out = torch.zeros(batch.completion_ids.shape, dtype=dtype, device=self.device)  # (n, T)
+            rows = torch.nonzero(active).view(-1)
+            for mb in rows.split(self.micro_batch) if len(rows) else ():
+                out[mb] = self.of(model, batch, mb)  # (M, T)
+            return out
+        finally:
+            model.train(was_training)
+            if hasattr(model, "reshard"):  # FSDP2: no backward follows to free the gathered outer weights
+                model.reshard()

@@ -1,0 +1,256 @@
+"""Agents as they are: `rollout.agent` (or `grpokit.train(agent=...)`), an
+
+    async def agent(client, model, row) -> float | dict[str, float] | None
+
+run once per rollout. `client` is an `openai.AsyncOpenAI` whose base URL is the rollout's own on
+the run's OpenAI-compatible endpoint (endpoint.py), `model` the name to put in requests, `row` the
+dataset row (its `prompt` and other columns). The agent runs any code (several requests, its own
+tools and loop) and returns its reward, or a dict of named rewards (their sum is the reward; each
+is logged as `agent/<name>`). That reward is the `agent` reward function's value, added to
+reward.functions'.
+
+What is trained is what the endpoint recorded, one row per rollout: the first request's context is
+the prompt; each request that extends the previous exchange (endpoint.py) adds its new messages as
+context (never trained) and its sampled tokens (trained). A request that does not (the agent
+rebuilt its messages, or the chat template renders history otherwise than before: a thinking
+model's dropping earlier reasoning) is trained as a sequence of its own: its whole context, then
+its sampled tokens, in the same row but attending only to each other, at positions from 0
+(RolloutBatch.sequence_ids), so its log-probs are those it was sampled with. The rollout's tokens
+share its one advantage and count as one completion in the loss, as a multi-turn rollout's turns
+do. Such requests are counted in `agents/new_sequences`.
+
+A failed rollout (the agent raised, exceeded `rollout.agent_timeout`, made no request, or returned
+something that is not a reward) gets no reward (None: advantage 0, no part in its group's
+statistics). It is counted in `agents/failed` and its error is in completions.jsonl. A request
+the endpoint refused (another model's name, messages the template cannot render) is answered with
+HTTP 400, which the `openai` client raises in the agent; it is counted in `agents/refused_requests`.
+The token budget (`rollout.max_completion_length`) covers every token after the prompt, as in
+multi-turn rollouts: once spent, a request is answered at once with no tokens and finish reason
+"length".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import math
+import numbers
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from grpokit.multiturn.conversation import Conversation, RolloutTokens, sequences_batch
+from grpokit.multiturn.endpoint import Endpoint, MODEL_NAME, Transcript
+from grpokit.rollout.batch import RolloutBatch, SamplingParams
+from grpokit.rollout.prompts import PromptEncoder
+from grpokit.rollout.protocols import AgentsEngine
+from grpokit.runtime import user_code
+from grpokit.runtime import distributed
+from grpokit.runtime.errors import ConfigError, StartupError
+
+
+@dataclass
+class AgentOutcome:
+    """How one rollout's agent ended: what reward functions see as its `environment`."""
+
+    reward: float | None = None
+    rewards: dict[str, float] = field(default_factory=dict)  # named rewards, as returned (logged as agent/<name>)
+    error: str | None = None  # why it failed
+    refused: int = 0  # requests the endpoint refused
+    new_sequences: int = 0  # requests trained as a sequence of their own (not extending the one before)
+
+
+def import_openai():
+    try:
+        import fastapi  # noqa: F401 - the endpoint's
+        import openai
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise StartupError("rollout.agent needs the openai client and an HTTP server: pip install 'grpokit[agents]'") \
+            from None
+    return openai
+
+
+class Agents:
+    """The rollout kind of agents (kinds.RolloutKind): each rollout one run of the user's agent."""
+
+    def __init__(self, agent, name: str, tokenizer, eos_ids: list[int], timeout: float | None, encoder: PromptEncoder):
+        """encoder: the run's prompts as token ids (a rollout whose agent sent nothing is its prompt)."""
+        if not user_code.is_async(agent):
+            raise ConfigError(f"rollout.agent {name!r} must be an `async def agent(client, model, row)`")
+        self.openai = import_openai()
+        self.agent, self.name, self.tokenizer, self.eos_ids = agent, name, tokenizer, list(eos_ids)
+        self.timeout, self.encoder = timeout, encoder
+        # One endpoint per thread that generates: with rollout.max_staleness, the pipeline's worker
+        # generates the steps ahead while an evaluation generates in the trainer's thread.
+        self.endpoints: dict[int, Endpoint] = {}
+        self.http = None  # the HTTP client every rollout's openai client shares (made on the user code's loop)
+
+    @classmethod
+    def from_config(cls, config, tokenizer, eos_ids, encoder: PromptEncoder) -> Agents:
+        r = config.rollout
+        return cls(user_code.find(f"rollout.agent {r.agent!r}", r.agent), r.agent, tokenizer, eos_ids,
+                   r.agent_timeout, encoder)
+
+    @staticmethod
+    def rewards(config, tools=None) -> tuple:
+        """The reward function agents bring (RewardSet's `extra`): each rollout's returned reward."""
+
+        def agent(environments, log_metric, log_extra, **kwargs):
+            for name in sorted({n for e in environments for n in e.rewards}):
+                values = [e.rewards[name] for e in environments if name in e.rewards]
+                log_metric(f"agent/{name}", sum(values) / len(values))
+            if any(e.error for e in environments):  # completions.jsonl says why a rollout failed
+                log_extra("agent_error", [e.error for e in environments])
+            return [e.reward for e in environments]
+
+        return (("agent", agent),)
+
+    @property
+    def endpoint(self) -> Endpoint:
+        """This thread's endpoint (started on first use)."""
+        thread = threading.get_ident()
+        if thread not in self.endpoints:
+            self.endpoints[thread] = Endpoint(self.tokenizer, self.eos_ids)
+        return self.endpoints[thread]
+
+    def metrics(self, batch: RolloutBatch, num_rows: int, rows_per_update: int) -> dict[str, float]:
+        """Over all processes' rollouts: requests per rollout, failed rollouts, refused requests and
+        requests trained as sequences of their own (the module docstring)."""
+        per_rollout = torch.tensor([[c.turns, c.environment.error is not None, c.environment.refused,
+                                     c.environment.new_sequences] for c in batch.conversations], dtype=torch.float64)  # (n, 4)
+        turns, failed, refused, new_sequences = distributed.gather_rows(per_rollout, num_rows, rows_per_update).T  # (N,) each
+        return {"turns/mean": turns.mean().item(), "agents/failed": failed.sum().item(),
+                "agents/refused_requests": refused.sum().item(), "agents/new_sequences": new_sequences.sum().item()}
+
+    def close(self) -> None:
+        for endpoint in self.endpoints.values():
+            endpoint.close()
+        if self.http is not None:
+            user_code.submit(self.http.close_shared(), "the agents' HTTP client").result(timeout=10)
+
+    # ------------------------------------------------------------------ sampling
+
+    def generate(self, engine, examples: list, counts: list[int], params: SamplingParams,
+                 seeds: list[int] | None = None) -> RolloutBatch:
+        """counts[i] rollouts of examples[i] (those of one example contiguous), seeds[r]: rollout r's.
+        The requests reach the rollout servers' own OpenAI routes when the engine has them
+        (rollout.engine=server: server.py), else this thread's endpoint in front of `engine`."""
+        rows = [e for e, count in zip(examples, counts) for _ in range(count)]
+        outcomes = [AgentOutcome() for _ in rows]
+        if isinstance(engine, AgentsEngine):
+            urls = engine.open_agents(counts, params, seeds, self.tokenizer.chat_template)
+            runs = self._start(urls, rows, outcomes)
+            reported = set()
+            while len(reported) < len(runs):
+                concurrent.futures.wait([runs[r] for r in range(len(runs)) if r not in reported],
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
+                ended = [r for r, run in enumerate(runs) if run.done() and r not in reported]
+                engine.agents_finished(ended)
+                reported.update(ended)
+            transcripts = [Transcript.from_record(t, self.tokenizer, self.eos_ids) for t in engine.close_agents()]
+        else:
+            endpoint = self.endpoint
+            transcripts = endpoint.open(len(rows))
+            runs = self._start([endpoint.base_url(r) for r in range(len(rows))], rows, outcomes)
+            for run in runs:
+                run.add_done_callback(lambda _: endpoint.notify())
+            endpoint.generate_rounds(engine, params, seeds, lambda: {r for r, run in enumerate(runs) if not run.done()})
+        for run in runs:
+            run.result()  # an exit of the user's code (UserCodeExit) stops the run; other errors are outcomes
+        return self._batch(rows, transcripts, outcomes)
+
+    def _start(self, urls: list[str], rows: list, outcomes: list[AgentOutcome]) -> list[concurrent.futures.Future]:
+        """Each rollout's agent, running on the user code's loop, its client on its base URL."""
+        return [user_code.submit(self._run(url, e, outcome), f"rollout.agent {self.name!r}")
+                for url, e, outcome in zip(urls, rows, outcomes)]
+
+    async def _run(self, base_url: str, example, outcome: AgentOutcome) -> None:
+        if self.http is None:  # an openai client making its own HTTP client takes ~25 ms: a second a step
+            self.http = _shared_http(self.openai)
+        client = self.openai.AsyncOpenAI(base_url=base_url, api_key="grpokit", max_retries=0, http_client=self.http)
+        row = {"prompt": example.prompt, **example.columns}
+        try:
+            result = await asyncio.wait_for(self.agent(client, MODEL_NAME, row), self.timeout)
+        except asyncio.TimeoutError:
+            outcome.error = f"did not return within rollout.agent_timeout={self.timeout:g} s"
+        except user_code.UserCodeExit:
+            raise
+        except Exception as e:  # noqa: BLE001 - the user's code: counted and recorded, the step goes on
+            outcome.error = f"raised {type(e).__name__}: {e}"
+        else:
+            _take_reward(result, outcome)
+        finally:
+            await client.close()
+
+    def _batch(self, rows: list, transcripts: list[Transcript], outcomes: list[AgentOutcome]) -> RolloutBatch:
+        """One row per rollout: its first request's sequence, extended by the requests that extend
+        it, and a sequence of its own for each request that does not (module docstring)."""
+        sequences = []
+        for example, t, outcome in zip(rows, transcripts, outcomes):
+            chain = t.exchanges
+            outcome.refused, outcome.new_sequences = len(t.errors), sum(not e.extends for e in chain[1:])
+            if not chain and outcome.error is None:
+                outcome.error = "made no request to its endpoint"
+            if outcome.error is not None:
+                outcome.reward, outcome.rewards = None, {}
+            conversation = Conversation(_messages(t), turns=len(chain), failures=int(outcome.error is not None),
+                                        stop="length" if chain and chain[-1].finish == "length" else "answer",
+                                        environment=outcome, prompt=t.first_messages or example.prompt)
+            if chain:
+                sequence = RolloutTokens(chain[0].prompt, {}, conversation, finish=chain[-1].finish)
+                for previous, exchange in zip([None, *chain], chain):
+                    if previous is not None and exchange.extends:
+                        sequence.add(exchange.prompt[len(previous.prompt) + len(previous.sampled):], False)
+                    elif previous is not None:
+                        sequence.begin_sequence(exchange.prompt)
+                    sequence.add(exchange.sampled, True, exchange.logps, exchange.entropies)
+            else:  # nothing sampled: the row's one token is context, never trained
+                prompt = self.encoder.messages(example.prompt)
+                sequence = RolloutTokens(prompt, {}, conversation, finish="stop")
+                sequence.add(self.eos_ids[:1], False)
+            sequences.append(sequence)
+        return sequences_batch(sequences, self.tokenizer.pad_token_id)
+
+
+def _shared_http(openai):
+    """The openai client's default HTTP client, which an agent's `client.close()` (or `async with
+    client`) leaves open for the other rollouts; closed with the Agents."""
+    class Shared(openai.DefaultAsyncHttpxClient):
+        async def aclose(self) -> None:
+            pass
+
+        async def close_shared(self) -> None:
+            await super().aclose()
+
+    try:  # no cap on connections: a round waits for every running agent's request (openai's own: 1,000)
+        from openai._constants import DEFAULT_CONNECTION_LIMITS as limits
+        return Shared(limits=type(limits)(max_connections=None, max_keepalive_connections=limits.max_keepalive_connections))
+    except (ImportError, AttributeError, TypeError):
+        return Shared()
+
+
+def _messages(t: Transcript) -> list[dict]:
+    """The trained sequence's messages after its prompt: the last chat request's, then its reply."""
+    last = t.last_messages or []
+    first = t.first_messages or []
+    after = last[len(first):] if last[:len(first)] == first else last
+    return [*after, *([t.last_reply] if t.last_reply is not None else [])]
+
+
+def _take_reward(result, outcome: AgentOutcome) -> None:
+    """An agent's return value as its outcome's reward (a number, None, or a dict of numbers)."""
+    def number(value) -> bool:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+    if hasattr(result, "reward") and hasattr(result, "parts"):  # a reward and its logged parts (tasks/verifiers.py)
+        outcome.reward, outcome.rewards = float(result.reward), dict(result.parts)
+    elif result is None or number(result):
+        outcome.reward = None if result is None else float(result)
+    elif isinstance(result, dict) and result and all(isinstance(k, str) and number(v) for k, v in result.items()):
+        outcome.rewards = {k: float(v) for k, v in result.items()}
+        outcome.reward = sum(outcome.rewards.values())
+    else:
+        outcome.error = (f"returned {str(result)[:80]!r}: an agent returns its reward (a finite number, or None), "
+                         "or a dict of named rewards")

@@ -1,0 +1,279 @@
+"""How a step's completions come to be: `Rollouts.step(n)` gives step n's prompts and this
+process's completions of them, scored; the trainer never asks how they were made.
+
+It owns the engine (in-process, one or several `grpokit serve` servers, vLLM), the data stream
+and the sampling seeds, generation ahead of training (rollout.max_staleness, pipeline.py),
+rollouts of the run's kind (multiturn/kinds.py: single-turn, conversations, agents), dynamic sampling's rounds
+(dynamic_sampling.py), which of a step's completions this process owns, handing the trainer's
+weights to the engine, and the greedy sampling of evaluations.
+
+Every process draws the same prompts and seeds. Sampling seeds come one per completion from the
+seed stream, so what a completion samples depends on its seed, not on which process samples it.
+A remote engine is reached by process 0 alone: it asks for the whole step, and every process
+keeps its own rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from grpokit.config.checks import engine_problems
+from grpokit.config.schema import Config
+from grpokit.models.loading import eos_token_ids
+from grpokit.multiturn.kinds import RolloutKind
+from grpokit.rewards.reward_set import merge_metrics
+from grpokit.rollout.batch import RolloutBatch, SamplingParams
+from grpokit.rollout.protocols import engine_class, make_engine
+from grpokit.rollout.weights import named_weights
+from grpokit.runtime import distributed
+from grpokit.runtime.errors import ConfigError
+from grpokit.sampling.dynamic_sampling import Collector, Round
+from grpokit.sampling.evaluation import score
+from grpokit.sampling.pipeline import Pipeline, Queued
+from grpokit.sampling.scoring import Rewarded, Scored, Scorer
+from grpokit.tasks.task import Example
+
+# A checkpoint's completions of the steps generated ahead of it, with rollout.max_staleness > 0.
+AHEAD_FILE = "rollouts_ahead.pt"
+
+
+@dataclass
+class Sampled:
+    """A step's prompts, and this process's completions of them, scored."""
+
+    examples: list[Example]  # the step's prompts, the same on every process
+    batch: RolloutBatch  # this process's completions (rows Rollouts.rows of the step), on its device
+    scored: Scored
+    metrics: dict[str, float]  # how they were sampled: staleness (generated ahead), dynamic_sampling/*
+    drawn: int  # prompts drawn from the data stream for them
+    note: str | None = None  # what the user should hear about how they were sampled
+
+
+class Rollouts:
+    def __init__(self, config: Config, task, kind: RolloutKind, tokenizer, policy, parallel, device: torch.device,
+                 seed_stream: torch.Generator, vision=None):
+        """kind: how a rollout is sampled (multiturn/kinds.py); policy: the model being trained, as
+        `parallel` (training/sharding.py) holds it (its wrapping keeps the object); seed_stream: the
+        generator each step draws its sampling seeds from; vision: a vision-language model's
+        models.vision.Vision (prompts carry images), which the engine is made with."""
+        self.config, self.task, self.kind, self.tokenizer, self.vision = config, task, kind, tokenizer, vision
+        self.policy, self.parallel, self.device, self.seed_stream = policy, parallel, device, seed_stream
+        r = config.rollout
+        self.remote = engine_class(r.engine).remote  # generating in another process, reached by process 0 alone
+        self.engine, self.is_correction = self._connect()
+        # rollout.max_staleness > 0: the next steps are generated while this one trains (pipeline.py).
+        self.ahead = Pipeline(self.engine, r.max_staleness, self._generate_ahead) if r.max_staleness else None
+        # The global completions of a step this process owns, in update order (runtime/distributed.py).
+        self.rows = distributed.shard_rows(config.completions_per_step, config.completions_per_update,
+                                           distributed.world_size(), distributed.rank())
+        self.sampling, self.greedy = SamplingParams.of(r), SamplingParams.of(r, greedy=True)
+        self.stream = task.train_stream()
+
+    def _connect(self):
+        """The rollout engine (None on the processes other than 0 when it is remote), and whether
+        its sampling log-probs need the importance-sampling correction (algorithm/loss.py): they do when
+        they come from other kernels than the trainer's."""
+        c, engine = self.config, None
+
+        def connect() -> bool:
+            nonlocal engine
+            engine = make_engine(c.rollout, self.policy, self.tokenizer, eos_token_ids(self.policy, self.tokenizer),
+                                 c.model.name, lockstep=self.parallel.lockstep, vision=self.vision)
+            found = engine_problems(c, engine.measures_entropies)  # a server says what it runs once reached
+            if found:
+                raise ConfigError("invalid config:\n" + "\n".join(f"  - {e}" for e in found))
+            return engine.exact_logprobs
+
+        # A server that cannot be used stops every process (on_main hands process 0's error to all).
+        exact = distributed.on_main(connect) if self.remote else connect()
+        # Completions generated ahead come from older weights than the trainer's: corrected, whatever the kernels.
+        return engine, c.rollout.is_correction and (not exact or c.rollout.max_staleness > 0)
+
+    # ------------------------------------------------------------------ a step
+
+    def step(self, step: int, scorer: Scorer, state) -> Sampled:
+        """Step `step`'s prompts and this process's completions of them, scored by `scorer`
+        (state: the reward functions' trainer_state)."""
+        if self.config.rollout.dynamic_sampling:
+            return self._informative(step, scorer, state)
+        if self.ahead is not None:  # queued up to step + k; this step's taken (waiting for it)
+            self.queue(step)
+            queued = self.ahead.take(step)
+            batch = self._own_rows(distributed.on_main(queued.result))
+            return Sampled(queued.examples, batch, scorer.score(queued.examples, batch, state),
+                           {"staleness": step - 1 - queued.weights_step}, len(queued.examples),
+                           self.ahead.notes.pop(step, None))
+        examples = self.next_prompts()
+        batch = self.sample(examples)
+        return Sampled(examples, batch, scorer.score(examples, batch, state), {}, len(examples))
+
+    def queue(self, step: int) -> None:
+        """Generating ahead, before step `step` trains: queue the steps up to step + k not queued
+        yet, with a host copy of the weights after step - 1 (a collective when sharded)."""
+        if self.ahead is not None:
+            self.ahead.fill(step, self.config.train.max_steps, step - 1, self._draw_ahead, self._weights_snapshot)
+
+    def next_prompts(self) -> list[Example]:
+        """A step's prompts, the next train.prompts_per_step of the data stream (the same on every process)."""
+        return [next(self.stream) for _ in range(self.config.train.prompts_per_step)]
+
+    def sample(self, examples: list[Example]) -> RolloutBatch:
+        """The completions this process owns (rows `self.rows` of the step), grouped by prompt."""
+        G = self.config.rollout.num_generations
+        seeds = self._step_seeds()  # (N,) the whole step's
+        if self.remote:  # process 0 asks for the whole step; each process keeps its rows
+            self._hand_weights_to_server()
+            batch = distributed.on_main(lambda: self._generate(examples, [G] * len(examples), self.sampling,
+                                                               seeds.tolist()))
+            return self._own_rows(batch)
+        prompts, counts = torch.unique_consecutive(self.rows // G, return_counts=True)
+        return self._generate([examples[p] for p in prompts.tolist()], counts.tolist(), self.sampling,
+                              seeds[self.rows].tolist())
+
+    def _own_rows(self, batch: RolloutBatch) -> RolloutBatch:
+        """This process's rows of a whole step a remote engine generated (in host memory), on its device."""
+        return (batch if distributed.world_size() == 1 else batch.select(self.rows)).to(self.device)
+
+    def _generate(self, examples: list[Example], counts: list[int], params: SamplingParams,
+                  seeds: list[int] | None) -> RolloutBatch:
+        """counts[i] completions of examples[i], as the run's rollout kind samples them."""
+        return self.kind.generate(self.engine, examples, counts, params, seeds)
+
+    def _step_seeds(self) -> torch.Tensor:
+        """(N,) a step's sampling seeds, one per completion, from the seed stream (the same on every process)."""
+        return torch.randint(0, 2**62, (self.config.completions_per_step,), generator=self.seed_stream)
+
+    def _draw_ahead(self) -> tuple[list[Example], list[int]]:
+        """The prompts and sampling seeds of the next step queued ahead."""
+        return self.next_prompts(), self._step_seeds().tolist()
+
+    def _generate_ahead(self, examples: list[Example], seeds: list[int]) -> RolloutBatch:
+        """A whole step's completions, generated ahead (in the pipeline's thread)."""
+        return self._generate(examples, [self.config.rollout.num_generations] * len(examples), self.sampling, seeds)
+
+    def _informative(self, step: int, scorer: Scorer, state) -> Sampled:
+        """Dynamic sampling (dynamic_sampling.py): rounds of sampling and scoring on prompts drawn
+        from the data stream, until the step holds prompts_per_step informative groups or
+        max_sampling_rounds rounds were sampled."""
+        cfg, r = self.config, self.config.rollout
+        N, P = cfg.completions_per_step, cfg.train.prompts_per_step
+        collector = Collector(P, r.num_generations)
+        logged = {}  # the rounds' log_metric values
+        while not (collector.full or collector.rounds == r.max_sampling_rounds):
+            examples = self.next_prompts()
+            batch = self.sample(examples)
+            rewarded = scorer.reward(examples, batch, state)
+            logged = merge_metrics(logged, rewarded.logged)
+            batch, samples = self._whole_round(batch, rewarded.samples)
+            # Informative: a group the round's advantages do not set to 0 (whatever the estimator and aggregation).
+            advantages = scorer.advantages(batch, rewarded, rows=torch.arange(N)).advantages
+            informative = (advantages.view(-1, r.num_generations) != 0).any(1).cpu()  # (P,)
+            collector.add(Round(examples, batch, rewarded.rewards, rewarded.per_function, samples), informative)
+        examples, whole, rewards, per_function, samples = collector.batch()
+        metrics, note = collector.metrics(), None
+        if metrics["dynamic_sampling/groups_kept"] < P:
+            note = (f"step {step}: dynamic sampling found {len(collector.kept)} groups with differing rewards in "
+                    f"{collector.rounds} rounds (rollout.max_sampling_rounds={r.max_sampling_rounds}), fewer than "
+                    f"train.prompts_per_step={P}: the step trains on those, the batch filled with equal-reward groups")
+        batch = whole.select(self.rows)
+        owned = Rewarded(rewards, per_function, [samples[i] for i in self.rows.tolist()], logged)
+        return Sampled(examples, batch, scorer.advantages(batch, owned), metrics,
+                       int(metrics["dynamic_sampling/prompts_sampled"]), note)
+
+    def _whole_round(self, batch: RolloutBatch, samples: list[dict]) -> tuple[RolloutBatch, list[dict]]:
+        """A round's completions and their records, every process's, in global order."""
+        N, U, W = self.config.completions_per_step, self.config.completions_per_update, distributed.world_size()
+        if W > 1:
+            # Where each process's completions go in a round's global order (the inverse of shard_rows).
+            order = torch.argsort(torch.cat([distributed.shard_rows(N, U, W, k) for k in range(W)]))
+            # (through CPU memory: a GPU tensor would be unpickled onto the GPU of the process that sent it)
+            parts = distributed.gather_lists([batch.to(torch.device("cpu"))])
+            batch = RolloutBatch.concat(parts).select(order).to(batch.completion_ids.device)
+            everyone = distributed.gather_lists(samples)
+            samples = [everyone[i] for i in order.tolist()]
+        batch.prompt_index = torch.arange(N, device=batch.prompt_index.device) // self.config.rollout.num_generations
+        return batch, samples
+
+    # ------------------------------------------------------------------ weights
+
+    def before_update(self) -> None:
+        """The optimizer is about to update: vLLM in this process frees its memory for it."""
+        if self.engine is not None and self.ahead is None:
+            self.engine.sleep()
+
+    def weights_changed(self) -> None:
+        """An update was applied: the engine samples with the new weights (generating ahead, copies
+        are pushed instead, pipeline.py)."""
+        if self.engine is not None and self.ahead is None:
+            self.engine.weights_updated()
+
+    def _weights_snapshot(self) -> list[tuple[str, torch.Tensor]]:
+        """A copy of the policy's whole weights as they are now, in host memory, to push while the
+        trainer changes its own (on process 0; every process calls it: a collective when sharded)."""
+        if self.parallel.lockstep:
+            weights = self.parallel.full_weights(self.policy)
+        else:
+            weights = named_weights(self.policy) if distributed.is_main() else []
+        return [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in weights]
+
+    def _hand_weights_to_server(self) -> None:
+        """Sharded weights reach the rollout server whole: every process gathers them (a collective)
+        when the server needs them, and process 0's engine sends them."""
+        if self.parallel.lockstep and distributed.on_main(lambda: self.engine.needs_weights()):
+            weights = self.parallel.full_weights(self.policy)
+            if distributed.is_main():
+                self.engine.use_weights(weights)
+
+    # ------------------------------------------------------------------ evaluation
+
+    def evaluate(self, step: int, examples: list[Example], rewards, state, logged: dict) -> list[dict]:
+        """Greedy completions of `examples` with the weights after `step`, scored by `rewards`
+        (evaluate.score's records, in order), each process sampling its slice when the engine is
+        its own; `logged` is filled with this process's log_metric values."""
+        def scored(first: int, last: int, engine=None) -> list[dict]:
+            chunk = [examples[min(i, len(examples) - 1)] for i in range(first, last)]  # padding repeats the last
+            return score(self.kind, engine or self.engine, self.tokenizer, rewards, chunk, self.greedy,
+                         first_index=first, state=state, logged=logged)
+
+        if self.ahead is not None:  # the weights after `step` through the pipeline, in turn
+            self.ahead.publish(step, self._weights_snapshot)
+            return distributed.on_main(lambda: scored(0, len(examples), self.ahead.through()))
+        if self.remote:  # process 0 alone talks to the server: it scores them all, and shares
+            self._hand_weights_to_server()
+            return distributed.on_main(lambda: scored(0, len(examples)))
+        W, rank = distributed.world_size(), distributed.rank()
+        first, last = rank * len(examples) // W, (rank + 1) * len(examples) // W
+        if self.parallel.lockstep:  # equal slices (every forward is collective): the last padded, then cut
+            share = -(-len(examples) // W)
+            first, last = rank * share, rank * share + share
+        return distributed.gather_lists(scored(first, last))[:len(examples)]
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def pending(self) -> list[Queued]:
+        """The steps generated ahead now (a checkpoint taken now holds them)."""
+        return [] if self.ahead is None else self.ahead.pending()
+
+    def save(self, folder: Path, pending: list[Queued]) -> None:
+        """Write the `pending` steps into checkpoint `folder` (waiting for those still being generated)."""
+        if self.ahead is not None:
+            torch.save(Pipeline.saved(pending), folder / AHEAD_FILE)
+
+    def resume(self, folder: Path, seed_stream_state: torch.Tensor, examples_seen: int) -> None:
+        """Continue from checkpoint `folder`: the seed stream, the data stream's position, and the
+        steps generated ahead of it (with weights it no longer has)."""
+        self.seed_stream.set_state(seed_stream_state)
+        self.stream = self.task.train_stream(start=examples_seen)
+        if self.ahead is not None:
+            saved = distributed.on_main(lambda: torch.load(folder / AHEAD_FILE, weights_only=True))
+            self.ahead.restore(saved, self.next_prompts)
+
+    def close(self) -> None:
+        if self.ahead is not None:
+            self.ahead.close()
+        self.kind.close()
+        if self.engine is not None:
+            self.engine.close()

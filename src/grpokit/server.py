@@ -1,0 +1,358 @@
+"""`grpokit serve`: a rollout server. A trainer with `rollout.engine=server` sends it prompts and
+pushes it weights; it generates with any engine (transformers, or vLLM on a GPU).
+
+HTTP (FastAPI) carries control; tensors go over a torch.distributed group (weights.py).
+
+- `GET /health`: engine, model, device, fingerprint, `boot_id` (new at every start: a trainer sees
+  a restart), `session` (the trainer whose weights it holds), `weights_version` (the version that
+  trainer last pushed; 0 = as loaded), `weights_step` (the trainer step those weights are from,
+  when the trainer labels its pushes; null otherwise) and the weights' checksum.
+- `POST /generate`: prompts as token ids, a completion count per prompt, sampling parameters, one
+  seed per completion, the trainer's fingerprint and the `session` / `weights_version` it expects;
+  for a vision-language model, each prompt's images (PNG files, base64: lossless, so the server
+  sees the trainer's pixels).
+  Returns each completion's token ids, sampling log-probs, entropies (or null when the engine does
+  not measure them) and finish reason, and the `weights_version` and `weights_step` sampled with. Answers 409 when the fingerprint differs (the body lists
+  what differs), when the weights are not the expected ones (`"stale weights"`: the trainer
+  pushes them again), or when another trainer has joined since (one server serves one trainer);
+  422 for a malformed request.
+- `POST /weights/group`: join the trainer's weight group (its TCPStore at host:port) and start a
+  session; a server restarted or taken over by another trainer knows the old session no more.
+- `POST /weights/update`: receive every tensor over the group, load them, and answer the new
+  version and checksum. Generation waits while weights change.
+- Agents (`rollout.agent` with `rollout.engine=server`, multiturn/agents.py): the OpenAI-compatible
+  routes of multiturn/endpoint.py, `/r/<generation>-<rollout>/v1/chat/completions`, `/completions`
+  and `/models`, so that the agents' requests reach the server itself. `POST /agents/open` starts
+  a generation of that many rollouts (sampling parameters, one seed per rollout, the weights it
+  expects, as /generate): the server generates their requests in rounds, as the trainer's own
+  endpoint does; `POST /agents/finished` says which rollouts' agents have returned (a round waits
+  for the others only); `POST /agents/close` answers what each rollout sent and got (its
+  transcript: prompt ids, sampled ids, sampling log-probs). A text model's server only.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from grpokit.multiturn.endpoint import Endpoint
+from grpokit.rollout.batch import SamplingParams
+from grpokit.rollout.protocols import ServedEngine
+from grpokit.rollout.weights import WeightGroup, device_id, fingerprint_differences, layout_hash
+from grpokit.rollout.wire import STALE_WEIGHTS, TAKEN_OVER
+from grpokit.rollout.wire import from_png
+from grpokit.runtime.errors import StartupError
+
+
+class Sampling(BaseModel):
+    # A parameter this server does not know is refused (422), never ignored: a newer trainer's
+    # sampling would otherwise silently not be what it asked for.
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int = Field(ge=1)
+    temperature: float = Field(ge=0)
+    top_p: float = Field(gt=0, le=1)
+    top_k: int = Field(ge=0)
+    min_p: float = Field(default=0.0, ge=0, lt=1)  # a default: trainers from before min-p do not send it
+
+
+class GenerateRequest(BaseModel):
+    fingerprint: dict
+    session: str | None  # the weight group session whose weights the request expects
+    weights_version: int
+    prompts: list[list[int]] = Field(min_length=1)
+    n: list[int]
+    sampling: Sampling
+    seeds: list[int] | None = None
+    images: list[list[str]] | None = None  # a vision-language model's: each prompt's images, PNG in base64
+
+
+class GroupRequest(BaseModel):
+    fingerprint: dict
+    host: str
+    port: int
+    backend: Literal["gloo", "nccl"]
+    timeout_s: float = Field(gt=0)
+
+
+class UpdateRequest(BaseModel):
+    fingerprint: dict
+    session: str
+    weights_version: int = Field(ge=1)
+    weights_step: int | None = None  # the trainer step the weights are from, when it says
+    tensors: list[list]  # weights.layout(): [name, shape, dtype] in the order they are sent
+
+
+class AgentsRequest(BaseModel):
+    fingerprint: dict
+    session: str | None
+    weights_version: int
+    rollouts: int = Field(ge=1)
+    sampling: Sampling
+    seeds: list[int] | None = None  # one per rollout
+    chat_template: str | None = None  # the trainer's, which renders the agents' messages (None: the model's own)
+
+
+class FinishedRequest(BaseModel):
+    generation: int
+    rollouts: list[int]
+
+
+class CloseRequest(BaseModel):
+    generation: int
+
+
+class RolloutService:
+    """The server's state: one engine (a ServedEngine), its weights' version and checksum, the
+    weight group, and the agents' endpoint (a text model's)."""
+
+    def __init__(self, engine: ServedEngine, engine_name: str, model_name: str, fingerprint: dict, vocab_size: int,
+                 tokenizer=None, eos_ids: list[int] | None = None):
+        self.engine, self.engine_name, self.model_name = engine, engine_name, model_name
+        self.fingerprint, self.vocab_size = fingerprint, vocab_size
+        text = tokenizer is not None and getattr(engine, "vision", None) is None
+        # Its own tokenizer object: each generation renders with the chat template its trainer sends.
+        self.endpoint = Endpoint(copy.copy(tokenizer), eos_ids, listen=False) if text else None
+        self.chat_template = getattr(tokenizer, "chat_template", None)  # the model's own
+        self.agents: _Agents | None = None  # the agents' generation open now
+        self.boot_id = uuid.uuid4().hex
+        self.device = device_id() if engine.device.type == "cuda" else "cpu"
+        # The trainer whose weights it holds: a weight group session (one trainer per server), and
+        # the version of that trainer's weights it last received (0: those it loaded itself).
+        self.session: str | None = None
+        self.version = 0
+        self.weights_step: int | None = None
+        self.checksum = engine.weights_checksum()
+        self.group: WeightGroup | None = None
+        self.lock = threading.Lock()  # generation and a weight update never overlap
+
+    def health(self) -> dict:
+        return {"status": "ok", "engine": self.engine_name, "model": self.model_name, "device": self.device,
+                "fingerprint": self.fingerprint, "boot_id": self.boot_id, "session": self.session,
+                "weights_version": self.version, "weights_step": self.weights_step, "checksum": self.checksum}
+
+    def _forget_weights(self) -> None:
+        """After a failed transfer: no group, no session, weights of unknown version."""
+        if self.group is not None:
+            self.group.close()
+        self.group, self.session, self.version, self.weights_step = None, None, -1, None
+
+    def check_fingerprint(self, theirs: dict) -> None:
+        if differences := fingerprint_differences(self.fingerprint, theirs):
+            raise Refused(409, f"this server generates with model {self.model_name} ({self.engine_name}), which "
+                               "does not match the trainer's:\n  " + "\n  ".join(differences))
+
+    def _check_weights(self, session: str | None, version: int) -> None:
+        """Under the lock: the request expects the weights this server holds."""
+        if self.session is not None and session != self.session:
+            raise Refused(409, TAKEN_OVER)
+        if self.session is None or version != self.version:
+            raise Refused(409, STALE_WEIGHTS)
+
+    def generate(self, request: GenerateRequest) -> dict:
+        self.check_fingerprint(request.fingerprint)
+        if len(request.n) != len(request.prompts) or any(k < 1 for k in request.n):
+            raise Refused(422, f"n must hold one count >= 1 per prompt ({len(request.prompts)}), got {request.n}")
+        bad = [t for p in request.prompts for t in p if not 0 <= t < self.vocab_size]
+        if bad or not all(request.prompts):
+            raise Refused(422, f"prompt token ids must be non-empty lists of ids in [0, {self.vocab_size}); got {bad[:5]}")
+        params = SamplingParams(**request.sampling.model_dump())
+        if params.temperature > 0 and (request.seeds is None or len(request.seeds) != sum(request.n)):
+            raise Refused(422, f"sampling needs one seed per completion ({sum(request.n)})")
+        images = self._images(request)
+        with self.lock:
+            self._check_weights(request.session, request.weights_version)
+            batch = self.engine.generate(request.prompts, request.n, params, request.seeds, **images)
+            version, step = self.version, self.weights_step
+        lengths = batch.completion_mask.sum(-1).tolist()
+        entropies = None if batch.entropies is None else batch.entropies.tolist()
+        return {
+            "weights_version": version,
+            "weights_step": step,
+            "completions": [
+                {"token_ids": ids[:k], "logprobs": lps[:k], "entropies": None if entropies is None else entropies[i][:k],
+                 "finish_reason": reason}
+                for i, (ids, lps, k, reason) in enumerate(zip(batch.completion_ids.tolist(), batch.sampling_logps.tolist(),
+                                                              lengths, batch.finish_reasons))
+            ],
+        }
+
+    def _images(self, request: GenerateRequest) -> dict:
+        """The engine's `images` argument from the request's (none for a text model)."""
+        vision = getattr(self.engine, "vision", None)
+        if request.images is None:
+            if vision is not None:
+                raise Refused(422, f"{self.model_name} is a vision-language model: a request must carry each prompt's "
+                                   "images (an empty list for none)")
+            return {}
+        if vision is None:
+            raise Refused(422, f"{self.model_name} is a text model: it takes no images")
+        if len(request.images) != len(request.prompts):
+            raise Refused(422, f"images must hold one list per prompt ({len(request.prompts)}), got {len(request.images)}")
+        try:
+            return {"images": [tuple(from_png(i) for i in row) for row in request.images]}
+        except ValueError as e:
+            raise Refused(422, str(e)) from None
+
+    def join_group(self, request: GroupRequest) -> dict:
+        self.check_fingerprint(request.fingerprint)
+        with self.lock:  # a new trainer (or the same one after a failure) takes the server over
+            self._forget_weights()
+            try:
+                # The client chooses the timeout; the server holds its lock at most 10 minutes for it.
+                self.group = WeightGroup(request.host, 1, request.backend, min(request.timeout_s, 600.0),
+                                         port=request.port).connect()
+            except Exception as e:  # noqa: BLE001 - reported to the trainer, which owns the error
+                self._forget_weights()
+                raise Refused(503, f"could not join the weight group at {request.host}:{request.port}: {e}") from None
+            self.session, self.version, self.weights_step = uuid.uuid4().hex, 0, None
+            return {"session": self.session}
+
+    def update(self, request: UpdateRequest) -> dict:
+        self.check_fingerprint(request.fingerprint)
+        with self.lock:
+            if self.session is not None and request.session != self.session:
+                raise Refused(409, TAKEN_OVER)
+            if self.group is None:
+                raise Refused(409, STALE_WEIGHTS)  # no group (restarted, or a failed transfer): join again
+            if layout_hash(request.tensors) != self.fingerprint["parameters"]:
+                raise Refused(422, "the tensors announced do not match this model's parameters")
+            try:
+                checksum = self.engine.load_weights(self.group.receive(request.tensors))
+            except Exception as e:  # noqa: BLE001
+                self._forget_weights()  # what it holds is unknown: every generation is refused until a new push
+                raise Refused(503, f"receiving weights failed: {e}") from None
+            self.version, self.weights_step, self.checksum = request.weights_version, request.weights_step, checksum
+            return {"weights_version": self.version, "weights_step": self.weights_step, "checksum": self.checksum}
+
+
+    # ---------------------------------------------------------------- agents
+
+    def open_agents(self, request: AgentsRequest) -> dict:
+        self.check_fingerprint(request.fingerprint)
+        if self.endpoint is None:
+            raise Refused(422, f"{self.model_name} is served without a chat tokenizer or as a vision-language model: "
+                               "the agents' OpenAI routes take text messages only")
+        params = SamplingParams(**request.sampling.model_dump())
+        if params.temperature > 0 and (request.seeds is None or len(request.seeds) != request.rollouts):
+            raise Refused(422, f"sampling needs one seed per rollout ({request.rollouts})")
+        with self.lock:
+            self._check_weights(request.session, request.weights_version)
+            self.endpoint.open(request.rollouts)  # an earlier generation's requests are refused from now
+            self.endpoint.tokenizer.chat_template = request.chat_template or self.chat_template
+            self.agents = _Agents(self, request.rollouts, params, request.seeds)
+            return {"generation": self.agents.generation, "weights_step": self.weights_step}
+
+    def agents_finished(self, request: FinishedRequest) -> dict:
+        self._open(request.generation).finish(request.rollouts)
+        return {}
+
+    def close_agents(self, request: CloseRequest) -> dict:
+        agents = self._open(request.generation)
+        agents.finish(range(agents.rollouts))  # the trainer closes once its agents have returned
+        agents.thread.join()
+        if agents.error is not None:
+            raise Refused(500, f"generating the agents' requests failed: {type(agents.error).__name__}: {agents.error}")
+        return {"transcripts": [self.endpoint.transcripts[r].record() for r in range(agents.rollouts)]}
+
+    def _open(self, generation: int) -> _Agents:
+        if self.agents is None or self.agents.generation != generation:
+            raise Refused(409, f"agents' generation {generation} is not open on this server (restarted, or another "
+                               "generation opened since)")
+        return self.agents
+
+
+class _Agents:
+    """An agents' generation on a rollout server: its requests generated in rounds (Endpoint.
+    generate_rounds) in a thread of its own, each round's engine call under the service's lock."""
+
+    def __init__(self, service: RolloutService, rollouts: int, params: SamplingParams, seeds: list[int] | None):
+        self.service, self.rollouts, self.error = service, rollouts, None
+        self.generation = service.endpoint.session
+        self.finished: set[int] = set()
+        self.thread = threading.Thread(target=self._run, args=(params, seeds), daemon=True, name="grpokit-agents")
+        self.thread.start()
+
+    def finish(self, rollouts) -> None:
+        with self.service.endpoint.changed:
+            self.finished.update(rollouts)
+            self.service.endpoint.changed.notify_all()
+
+    def running(self) -> set[int]:
+        if self.service.endpoint.session != self.generation:  # another generation opened since
+            return set()
+        return set(range(self.rollouts)) - self.finished
+
+    def generate(self, *args, **kwargs):
+        with self.service.lock:
+            return self.service.engine.generate(*args, **kwargs)
+
+    def _run(self, params: SamplingParams, seeds: list[int] | None) -> None:
+        try:
+            self.service.endpoint.generate_rounds(self, params, seeds, self.running)
+        except Exception as e:  # noqa: BLE001 - answered to the trainer's close
+            self.error = e
+            with self.service.lock:  # the requests waiting fail, and later ones are refused (no rollout runs)
+                if self.service.endpoint.session == self.generation:
+                    self.service.endpoint.open(0)
+
+
+class Refused(Exception):
+    def __init__(self, status: int, detail: str):
+        super().__init__(detail)
+        self.status, self.detail = status, detail
+
+
+def make_app(service: RolloutService):
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
+
+    app = FastAPI(title="grpokit rollout server")
+
+    @app.exception_handler(Refused)
+    async def refused(_: Request, error: Refused):
+        return JSONResponse(status_code=error.status, content={"detail": error.detail})
+
+    # Plain `def` endpoints run in FastAPI's thread pool: a long generation does not block /health.
+    app.get("/health")(service.health)
+    app.post("/generate")(service.generate)
+    app.post("/weights/group")(service.join_group)
+    app.post("/weights/update")(service.update)
+    app.post("/agents/open")(service.open_agents)
+    app.post("/agents/finished")(service.agents_finished)
+    app.post("/agents/close")(service.close_agents)
+    if service.endpoint is not None:
+        service.endpoint.add_routes(app)
+    return app
+
+
+def serve(model_name: str, engine_name: str, host: str, port: int, dtype: str, tensor_parallel_size: int = 1,
+          data_parallel_size: int = 1) -> None:
+    """Load the model, build the engine (vLLM: on tensor_parallel_size x data_parallel_size GPUs),
+    and serve until interrupted."""
+    import socket
+
+    import uvicorn
+
+    with socket.socket() as probe:  # before the model loads (which takes a while): is the port free?
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise StartupError(f"grpokit serve cannot listen on {host}:{port}: {e.strerror or e} (choose another "
+                               "--port, or stop what uses it)") from None
+
+    from grpokit.training.setup import served_engine
+
+    engine, fp, tokenizer, eos = served_engine(model_name, engine_name, dtype, tensor_parallel_size, data_parallel_size)
+    service = RolloutService(engine, engine_name, model_name, fp, fp["vocab_size"], tokenizer, eos)
+    spread = f", tensor parallel {tensor_parallel_size} x data parallel {data_parallel_size}" if engine_name == "vllm" else ""
+    print(f"grpokit serve: {model_name} ({engine_name}, {dtype}{spread}) on http://{host}:{port}", flush=True)
+    try:
+        uvicorn.run(make_app(service), host=host, port=port, log_level="warning")
+    finally:
+        engine.close()  # data-parallel vLLM: its replica processes

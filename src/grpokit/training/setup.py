@@ -1,0 +1,154 @@
+"""The one place that wires a run: `grpokit train` (Trainer), `grpokit eval` (api.evaluate) and
+`grpokit serve` (server.py) build their parts here, each taking what it needs, so that a new kind
+of rollout, task or engine is wired once.
+
+    check(config, facts)       every rule about the settings, at once (config/checks.py)
+    prepare(config, ...)       before the model loads: the tokenizer (or a vision-language model's
+                               processor), tools, prompts as token ids, the rollout kind's class,
+                               the task (its data read and checked) and the reward functions
+    make_kind(...)             once the model is loaded (its EOS ids): the rollout kind
+    served_engine(...)         what `grpokit serve` serves: the model, its engine, its fingerprint
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from grpokit.algorithm.loss import LossSettings
+from grpokit.config.checks import Facts, check, facts
+from grpokit.config.loading import settle
+from grpokit.config.schema import Config, reward_specs
+from grpokit.models.loading import eos_token_ids, load_model
+from grpokit.models.vision import Vision, check_vision, processing
+from grpokit.multiturn import kinds
+from grpokit.multiturn.kinds import RolloutKind
+from grpokit.multiturn.tools import Tools
+from grpokit.rewards.reward_set import RewardSet
+from grpokit.rollout.prompts import PromptEncoder
+from grpokit.runtime import distributed
+from grpokit.runtime.errors import ConfigError, StartupError
+from grpokit.tasks.registry import make_task
+
+__all__ = ["Prepared", "checked_facts", "loss_settings", "make_kind", "prepare", "served_engine"]
+
+
+def checked_facts(config: Config, model=None, tokenizer=None, model_name: str | None = None) -> Facts:
+    """Settle `config` (a Config built in Python was not loaded) and check every rule against the
+    launch and the model (`model_name`, default model.name, or the loaded `model` given with its
+    `tokenizer`): ConfigError listing every problem. The facts checked against."""
+    settle(config)
+    found = facts(config, model_name, model, tokenizer, world_size=distributed.world_size())
+    check(config, found)
+    return found
+
+
+@dataclass
+class Prepared:
+    """A run's parts made before its model loads."""
+
+    tokenizer: object  # a vision-language model's is its processor's
+    vision: Vision | None  # a vision-language model's processor and the inputs of its passes (models/vision.py)
+    tools: Tools | None  # None: no tools or environment
+    encoder: PromptEncoder  # prompts as the engines see them
+    task: object  # where prompts come from (tasks/)
+    rewards: RewardSet
+
+
+def prepare(config: Config, tokenizer=None, model_name: str | None = None, model_facts=None,
+            train: bool = True, model=None) -> Prepared:
+    """The parts of a run of `config` with the model `model_name` (default model.name), or `model`
+    (loaded) given with its `tokenizer` (or processor), checked against the data: with `train`,
+    the first training row (an environment's reset, the reward functions' arguments); and every
+    prompt against the model's positions (`model_facts`, config/checks.py)."""
+    name = model_name or config.model.name
+    tokenizer, vision = processing(name, tokenizer)
+    if model is not None:  # a model given with the wrong one of tokenizer and processor: said before its data
+        check_vision(model, vision)
+    tools = Tools.from_config(config, tokenizer, model_name)
+    if vision is not None and config.model.chat_template:  # the template prompts are rendered with
+        vision.processor.chat_template = tokenizer.chat_template
+    encoder = PromptEncoder(tokenizer, None if tools is None else tools.schemas, config.data.max_prompt_length, vision)
+    task = make_task(config.data, config.train.seed, encoder.length)
+    kind = kinds.kind_of(config, tools)
+    if train:
+        first = next(task.train_stream())
+        if tools is not None:
+            tools.check({"prompt": first.prompt, **first.columns}, getattr(task, "prompts_from_reset", False))
+    rewards = RewardSet(reward_specs(config, task.reward_functions), config.reward.timeout,
+                        extra=kind.rewards(config, tools))
+    if train:
+        rewards.check_arguments(first.columns, environments=(tools is not None and tools.environment is not None)
+                                or config.rollout.agent is not None)
+        _check_prompt_lengths(config, task, encoder, None if model_facts is None else model_facts.max_positions)
+    return Prepared(tokenizer, vision, tools, encoder, task, rewards)
+
+
+def _check_prompt_lengths(config: Config, task, encoder: PromptEncoder, limit: int | None) -> None:
+    """Every prompt and its completion fit the model's `limit` positions, or data.max_prompt_length
+    makes them (config/checks.py holds it to that): a longer sequence would train on positions the
+    model never learned. Only the data tells which prompts are longer."""
+    d, length = config.data, config.rollout.max_completion_length
+    if limit is None or d.max_prompt_length is not None or limit - length < 1:
+        return
+    budget = limit - length  # what a prompt may hold
+    examples = [*getattr(task, "train_examples", ()), *task.eval_examples]  # a built-in stream: its eval split
+    lengths = [encoder.length(e) for e in examples]
+    over = [n for n in lengths if n > budget]
+    if over:
+        raise ConfigError(
+            f"{len(over)} of the {len(lengths)} prompts are longer than the {budget} tokens that the model's {limit} "
+            f"positions leave beside rollout.max_completion_length={length} (the longest: {max(over)}): set "
+            f"data.max_prompt_length={budget} (data.long_prompts=drop leaves them out, truncate keeps their end)")
+
+
+def loss_settings(config: Config) -> LossSettings:
+    """The loss's hyperparameters for a run: `config`'s algorithm.* and rollout.is_* (algorithm.kl_estimator null is k3)."""
+    a, r = config.algorithm, config.rollout
+    return LossSettings(beta=a.beta, epsilon=a.epsilon, epsilon_high=a.epsilon_high, kl_estimator=a.kl_estimator or "k3",
+                        importance_sampling_level=a.importance_sampling_level, delta=a.delta,
+                        sapo_temperature_pos=a.sapo_temperature_pos, sapo_temperature_neg=a.sapo_temperature_neg,
+                        is_level=r.is_level, is_mode=r.is_mode, is_cap=r.is_cap, is_min=r.is_min)
+
+
+def make_kind(config: Config, prepared: Prepared, model) -> RolloutKind:
+    """The run's rollout kind (multiturn/kinds.py), for `model` (its EOS ids end a turn)."""
+    return kinds.make_kind(config, prepared.tokenizer, prepared.tools, prepared.encoder,
+                           eos_token_ids(model, prepared.tokenizer))
+
+
+def served_engine(model_name: str, engine_name: str, dtype: str, tensor_parallel_size: int = 1,
+                  data_parallel_size: int = 1) -> tuple:
+    """What `grpokit serve` serves: (engine, the model's fingerprint, tokenizer, EOS ids), the
+    engine a ServedEngine (rollout/protocols.py) of `model_name` in `dtype`: the transformers
+    engine, or vLLM on tensor_parallel_size x data_parallel_size GPUs."""
+    from grpokit.rollout.weights import fingerprint
+
+    tokenizer, vision = processing(model_name)
+    if engine_name == "vllm":
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+        from grpokit.models.loading import DTYPES
+        from grpokit.rollout.vllm_engine import DataParallelVLLM, VLLMEngine, model_path
+
+        path = model_path(model_name)
+        config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):  # names and shapes only, for the fingerprint
+            auto = AutoModelForCausalLM if vision is None else AutoModelForImageTextToText
+            shapes = auto.from_config(config, dtype=DTYPES[dtype])
+        eos = eos_token_ids(shapes, tokenizer)
+        args = dict(model_path=path, dtype=dtype, pad_id=tokenizer.pad_token_id, eos_ids=eos, vision=vision)
+        engine = VLLMEngine(**args, tensor_parallel_size=tensor_parallel_size) if data_parallel_size == 1 else \
+            DataParallelVLLM(data_parallel_size, tensor_parallel_size, **args)
+        return engine, fingerprint(shapes), tokenizer, eos
+    if engine_name == "transformers":
+        from grpokit.rollout.transformers_engine import TransformersEngine
+
+        # requires_grad stays on, as on the trainer's policy: PyTorch runs other CPU kernels for
+        # parameters without it (measured: log-probs differ in the last bits), and the server must
+        # sample exactly as the trainer's own engine would. Generation runs under no_grad anyway.
+        model = load_model(model_name, dtype).eval().to("cuda" if torch.cuda.is_available() else "cpu")
+        eos = eos_token_ids(model, tokenizer)
+        return TransformersEngine(model, tokenizer.pad_token_id, eos, vision=vision), fingerprint(model), tokenizer, eos
+    raise StartupError(f"grpokit serve has no way to build the {engine_name!r} engine: use transformers or vllm")

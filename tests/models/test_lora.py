@@ -1,0 +1,123 @@
+"""LoRA through peft: only the adapters train and are checkpointed; the reference is the base model
+(adapters off), no second copy; a stopped LoRA run resumes exactly; final/ loads for evaluation and
+--merge writes the merged model; a rollout server gets the merged weights."""
+
+import pytest
+import torch
+from support.runs import untimed_metrics
+from support.servers import get_health
+from safetensors.torch import load_file
+
+from grpokit.cli import main
+from grpokit.models.loading import load_model
+
+pytest.importorskip("peft", reason="LoRA needs: pip install 'grpokit[lora]'")
+
+RUN = ["--no-progress", "model.name=tiny-random", "model.lora_rank=4", "reward.functions=[length]",
+       "train.prompts_per_step=2", "rollout.num_generations=4", "data.eval_size=2", "algorithm.beta=0.04",
+       "train.learning_rate=1e-2"]
+
+
+def test_only_adapters_train_and_the_reference_is_the_base_model(tmp_path):
+    from grpokit.config.loading import load_config
+    from grpokit.training.trainer import Trainer
+
+    config = load_config(None, [*RUN[1:], "train.max_steps=2", f"train.output_dir={tmp_path / 'run'}"])
+    trainer = Trainer(config, progress=False)
+    assert trainer.reference is None  # no copy of the weights for the KL term
+    trainable = {n for n, p in trainer.policy.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
+    trainer.train()
+    for name, p in trainer.policy.named_parameters():
+        assert (not torch.equal(p, before[name])) == (name in trainable), name
+    # The adapters' off-switch gives the base model's log-probs exactly.
+    base = load_model("tiny-random").requires_grad_(False)  # frozen, as under the adapters (same CPU kernels)
+    batch = trainer.rollouts.sample(trainer.rollouts.next_prompts())
+    active = torch.ones(len(batch.finish_reasons), dtype=torch.bool)
+    ref = trainer.logprobs.ref(batch, active)
+    assert torch.equal(ref, trainer.logprobs.frozen(base, batch, active))
+
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-2"
+    assert not (checkpoint / "model.safetensors").exists()
+    saved = load_file(checkpoint / "adapter_model.safetensors")
+    assert saved and all("lora_" in k for k in saved)  # the adapters alone
+
+
+def test_a_stopped_lora_run_resumes_exactly(tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert main(["train", *RUN, "train.max_steps=4", f"train.output_dir={straight}"]) == 0
+    assert main(["train", *RUN, "train.max_steps=2", f"train.output_dir={resumed}"]) == 0
+    assert main(["train", *RUN, "train.max_steps=4", f"train.output_dir={resumed}"]) == 0
+    # (The 2-step run also evaluated at step 2.)
+    train = lambda run: [r for r in untimed_metrics(run) if "loss" in r]  # noqa: E731
+    assert train(resumed) == train(straight) and len(train(straight)) == 4
+    a, b = (load_file(r / "final" / "adapter_model.safetensors") for r in (straight, resumed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_final_loads_for_evaluation_and_merges(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", *RUN, "train.max_steps=2", "--merge", f"train.output_dir={run}"]) == 0
+    assert f"merged model: {run / 'final' / 'merged'}" in capsys.readouterr().out
+    from peft import PeftModel
+
+    adapted = PeftModel.from_pretrained(load_model("tiny-random"), str(run / "final")).eval()
+    merged = load_model(str(run / "final" / "merged")).eval()
+    assert not hasattr(merged, "peft_config")  # a plain transformers model
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    assert main(["eval", "--model", str(run / "final")]) == 0
+    assert "eval" not in capsys.readouterr().err.lower()
+
+
+def test_merge_without_lora_is_a_clear_error(tmp_path, capsys):
+    assert main(["train", "--no-progress", "model.name=tiny-random", "--merge", f"train.output_dir={tmp_path}"]) == 2
+    assert "--merge merges LoRA adapters" in capsys.readouterr().err
+
+
+def test_a_rollout_engine_gets_the_merged_weights_under_the_base_names(tiny):
+    """What a server or vLLM receives: W + scale * B @ A under the plain model's names, computed
+    apart (the policy's base weights are left untouched)."""
+    from grpokit.config.loading import load_config
+    from grpokit.models.loading import apply_lora
+    from grpokit.rollout.weights import fingerprint, named_weights
+
+    model = load_model("tiny-random")
+    config = load_config(None, ["model.lora_rank=4"])
+    peft_model = apply_lora(model, config.model, "tiny-random")
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    base_before = {n: t.clone() for n, t in named_weights(peft_model.get_base_model()) if "lora_" not in n}
+    merged = dict(named_weights(peft_model))
+    plain = dict(named_weights(tiny[0]))
+    assert merged.keys() == plain.keys()
+    assert fingerprint(peft_model) == fingerprint(tiny[0])
+    reference = load_model("tiny-random")
+    reference.load_state_dict({**reference.state_dict(), **merged})
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(reference(input_ids=ids).logits, peft_model(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(t, base_before[n]) for n, t in named_weights(peft_model.get_base_model()) if n in base_before)
+    # In bf16 the adapters stay float32 (peft's default): the merged weights come back in bf16.
+    bf16 = apply_lora(load_model("tiny-random", "bfloat16"), config.model, "tiny-random")
+    assert {t.dtype for _, t in named_weights(bf16)} == {torch.bfloat16}
+
+
+@pytest.mark.process
+def test_a_lora_run_through_a_rollout_server(tmp_path, server):
+    """The server holds plain weights: each push sends the merged ones, checked by checksum."""
+    pytest.importorskip("fastapi")
+    from grpokit.rollout.weights import checksum, named_weights
+
+    s = server()
+    run = tmp_path / "run"
+    assert main(["train", *RUN, "train.max_steps=2", "rollout.engine=server", f"rollout.server_url={s.url}",
+                 f"train.output_dir={run}"]) == 0
+    health = get_health(s.url)
+    assert health["weights_version"] == 3  # before the first evaluation, after each of 2 updates
+    assert health["checksum"] == checksum(named_weights(load_model(str(run / "final"))))

@@ -1,0 +1,500 @@
+"""Agents as they are (multiturn/agents.py) through the run's OpenAI-compatible endpoint
+(multiturn/endpoint.py): real `openai` clients against a real HTTP endpoint on 127.0.0.1."""
+
+import copy
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from support.exact import update_difference
+from support.conversations import FOLLOW_UP_AGENT, tool_call
+from support.processes import grpokit, run_worker
+from support.runs import assert_close_metrics, completions_log, metric_rows, training_rows, untimed_metrics
+from safetensors.torch import load_file
+
+from support import scripted_engine
+from grpokit.cli import main
+from grpokit.multiturn.agents import Agents
+from grpokit.multiturn.conversation import turn_seed
+from grpokit.rollout.batch import SamplingParams
+from grpokit.rollout.prompts import PromptEncoder
+from grpokit.rollout.protocols import ENGINES
+from grpokit.rollout.transformers_engine import TransformersEngine
+from grpokit.tasks.task import Example
+
+pytest.importorskip("openai")
+
+AGENT_PY = '''
+import asyncio
+import json
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
+async def with_tools(client, model, row):
+    """grpokit's own multi-turn loop, written against the openai client."""
+    from transformers.utils import get_json_schema
+
+    messages = list(row["prompt"])
+    for turn in range(5):
+        reply = await client.chat.completions.create(model=model, messages=messages, tools=[get_json_schema(add)])
+        message = reply.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls or reply.choices[0].finish_reason == "length" or turn == 4:
+            return 0.0
+        for call in message.tool_calls:
+            messages.append({"role": "tool", "tool_call_id": call.id,
+                             "content": str(add(**json.loads(call.function.arguments)))})
+
+
+async def misbehaving(client, model, row):
+    """Row by row: fine, raises, another model, a bad reward, no request, never returns."""
+    kind = int(row["kind"])
+    if kind == 4:
+        return 1.0
+    if kind == 5:
+        await asyncio.sleep(60)
+    reply = await client.chat.completions.create(model="gpt-4o" if kind == 2 else model, messages=row["prompt"])
+    if kind == 1:
+        raise RuntimeError("the agent broke")
+    return "great" if kind == 3 else {"tidy": 1.0, "short": -len(reply.choices[0].message.content or "") / 100}
+''' + FOLLOW_UP_AGENT
+
+T = ["model.name=tiny-random", "train.max_steps=2", "rollout.num_generations=2", "train.prompts_per_step=2",
+     "rollout.max_completion_length=400", "data.eval_size=0", "reward.functions=[exact_answer]"]
+
+
+@pytest.fixture
+def scripted(monkeypatch, tmp_path):
+    """The scripted engine (tiny-random's random weights never write a tool call), the agents, the tool and data."""
+    monkeypatch.setitem(ENGINES, "scripted", "support.scripted_engine:ScriptedEngine")
+    (tmp_path / "agents.py").write_text(AGENT_PY)
+    (tmp_path / "data.jsonl").write_text("".join(
+        json.dumps({"prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "answer": "3", "kind": i}) + "\n"
+        for i in range(6)))
+    return tmp_path
+
+
+def test_an_agent_trains_as_the_same_conversations_through_grpokit_s_tools(scripted, monkeypatch):
+    """The same tool loop, once as rollout.tools (grpokit's multi-turn path) and once as an agent
+    through the endpoint: the same contexts reach the engine, and the runs are the same bit for bit."""
+    monkeypatch.setattr(scripted_engine, "SCRIPT", [tool_call("add", a=1, b=2), "3"])
+    common = [*T, "rollout.engine=scripted", f"data.path={scripted}/data.jsonl", "monitor.log_completions=1"]
+    assert main(["train", "--no-progress", *common, f"rollout.tools=[{scripted}/agents.py:add]",
+                 f"train.output_dir={scripted}/tools"]) == 0
+    assert main(["train", "--no-progress", *common, f"rollout.agent={scripted}/agents.py:with_tools",
+                 f"train.output_dir={scripted}/agent"]) == 0
+    tools, agent = untimed_metrics(scripted / "tools"), untimed_metrics(scripted / "agent")
+    for a, b in zip(tools, agent):
+        assert a["turns/mean"] == b["turns/mean"] == 2 and b["agents/failed"] == 0
+        assert {k: v for k, v in a.items() if not k.startswith(("tools/", "turns/"))} == \
+            {k: v for k, v in b.items() if not k.startswith(("agents/", "rewards/agent", "turns/"))}
+    wa, wb = (load_file(scripted / run / "final" / "model.safetensors") for run in ("tools", "agent"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    record = completions_log(scripted / "agent")[0]
+    assert [m["role"] for m in record["completion"]] == ["assistant", "tool", "assistant"]
+    assert record["completion"][1]["content"] == "3" and record["reward"] == 1.0
+
+
+@pytest.mark.process
+def test_an_agent_on_a_rollout_server_s_openai_routes_is_the_in_process_run(scripted, server):
+    """rollout.engine=server: the agents' requests go to `grpokit serve`'s own OpenAI routes, which
+    generate them in the same rounds from the same seeds as the trainer's endpoint in front of the
+    in-process engine: the same run, bit for bit (evaluations included). The server also renders
+    with the trainer's chat template (here one that rewrites history, which it sends)."""
+    from support.runs import assert_same_run
+
+    (scripted / "rewriting.jinja").write_text(REWRITING_TEMPLATE)
+    s = server()
+    common = ["model.name=tiny-random", f"rollout.agent={scripted}/agents.py:follow_up", "train.max_steps=2",
+              "rollout.num_generations=2", "train.prompts_per_step=2", "rollout.max_completion_length=16",
+              "data.eval_size=2", "train.eval_every=2", "train.learning_rate=1e-3",
+              f"model.chat_template={scripted}/rewriting.jinja"]
+    assert main(["train", "--no-progress", *common, "rollout.engine=server", f"rollout.server_url={s.url}",
+                 f"train.output_dir={scripted}/served"]) == 0
+    assert main(["train", "--no-progress", *common, f"train.output_dir={scripted}/local"]) == 0
+    assert_same_run(scripted / "served", scripted / "local", steps=2)
+    assert training_rows(scripted / "served")[0]["agents/new_sequences"] == 4
+
+
+def test_recorded_tokens_are_what_the_engine_sampled(tiny):
+    """Each request samples from its rollout's turn seed; a request that extends the previous
+    exchange reuses its ids (never decoded and encoded again), and only sampled tokens are trained."""
+    model, tokenizer = tiny
+    eos = tokenizer.eos_token_id
+    engine = TransformersEngine(model, tokenizer.pad_token_id, [eos])
+    seen = {}
+
+    async def agent(client, model_name, row):
+        messages = list(row["prompt"])
+        first = await client.chat.completions.create(model=model_name, messages=messages, max_tokens=5)
+        messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "And?"}]
+        second = await client.chat.completions.create(model=model_name, messages=messages)
+        seen.setdefault(row["n"], []).append((first.choices[0].message.content, second.usage.prompt_tokens))
+        return 1.0
+
+    agents = Agents(agent, "agent", tokenizer, [eos], timeout=60, encoder=PromptEncoder(tokenizer))
+    try:
+        prompt = [{"role": "user", "content": "Say something."}]
+        params = SamplingParams(40, 1.0)
+        batch = agents.generate(engine, [Example(prompt, {"n": 0}), Example(prompt, {"n": 1})], [2, 1], params,
+                                seeds=[7, 8, 9])
+        transcripts = list(agents.endpoint.transcripts.values())
+    finally:
+        agents.close()
+    ids = tokenizer(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False),
+                    add_special_tokens=False)["input_ids"]
+    for r, t in enumerate(transcripts):
+        first, second = t.exchanges
+        alone = engine.generate([ids], 1, SamplingParams(5, 1.0), [turn_seed([7, 8, 9][r], 0)])
+        assert first.prompt == ids and first.sampled == alone.completion_ids[0, :int(alone.completion_mask[0].sum())].tolist()
+        assert second.extends and second.prompt[:len(ids) + len(first.sampled)] == ids + first.sampled
+        room = 40 - (len(second.prompt) - len(ids))
+        assert 0 < room < 40
+        again = engine.generate([second.prompt], 1, SamplingParams(room, 1.0), [turn_seed([7, 8, 9][r], 1)])
+        assert second.sampled == again.completion_ids[0, :int(again.completion_mask[0].sum())].tolist()
+        n = len(second.prompt) + len(second.sampled) - len(ids)
+        assert batch.completion_ids[r, :n].tolist() == second.prompt[len(ids):] + second.sampled
+        trained = [1] * len(first.sampled) + [0] * (len(second.prompt) - len(ids) - len(first.sampled)) + \
+            [1] * len(second.sampled)
+        assert batch.trained_mask[r, :n].tolist() == trained and batch.completion_mask[r].sum() == n
+        assert batch.conversations[r].environment.reward == 1.0 and batch.conversations[r].turns == 2
+    assert len(seen[0]) == 2 and len(seen[1]) == 1
+
+
+# ChatML that drops the content of the assistant turns before the last user turn, as a thinking
+# model's template drops their reasoning (here all of a reply counts as reasoning).
+REWRITING_TEMPLATE = (
+    "{% set ns = namespace(last=0) %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}"
+    "{% endif %}{% endfor %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role != 'assistant' or loop.index0 > ns.last %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_that_rewrites_history_trains_each_request_as_its_own_sequence(tiny, monkeypatch):
+    """A chat template that renders earlier turns otherwise once a later one follows: the second
+    request does not extend the first, is counted in agents/new_sequences, and is trained as a
+    sequence of its own in the rollout's row: its log-probs there (float64) are those it was
+    sampled with alone, and the row's loss mask covers both requests' sampled tokens."""
+    from grpokit.models.logprobs import LogProbs
+
+    model, tokenizer = tiny
+    model = copy.deepcopy(model).double()
+    monkeypatch.setattr(tokenizer, "chat_template", REWRITING_TEMPLATE)
+    eos = tokenizer.eos_token_id
+    engine = TransformersEngine(model, tokenizer.pad_token_id, [eos])
+
+    async def agent(client, model_name, row):
+        messages = list(row["prompt"])
+        first = await client.chat.completions.create(model=model_name, messages=messages, max_tokens=6)
+        messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "And?"}]
+        await client.chat.completions.create(model=model_name, messages=messages, max_tokens=6)
+        return 0.5
+
+    agents = Agents(agent, "agent", tokenizer, [eos], timeout=60, encoder=PromptEncoder(tokenizer))
+    try:
+        batch = agents.generate(engine, [Example([{"role": "user", "content": "Say something."}], {})], [2],
+                                SamplingParams(8, 1.0), seeds=[1, 2])
+        transcripts = list(agents.endpoint.transcripts.values())
+    finally:
+        agents.close()
+    logps = LogProbs(model, None, 1.0, None, False, False, 2, torch.device("cpu")).of(model, batch, torch.arange(2))
+    for r, t in enumerate(transcripts):
+        first, second = t.exchanges
+        assert not second.extends and batch.conversations[r].environment.new_sequences == 1
+        assert second.prompt[:len(first.prompt)] != first.prompt + first.sampled[:1]  # the history was rewritten
+        row = first.sampled + second.prompt + second.sampled
+        n = len(row)
+        assert batch.completion_ids[r, :n].tolist() == row and batch.completion_mask[r].sum() == n
+        assert batch.sequence_ids[r, :n].tolist() == [0] * len(first.sampled) + [1] * (n - len(first.sampled))
+        trained = [1] * len(first.sampled) + [0] * len(second.prompt) + [1] * len(second.sampled)
+        assert batch.trained_mask[r, :n].tolist() == trained
+        mask = batch.trained_mask[r].bool()
+        torch.testing.assert_close(logps[r][mask], alone(model, t), atol=1e-12, rtol=0)
+        torch.testing.assert_close(logps[r][mask], batch.sampling_logps[r][mask].double(), atol=1e-5, rtol=0)
+    trained = batch.trained_mask.bool()
+    model.train()  # each row whole (activation checkpointing's path)
+    with torch.no_grad():
+        whole = LogProbs(model, None, 1.0, None, True, False, 2, torch.device("cpu")).of(model, batch, torch.arange(2))
+    model.eval()
+    torch.testing.assert_close(whole[trained], logps[trained], atol=1e-12, rtol=0)
+    model.set_attn_implementation("eager")  # its additive mask
+    eager = LogProbs(model, None, 1.0, None, False, False, 2, torch.device("cpu")).of(model, batch, torch.arange(2))
+    torch.testing.assert_close(eager[trained], torch.cat([alone(model, t) for t in transcripts]), atol=1e-12, rtol=0)
+
+
+@torch.no_grad()
+def alone(model, transcript) -> torch.Tensor:
+    """The log-probs of a transcript's sampled tokens, each request alone: its prompt, then its tokens."""
+    from grpokit.models.logprobs import completion_logprobs
+
+    return torch.cat([completion_logprobs(model, torch.tensor([e.prompt]), torch.ones(1, len(e.prompt), dtype=torch.long),
+                                          torch.tensor([e.sampled]))[0] for e in transcript.exchanges])
+
+
+def test_agents_that_fail_are_counted_and_the_run_goes_on(scripted, monkeypatch):
+    """An agent that raises, asks for another model, returns no reward, makes no request, or never
+    returns: each rollout fails (no reward, counted, its error recorded); the others train."""
+    monkeypatch.setattr(scripted_engine, "SCRIPT", ["3"])
+    run = scripted / "run"
+    assert main(["train", "--no-progress", *T, "rollout.engine=scripted", f"data.path={scripted}/data.jsonl",
+                 "train.prompts_per_step=6", "train.max_steps=1", "rollout.agent_timeout=3",
+                 "monitor.log_completions=1", f"rollout.agent={scripted}/agents.py:misbehaving",
+                 f"train.output_dir={run}"]) == 0
+    row = training_rows(run)[0]
+    assert row["agents/failed"] == 10 and row["agents/refused_requests"] == 2
+    errors = {r["prompt"][0]["content"]: r.get("agent_error") for r in completions_log(run)}
+    assert errors["What is 0 + 1?"] is None
+    assert errors["What is 1 + 1?"] == "raised RuntimeError: the agent broke"
+    assert "this endpoint serves the model being trained, named 'grpokit'" in errors["What is 2 + 1?"]
+    assert errors["What is 3 + 1?"].startswith("returned 'great': an agent returns its reward")
+    assert errors["What is 4 + 1?"] == "made no request to its endpoint"
+    assert errors["What is 5 + 1?"] == "did not return within rollout.agent_timeout=3 s"
+    assert row["agent/tidy"] == 1.0 and row["agent/short"] == pytest.approx(-0.01)
+
+
+@pytest.mark.parametrize("setting, message", [
+    (["rollout.tools=[grpokit.tasks.calculator:calculator]"], "runs its own tools and loop"),
+])
+def test_agents_refuse_what_does_not_go_with_them(scripted, capsys, setting, message):
+    assert main(["train", "--no-progress", *T, f"data.path={scripted}/data.jsonl",
+                 f"rollout.agent={scripted}/agents.py:with_tools", *setting,
+                 f"train.output_dir={scripted}/run"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_missing_openai_is_a_start_up_error_naming_the_extra(scripted, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "openai", None)
+    assert main(["train", "--no-progress", *T, f"data.path={scripted}/data.jsonl",
+                 f"rollout.agent={scripted}/agents.py:with_tools", f"train.output_dir={scripted}/run"]) == 2
+    assert "pip install 'grpokit[agents]'" in capsys.readouterr().err
+
+
+def test_micro_batches_never_change_an_agent_update(scripted, monkeypatch):
+    """The recorded conversations train as any batch does: whole or one completion at a time, the same update."""
+    monkeypatch.setattr(scripted_engine, "SCRIPT", [tool_call("add", a=1, b=2), "3"])
+    common = [*T, "rollout.engine=scripted", f"data.path={scripted}/data.jsonl", "model.dtype=float64",
+              f"rollout.agent={scripted}/agents.py:with_tools", "reward.functions=[length]", "train.learning_rate=1e-3"]
+    for name, size in (("whole", 4), ("one", 1)):
+        assert main(["train", "--no-progress", *common, f"train.micro_batch_size={size}",
+                     f"train.output_dir={scripted}/{name}"]) == 0
+    assert_close_metrics(untimed_metrics(scripted / "whole"), untimed_metrics(scripted / "one"))
+
+
+def test_micro_batches_never_change_an_update_of_several_sequences_a_row(scripted):
+    """Requests trained as sequences of their own (a template that rewrites history) train as any
+    batch does: whole or one completion at a time, the same update (float64)."""
+    (scripted / "rewriting.jinja").write_text(REWRITING_TEMPLATE)
+    common = ["model.name=tiny-random", "model.dtype=float64", f"model.chat_template={scripted}/rewriting.jinja",
+              f"rollout.agent={scripted}/agents.py:follow_up", "train.max_steps=1", "rollout.num_generations=2",
+              "train.prompts_per_step=2", "rollout.max_completion_length=16", "data.eval_size=0",
+              "train.learning_rate=1e-3"]
+    for name, size in (("whole", 4), ("one", 1)):
+        assert main(["train", "--no-progress", *common, f"train.micro_batch_size={size}",
+                     f"train.output_dir={scripted}/{name}"]) == 0
+    whole, one = untimed_metrics(scripted / "whole"), untimed_metrics(scripted / "one")
+    assert [r["agents/new_sequences"] for r in whole] == [4] and whole[0]["grad_norm"] > 0
+    assert_close_metrics(whole, one)
+
+
+
+@pytest.mark.process
+def test_a_killed_agent_run_resumes_as_the_uninterrupted_run(scripted):
+    """SIGKILL mid-run, then the same command: the same metrics and weights as a run never interrupted."""
+    from grpokit.rundir.folder import read_metrics
+
+    args = ["model.name=tiny-random", f"rollout.agent={scripted}/agents.py:follow_up", "train.max_steps=6",
+            "train.save_every=2", "train.prompts_per_step=2", "rollout.num_generations=3", "data.eval_size=0",
+            "rollout.max_completion_length=40", "train.learning_rate=1e-3"]
+
+    def launch(out):
+        return grpokit("train", "--no-progress", *args, f"train.output_dir={out}",
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    reference = launch(scripted / "reference")
+    assert reference.communicate(timeout=300) and reference.returncode == 0
+    process = launch(scripted / "run")
+    deadline = time.monotonic() + 300
+    while len(training_rows(scripted / "run")) < 3 if (scripted / "run" / "metrics.jsonl").exists() else True:
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    assert process.poll() is None
+    process.kill()
+    process.wait()
+    resumed = launch(scripted / "run")
+    said = "".join(resumed.communicate(timeout=300))
+    assert resumed.returncode == 0 and "resuming from" in said, said[-2000:]
+
+    def untimed(run):
+        return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "step_time"}
+                for r in read_metrics(scripted / run / "metrics.jsonl")]
+
+    assert untimed("run") == untimed("reference") and len(untimed("run")) == 6
+    wa, wb = (load_file(scripted / run / "final" / "model.safetensors") for run in ("run", "reference"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.process
+def test_two_processes_compute_the_one_process_agent_update(scripted):
+    """Each process runs the agents of its own rows on its own endpoint: float64, the same update and metrics."""
+    overrides = [f"rollout.agent={scripted}/agents.py:follow_up", "train.prompts_per_step=2",
+                 "rollout.num_generations=2", "train.max_steps=2", "rollout.max_completion_length=30"]
+    one, two = run_worker(scripted, "train", overrides)
+    assert update_difference(one["start"], one["params"], two[0]["params"]) < 1e-9
+    rows = [metric_rows(scripted / f"p{n}" / "run") for n in (1, 2)]
+    assert len(rows[0]) == 2 and rows[0][0]["turns/mean"] == 2
+    assert_close_metrics(*rows)
+
+
+def test_a_textarena_game_is_played_by_its_own_agent(scripted, monkeypatch):
+    """data.task=textarena:<env id>: the observation is the user turn, the reply the action, the
+    game's new text the next user turn, its outcome the reward; 2 steps."""
+    pytest.importorskip("textarena")
+    from grpokit.tasks.textarena import TextArenaTask, _start
+
+    monkeypatch.setattr(scripted_engine, "SCRIPT", ["My guess: [10]"])  # the same guess twice: an invalid move ends it
+    run = scripted / "run"
+    assert main(["train", "--no-progress", "model.name=tiny-random", "rollout.engine=scripted",
+                 "data.task=textarena:GuessTheNumber-v0", "data.task_args={max_turns: 5}", "train.max_steps=2",
+                 "train.prompts_per_step=2", "rollout.num_generations=2", "rollout.max_completion_length=200",
+                 "data.eval_size=0", "monitor.log_completions=1", f"train.output_dir={run}"]) == 0
+    rows = training_rows(run)
+    assert [r["step"] for r in rows] == [1, 2] and all(r["agents/failed"] == 0 for r in rows)
+    task = TextArenaTask("GuessTheNumber-v0", {"max_turns": 5}, seed=0, eval_size=0)
+    expected = []
+    for i in range(4):  # the first 4 games (their prompts are alike: the number is hidden), played as the script plays
+        env, _ = _start("GuessTheNumber-v0", {"max_turns": 5}, task.train_example(i).columns["game_seed"])
+        done = False
+        while not done:
+            done, _ = env.step(action="My guess: [10]")
+        expected.append(float(env.close()[0][0]))
+    records = completions_log(run)
+    assert [r["reward"] for r in records] == pytest.approx([r for r in expected for _ in range(2)])
+    assert len(set(expected)) > 1  # the games differ
+    for record in records:
+        turns = record["completion"]
+        assert turns[0] == {"role": "assistant", "content": "My guess: [10]"}
+        if len(turns) > 1:  # a wrong first guess: the game's hint, then the same guess again
+            assert turns[1]["role"] == "user" and "[GAME] The target number is" in turns[1]["content"]
+            assert not turns[1]["content"].startswith("\n[GAME] You are Player 0")
+    assert "rollout:\n" in (run / "config.yaml").read_text() and "agent: grpokit.tasks.textarena:play" in \
+        (run / "config.yaml").read_text()
+
+
+VERIFIERS_ENVS = '''
+import verifiers as vf
+from datasets import Dataset
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
+def correct(completion, answer, **kwargs) -> float:
+    return 1.0 if answer in (completion[-1]["content"] or "") else 0.0
+
+
+def brevity(completion, **kwargs) -> float:
+    return -len(completion[-1]["content"] or "") / 100
+
+
+def load_environment(n: int = 6, tools: bool = False):
+    rows = Dataset.from_list([{"question": f"What is {i} + 1?", "answer": "3"} for i in range(n)])
+    rubric = vf.Rubric(funcs=[correct, brevity], weights=[1.0, 0.5])
+    if tools:
+        return vf.ToolEnv(dataset=rows, tools=[add], max_turns=3, rubric=rubric, system_prompt="Use the tool.")
+    return vf.SingleTurnEnv(dataset=rows, system_prompt="Answer with the number.", rubric=rubric)
+'''
+
+
+@pytest.mark.parametrize("tools", [False, True])
+def test_a_verifiers_environment_runs_unchanged(scripted, monkeypatch, tools):
+    """A SingleTurnEnv and a ToolEnv, built in the test: their dataset, system prompt, tools and
+    rubric (its functions weighted as it weighs them, each logged) through the endpoint; 2 steps."""
+    pytest.importorskip("verifiers")
+    (scripted / "vf_envs.py").write_text(VERIFIERS_ENVS)
+    monkeypatch.setattr(scripted_engine, "SCRIPT", [tool_call("add", a=2, b=1), "It is 3."] if tools else ["It is 3."])
+    run = scripted / "run"
+    assert main(["train", "--no-progress", "model.name=tiny-random", "rollout.engine=scripted",
+                 f"rollout.environment=verifiers:{scripted}/vf_envs.py:load_environment",
+                 f"data.task_args={{n: 8, tools: {str(tools).lower()}}}", "train.max_steps=2", "train.prompts_per_step=2",
+                 "rollout.num_generations=2", "rollout.max_completion_length=300", "data.eval_size=2",
+                 "monitor.log_completions=1", f"train.output_dir={run}"]) == 0
+    rows = training_rows(run)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["agents/failed"] == 0 and r["agent/correct"] == 1.0 and r["agent/brevity"] == -0.08
+        assert r["reward"] == pytest.approx(1.0 - 0.04) and r["turns/mean"] == (2 if tools else 1)
+    record = completions_log(run)[0]
+    assert record["prompt"][0] == {"role": "system", "content": "Use the tool." if tools else "Answer with the number."}
+    if tools:
+        assert rows[0]["agent/total_tool_calls"] == 1.0
+        assert [m["role"] for m in record["completion"]] == ["assistant", "tool", "assistant"]
+        assert record["completion"][1]["content"] == "3"
+    evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "eval/reward" in line]
+    assert evals and all(e["eval/reward"] == pytest.approx(0.96) for e in evals)
+
+
+def test_a_verifiers_environment_object_is_taken_by_grpokit_train(scripted, monkeypatch):
+    pytest.importorskip("verifiers")
+    import importlib.util
+
+    import grpokit
+
+    (scripted / "vf_envs.py").write_text(VERIFIERS_ENVS)
+    spec = importlib.util.spec_from_file_location("vf_envs_object", scripted / "vf_envs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(scripted_engine, "SCRIPT", ["3"])
+    result = grpokit.train(environment=module.load_environment(n=6), progress=False,
+                           **{"model.name": "tiny-random", "rollout.engine": "scripted", "train.max_steps": 1,
+                              "train.prompts_per_step": 2, "rollout.num_generations": 2, "data.eval_size": 0,
+                              "rollout.max_completion_length": 20, "train.output_dir": str(scripted / "api")})
+    assert training_rows(scripted / "api")[0]["agent/correct"] == 1.0
+    assert result is not None
+
+
+def test_a_verifiers_environment_of_the_built_in_task_trains_as_the_built_in_task(tmp_path, monkeypatch):
+    """examples/verifiers_arithmetic.py given the built-in task's prompts in the built-in task's
+    order: the same engine calls, rewards and updates as the built-in arithmetic task, bit for bit."""
+    pytest.importorskip("verifiers")
+    from grpokit.tasks import verifiers as through_verifiers
+    from grpokit.tasks.arithmetic import ArithmeticTask
+
+    common = ["train.max_steps=1", "data.eval_size=0"]  # the default run's first step: the bundled model learns there
+    assert main(["train", "--no-progress", *common, f"train.output_dir={tmp_path / 'built-in'}"]) == 0
+    stream = ArithmeticTask(seed=0, eval_size=0)
+
+    def in_stream_order(self, index):
+        e = stream.train_example(index)
+        return through_verifiers.Example(e.prompt, {"answer": str(e.columns["answer"]), "example_id": index,
+                                                    "verifiers_task": self.name})
+
+    monkeypatch.setattr(through_verifiers.VerifiersTask, "train_example", in_stream_order)
+    example = Path(__file__).parents[2] / "examples" / "verifiers_arithmetic.py"
+    assert main(["train", "--no-progress", *common, f"rollout.environment=verifiers:{example}:load_environment",
+                 "data.task_args={train_size: 10}", f"train.output_dir={tmp_path / 'verifiers'}"]) == 0
+    built_in, verifiers = untimed_metrics(tmp_path / "built-in"), untimed_metrics(tmp_path / "verifiers")
+    for a, b in zip(built_in, verifiers):
+        assert {k: a[k] for k in ("reward", "loss", "grad_norm", "entropy", "reward_std")} == \
+            {k: b[k] for k in ("reward", "loss", "grad_norm", "entropy", "reward_std")}
+    assert built_in[0]["grad_norm"] > 0  # an update, from rewards the two compute alike

@@ -1,0 +1,121 @@
+"""rollout.decoder: the static decoder (a key/value cache sized once, every step the same shapes,
+rollout/transformers_engine.py StaticDecoder) samples what the dynamic decoder samples: the same
+tokens from the same seeds, the same masks and finish reasons, log-probs and entropies to 1e-6, for
+single-turn completions sharing their prompt's prefill, and for conversations (an agent's requests,
+each continuing the one before)."""
+
+import copy
+
+import pytest
+import torch
+
+from grpokit.config.loading import load_config
+from grpokit.rollout.batch import SamplingParams
+from grpokit.rollout.transformers_engine import StaticDecoder, TransformersEngine
+from grpokit.runtime.errors import ConfigError
+from grpokit.tasks.task import Example
+
+PARAMS = {"sampled": SamplingParams(16, 1.0), "greedy": SamplingParams(16, 0.0),
+          "filtered": SamplingParams(16, 0.8, top_p=0.9, top_k=50, min_p=0.01)}
+
+
+def both(model, tokenizer, stops, generate):
+    """generate(engine) with the dynamic decoder, then with the static one."""
+    return [generate(TransformersEngine(model, tokenizer.pad_token_id, stops, decoder=d)) for d in ("dynamic", "static")]
+
+
+def assert_same_samples(a, b, dtype):
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.completion_mask, b.completion_mask)
+    assert a.finish_reasons == b.finish_reasons and torch.equal(a.prompt_index, b.prompt_index)
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(b.sampling_logps, a.sampling_logps, atol=tol, rtol=0)
+    # An entropy sums V terms to ~10 nats: its rounding is relative to that.
+    torch.testing.assert_close(b.entropies, a.entropies, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype, params", [(torch.float64, p) for p in PARAMS] + [(torch.float32, "sampled")],
+                         ids=[f"float64-{p}" for p in PARAMS] + ["float32-sampled"])
+@pytest.mark.parametrize("ending", ["one-ends-early", "all-end-early"])
+def test_the_static_decoder_samples_what_the_dynamic_one_does(tiny, dtype, params, ending):
+    """Prompts of different lengths (left padding), several completions sharing a prompt's prefill,
+    and stop tokens chosen from a first run so that completions end at different steps (or all
+    before max_tokens: the outputs are cut where the last one ended, as the dynamic decoder stops)."""
+    model, tokenizer = tiny
+    model = copy.deepcopy(model).to(dtype)
+    prompts = [tokenizer(text)["input_ids"] for text in ("What is 2 + 2?", "Hi", "A longer prompt than the two others")]
+
+    def generate(engine):
+        return engine.generate(prompts, [3, 1, 2], PARAMS[params], list(range(6)))
+
+    first = generate(TransformersEngine(model, tokenizer.pad_token_id, [tokenizer.pad_token_id]))
+    stops = first.completion_ids[:1, 4] if ending == "one-ends-early" else first.completion_ids[:, 3]
+    a, b = both(model, tokenizer, stops.unique().tolist(), generate)
+    assert_same_samples(a, b, dtype)
+    assert a.completion_mask[0].sum() <= 5
+    if ending == "all-end-early":
+        assert a.completion_ids.shape[1] <= 4
+
+
+def test_an_agent_s_conversations_are_the_same_with_either_decoder(tiny):
+    """Multi-turn: each request's context is the one before, its reply and a new message, sampled
+    from its turn seed; the recorded conversations are the same, decoded either way."""
+    pytest.importorskip("openai")
+    from grpokit.multiturn.agents import Agents
+    from grpokit.rollout.prompts import PromptEncoder
+
+    model, tokenizer = tiny
+    model = copy.deepcopy(model).double()
+
+    async def agent(client, name, row):
+        messages = list(row["prompt"])
+        for _ in range(2):
+            reply = await client.chat.completions.create(model=name, messages=messages, max_tokens=6)
+            messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More?"}]
+        return 0.0
+
+    def generate(engine):
+        agents = Agents(agent, "agent", tokenizer, [tokenizer.eos_token_id], timeout=60, encoder=PromptEncoder(tokenizer))
+        try:
+            return agents.generate(engine, [Example([{"role": "user", "content": "Say something."}], {})], [3],
+                                   SamplingParams(24, 1.0), seeds=[4, 5, 6])
+        finally:
+            agents.close()
+
+    a, b = both(model, tokenizer, [tokenizer.eos_token_id], generate)
+    assert a.conversations[0].turns == 2
+    assert_same_samples(a, b, torch.float64)
+    assert torch.equal(a.trained_mask, b.trained_mask)
+
+
+def test_auto_decodes_dynamically_on_the_cpu_and_a_bad_name_is_refused(tiny):
+    model, tokenizer = tiny
+    assert TransformersEngine(model, tokenizer.pad_token_id, [0])._decoder(torch.device("cpu")) == "dynamic"
+    assert TransformersEngine(model, tokenizer.pad_token_id, [0])._decoder(torch.device("cuda")) == "static"
+    with pytest.raises(ConfigError, match="rollout.decoder='fast': must be one of auto, dynamic, static"):
+        load_config(None, ["rollout.decoder=fast"])
+    assert StaticDecoder.__doc__  # the path the docs describe exists
+
+
+def test_a_model_the_static_decoder_cannot_run_decodes_dynamically_or_is_refused():
+    """A sliding window (Mistral's, Gemma 3's sliding layers) keeps a cache of the window's size,
+    which the static decoder's whole-cache mask does not fit: auto decodes such a model dynamically
+    on CUDA too, and rollout.decoder=static is refused at start-up, naming why."""
+    from transformers import Gemma3TextConfig, Gemma3ForCausalLM, MistralConfig, MistralForCausalLM
+
+    from grpokit.config.checks import Facts, check, model_facts
+    from grpokit.rollout.transformers_engine import static_decoding_problem
+
+    small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=8)
+    mistral = MistralForCausalLM(MistralConfig(**small, sliding_window=4))
+    gemma = Gemma3ForCausalLM(Gemma3TextConfig(**small))
+    assert "sliding window of 4 tokens" in static_decoding_problem(mistral.config)
+    assert "other kinds than full attention" in static_decoding_problem(gemma.config)
+    for model in (mistral, gemma):
+        assert TransformersEngine(model, 0, [1])._decoder(torch.device("cuda")) == "dynamic"
+        with pytest.raises(ValueError, match="rollout.decoder=static: .*use rollout.decoder=dynamic"):
+            TransformersEngine(model, 0, [1], decoder="static")
+        # A run that asks for it is refused at start-up, with every other problem (config/checks.py).
+        facts = Facts(model=model_facts("a model", model, tokenizer=object()))
+        with pytest.raises(ConfigError, match="rollout.decoder=static: .*use rollout.decoder=dynamic"):
+            check(load_config(None, ["rollout.decoder=static"], check=False), facts)

@@ -1,0 +1,233 @@
+"""Sharded training (training/sharding.py) on CPU: `grpokit train` launched by `accelerate launch` with
+the shipped FSDP2 and DeepSpeed config files, 2 gloo processes, reproduces the 1-process run; its
+checkpoints are the same files, so a run moves between engines; a rollout server receives the
+gathered weights; and every shipped config is one grpokit accepts.
+
+`accelerate launch` itself runs the FSDP2 run, the run generating ahead and the run with a
+sitecustomize hook; the others start the processes it would, with the environment accelerate's
+own launch code computes from the config file (support/processes.py, `accelerated`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from support.processes import TESTS, accelerate_env, accelerated, free_port, run_grpokit
+from support.runs import assert_same_run_to_rounding, untimed_metrics
+from support.servers import get_health
+from safetensors.torch import load_file
+
+pytest.importorskip("deepspeed", reason="the DeepSpeed tests need: pip install 'grpokit[deepspeed]'")
+pytestmark = pytest.mark.process  # every test launches `grpokit train` processes
+
+EXAMPLES = TESTS.parent / "examples" / "accelerate"
+# A KL term (so a sharded reference model too), evaluation, a reward that moves the weights (shortness), two
+# micro-batches per process to accumulate, two iterations (old log-probs), warm-up and weight decay.
+RUN = ["--no-progress", "model.name=tiny-random", f"reward.functions=[{TESTS / 'support' / 'rewards.py'}:shortness]",
+       "train.prompts_per_step=2", "rollout.num_generations=4", "data.eval_size=5", "train.eval_every=2",
+       "algorithm.beta=0.04", "train.learning_rate=1e-3", "train.micro_batch_size=2", "algorithm.num_iterations=2",
+       "train.warmup_steps=2", "train.weight_decay=0.1"]
+
+
+def accelerate_launch(config: Path, args: list[str], cwd: Path, nproc: int | None = None,
+                      hooks: Path | None = None) -> subprocess.CompletedProcess:
+    """`accelerate launch` itself, each process a fresh interpreter (with a sitecustomize in `hooks`)."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+               f"--main_process_port={free_port()}", *([f"--num_processes={nproc}"] if nproc else []), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(str(p) for p in (hooks, TESTS) if p is not None)}
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def train(cwd: Path, out: str, *extra: str, config: Path | None = None, hooks: Path | None = None,
+          launcher: bool = False) -> subprocess.CompletedProcess:
+    """`grpokit train` on one process, or launched with accelerate `config`: by `accelerate launch`
+    itself with `launcher` (or `hooks`), else its processes forked as it would start them."""
+    args = ["train", *RUN, f"train.output_dir={out}", *extra]
+    if config is None:
+        result = run_grpokit(*args, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    elif launcher or hooks is not None:
+        result = accelerate_launch(config, ["-m", "grpokit", *args], cwd, hooks=hooks)
+    else:
+        result = accelerated(config, args, cwd)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    """The unsharded, 1-process run of 3 steps every sharded run must reproduce."""
+    cwd = tmp_path_factory.mktemp("one")
+    train(cwd, "run", "train.max_steps=3")
+    return cwd / "run"
+
+
+def variant(tmp_path: Path, shipped: str, **changes: str) -> Path:
+    """A copy of a shipped config with some `key: value` lines changed."""
+    text = (EXAMPLES / shipped).read_text()
+    for key, value in changes.items():
+        lines = [line for line in text.splitlines() if line.strip().startswith(f"{key}:")]
+        assert len(lines) == 1, key
+        indent = lines[0][: len(lines[0]) - len(lines[0].lstrip())]
+        text = text.replace(lines[0], f"{indent}{key}: {value}")
+    path = tmp_path / f"{Path(shipped).stem}-variant.yaml"
+    path.write_text(text)
+    return path
+
+
+VARIANTS = {
+    "fsdp2": ("cpu-2-processes-fsdp2.yaml", {}, [], "FSDP2 over 2 processes: process 0 holds 5"),
+    # Parameters, gradients and AdamW state offloaded; the output layer applied in chunks.
+    "fsdp2-offload-chunked": ("cpu-2-processes-fsdp2.yaml", {"fsdp_offload_params": "true"},
+                              ["train.logprob_chunk_size=3", "model.gradient_checkpointing=true"], "CPU offload on"),
+    "zero3": ("cpu-2-processes-zero3.yaml", {}, [], "DeepSpeed ZeRO-3 over 2 processes: process 0 holds 5"),
+    "zero3-offload": ("cpu-2-processes-zero3.yaml", {"offload_optimizer_device": "cpu", "offload_param_device": "cpu"},
+                      [], "AdamW state offloaded to cpu, weights offloaded to cpu"),
+    "zero2-offload": ("cpu-2-processes-zero3.yaml", {"zero_stage": "2", "offload_optimizer_device": "cpu"}, [],
+                      "ZeRO-2 over 2 processes: every process holds the whole weights"),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_a_sharded_run_equals_the_one_process_run(name, one_process, tmp_path):
+    shipped, changes, extra, described = VARIANTS[name]
+    config = variant(tmp_path, shipped, **changes) if changes else EXAMPLES / shipped
+    result = train(tmp_path, "run", "train.max_steps=3", *extra, config=config, launcher=name == "fsdp2")
+    assert described in result.stderr + result.stdout  # sharded as asked, and said so
+    assert_same_run_to_rounding(tmp_path / "run", one_process)
+    from grpokit.models.loading import load_model
+
+    load_model(str(tmp_path / "run" / "final"))  # a plain Hugging Face folder
+
+
+def test_a_run_resumes_across_engines(one_process, tmp_path):
+    """Checkpoints hold full weights and the full AdamW state whatever the engine: step 0 (no
+    AdamW state yet) and step 1 under FSDP2, step 2 under DeepSpeed ZeRO-2, step 3 under ZeRO-3, is
+    the 1-process run."""
+    fsdp2 = EXAMPLES / "cpu-2-processes-fsdp2.yaml"
+    train(tmp_path, "run", "train.max_steps=0", config=fsdp2)
+    zero2 = variant(tmp_path, "cpu-2-processes-zero3.yaml", zero_stage="2")
+    for steps, config in ((1, fsdp2), (2, zero2), (3, EXAMPLES / "cpu-2-processes-zero3.yaml")):
+        result = train(tmp_path, "run", f"train.max_steps={steps}", config=config)
+        assert f"resuming from {Path('run', 'checkpoints', f'step-{steps - 1}')}" in result.stderr + result.stdout
+    assert_same_run_to_rounding(tmp_path / "run", one_process, evals=False)
+
+
+def test_a_rollout_server_gets_the_gathered_weights(one_process, tmp_path, server):
+    """rollout.engine=server under FSDP2: every push (checksum-verified by the client) carries
+    the whole weights, gathered from both processes; the run is the 1-process in-process run."""
+    pytest.importorskip("fastapi", reason="the server needs: pip install 'grpokit[server]'")
+    s = server()
+    train(tmp_path, "run", "train.max_steps=3", "rollout.engine=server", f"rollout.server_url={s.url}",
+          config=EXAMPLES / "cpu-2-processes-fsdp2.yaml")
+    assert get_health(s.url)["session"] is not None
+    assert_same_run_to_rounding(tmp_path / "run", one_process)
+
+
+def refused(result: subprocess.CompletedProcess) -> bool:
+    """grpokit exited 2: a start-up refusal."""
+    return result.returncode == 2
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"fsdp_version": "1"}, "fsdp_version: 1 (grpokit shards with FSDP2"),
+    ({"fsdp_activation_checkpointing": "true"}, "model.gradient_checkpointing=true"),
+    ({"mixed_precision": "bf16"}, "grpokit has one precision setting, model.dtype"),
+], ids=["fsdp1", "fsdp-checkpointing", "mixed-precision"])
+def test_fsdp_settings_grpokit_owns_are_refused(tmp_path, changes, message):
+    config = variant(tmp_path, "cpu-2-processes-fsdp2.yaml", **changes)
+    result = accelerated(config, ["train", *RUN, "train.output_dir=run"], tmp_path, nproc=1)
+    assert refused(result) and message in result.stderr, result.stderr[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_deepspeed_settings_grpokit_owns_are_refused(tmp_path):
+    (tmp_path / "ds.json").write_text(json.dumps({
+        "zero_optimization": {"stage": 1}, "gradient_clipping": 0.5, "train_micro_batch_size_per_gpu": "auto",
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}}))
+    config = tmp_path / "ds.yaml"
+    config.write_text("distributed_type: DEEPSPEED\nnum_processes: 1\nuse_cpu: true\n"
+                      f"deepspeed_config:\n  deepspeed_config_file: {tmp_path / 'ds.json'}\n  zero3_init_flag: false\n")
+    result = accelerated(config, ["train", *RUN, "train.output_dir=run", "model.lora_rank=4", "model.dtype=bfloat16"],
+                         tmp_path)
+    assert refused(result), result.stderr[-3000:]
+    for message in ("gradient_clipping is set by grpokit's train.max_grad_norm", "optimizer is set by grpokit's",
+                    "zero_stage: 1", "LoRA with DeepSpeed", "model.dtype=bfloat16 (DeepSpeed keeps float32 master"):
+        assert message in result.stderr, (message, result.stderr[-3000:])
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_config_is_accepted_by_grpokit(path, monkeypatch):
+    """Each file gives, through accelerate's own launch code (as 1 process of 1 machine, here on
+    CPU), the environment grpokit reads its strategy from, and grpokit accepts it."""
+    from grpokit.config import Config, check, facts
+    from grpokit.training import sharding
+
+    _, env, _ = accelerate_env(path, 1, "--num_machines=1", "--machine_rank=0")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    config = Config()
+    found = facts(config, world_size=1)
+    check(config, found)
+    expected = {"FSDP": "FSDP2", "DEEPSPEED": "DeepSpeed", "MULTI_GPU": "replicated"}
+    kind = next(line.split(":")[1].strip() for line in path.read_text().splitlines()
+                if line.startswith("distributed_type:"))
+    assert sharding.from_launch(config, found.launch).name == expected[kind]
+
+
+INFINITE_LOSS = '''
+import os
+if os.environ.get("GRPOKIT_TEST_INFINITE_CALLS"):
+    from grpokit.algorithm.loss import LOSSES
+
+    first, last = map(int, os.environ["GRPOKIT_TEST_INFINITE_CALLS"].split("-"))
+    real, calls = LOSSES["grpo"], []
+
+    def infinite_loss(inputs, settings):
+        # An infinite loss whose gradient is finite (the loss's own): the hardest case to skip.
+        calls.append(1)
+        out = real(inputs, settings)
+        if first <= len(calls) <= last:
+            out.loss = out.loss + float("inf")
+        return out
+
+    LOSSES["grpo"] = infinite_loss
+'''
+
+
+def test_deepspeed_skips_a_non_finite_update_as_grpokit_does(tmp_path):
+    """A step whose loss is infinite (its gradient finite) changes nothing under ZeRO-3: the
+    weights and AdamW state after it are those before it, and it is counted as skipped."""
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(INFINITE_LOSS)
+    # Per process and step: 2 iterations x 2 micro-batches = 4 loss calls; step 2 is calls 5-8.
+    os.environ["GRPOKIT_TEST_INFINITE_CALLS"] = "5-8"
+    try:
+        train(tmp_path, "run", "train.max_steps=2", "train.save_every=1", "train.keep_checkpoints=3",
+              config=EXAMPLES / "cpu-2-processes-zero3.yaml", hooks=tmp_path / "hook")
+    finally:
+        del os.environ["GRPOKIT_TEST_INFINITE_CALLS"]
+    rows = [r for r in untimed_metrics(tmp_path / "run") if "loss" in r]
+    assert [r["skipped_steps"] for r in rows] == [0, 1] and float(rows[1]["loss"]) == float("inf")
+    before, after = (tmp_path / "run" / "checkpoints" / f"step-{n}" for n in (1, 2))
+    w, v = load_file(before / "model.safetensors"), load_file(after / "model.safetensors")
+    assert all(torch.equal(w[k], v[k]) for k in w)
+    o, p = (torch.load(c / "optimizer.pt", weights_only=True)["optimizer"]["state"] for c in (before, after))
+    assert all(torch.equal(o[n]["exp_avg"], p[n]["exp_avg"]) and o[n]["step"] == p[n]["step"] for n in o)
+
+
+def test_steps_generated_ahead_under_fsdp2(tmp_path, server):
+    """rollout.max_staleness=1 under FSDP2: the weight copies pushed ahead are gathered from both
+    processes (a collective at each step's start); the run is the 1-process run through the server."""
+    pytest.importorskip("fastapi", reason="the server needs: pip install 'grpokit[server]'")
+    s = server()
+    ahead = ["train.max_steps=3", "rollout.engine=server", f"rollout.server_url={s.url}", "rollout.max_staleness=1"]
+    train(tmp_path, "one", *ahead)
+    train(tmp_path, "run", *ahead, config=EXAMPLES / "cpu-2-processes-fsdp2.yaml", launcher=True)
+    assert [r["staleness"] for r in untimed_metrics(tmp_path / "run") if "loss" in r] == [0, 1, 1]
+    assert_same_run_to_rounding(tmp_path / "run", tmp_path / "one")
