@@ -40,10 +40,13 @@ def pinned(core: int | None, command: list[str]) -> list[str]:
     return command if core is None else ["taskset", "-c", str(core), *command]
 
 
-def start_server(core: int | None, log: Path, model: str) -> tuple[subprocess.Popen, str]:
+def start_server(core: int | None, log: Path, model: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """`grpokit serve --model model` (on CPU core `core` if given), its output in `log`, once it
+    answers /health; env: its environment (default: this one's, one thread)."""
     port = free_port()
     process = subprocess.Popen(pinned(core, [sys.executable, "-m", "grpokit", "serve", "--model", model, "--port", str(port)]),
-                               stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                               stdout=log.open("w"), stderr=subprocess.STDOUT,
+                               env=env or {**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
