@@ -19,8 +19,12 @@ does not change what is sampled either.
 
 from __future__ import annotations
 
+import gc
+import importlib.util
 import math
+import os
 import pickle
+import sys
 
 import torch
 import torch.distributed as dist
@@ -30,6 +34,16 @@ def init() -> torch.device:
     """Join the launcher's process group, if any; the device this process computes on."""
     from accelerate import PartialState
 
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # A module imported once the group exists may keep it for good as a default argument
+        # (`group=dist.group.WORLD`), and its threads with it: torch's autograd collectives, and
+        # DeepSpeed's comm (transformers' save_pretrained imports it on the saving process).
+        # Imported before, they keep None. DeepSpeed's accelerator is the CPU where there is no GPU.
+        importlib.import_module("torch.distributed.nn")
+        if importlib.util.find_spec("deepspeed") is not None:
+            if not torch.cuda.is_available():
+                os.environ.setdefault("DS_ACCELERATOR", "cpu")
+            importlib.import_module("deepspeed.comm")
     # cpu=True is what makes accelerate pick gloo when a launcher started several CPU processes.
     return PartialState(cpu=not torch.cuda.is_available()).device
 
@@ -168,10 +182,28 @@ def sum_gradients(params: list[torch.nn.Parameter], bucket_elements: int = 1 << 
 
 
 def finish() -> None:
-    """Wait for every process (process 0 may still be writing), then leave the group."""
+    """Wait for every process (process 0 may still be writing), then leave the group, its threads
+    ended here rather than while the interpreter tears down."""
     if _active():
         dist.barrier()
         dist.destroy_process_group()
+        _release_meshes()
+
+
+def _release_meshes() -> None:
+    """torch (2.13) keeps a DeviceMesh's process groups in the mesh's `_pg_registry` after
+    destroy_process_group, and an FSDP2 model keeps its mesh: the world group, its gloo threads
+    running, would live on until the interpreter's teardown destroyed it midway. (A process ending
+    so once aborted at exit: "terminate called without an active exception".) Emptied, the group is
+    destroyed now and its threads joined."""
+    if "torch.distributed.device_mesh" not in sys.modules:
+        return
+    from torch.distributed.device_mesh import DeviceMesh
+
+    gc.collect()  # a finished run's sharded model, in reference cycles, holds the group too
+    for obj in gc.get_objects():
+        if isinstance(obj, DeviceMesh) and isinstance(getattr(obj, "_pg_registry", None), dict):
+            obj._pg_registry.clear()
 
 
 def _picklable(error: BaseException) -> BaseException:
