@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.processes import TESTS, Process, free_port, grpokit, run_grpokit, same_threads_env
+from support.processes import TESTS, Process, free_port, grpokit, run_grpokit, same_threads_env, torchrun
 from support.runs import assert_same_final_weights
 
 from grpokit.cli import main
@@ -162,16 +162,19 @@ def test_a_stop_signal_saves_the_step_and_exits_with_128_plus_the_signal(referen
 
 @pytest.mark.process
 def test_two_processes_stop_after_the_same_step_and_resume(tmp_path):
-    """torchrun passes SIGTERM to both processes; they agree on the step, save once, and resume."""
+    """torchrun passes SIGTERM to both processes; they agree on the step, save once, and resume.
+    torchrun itself starts the run it signals; the reference run and the resumed one are forked as
+    it starts its workers (support/processes.py), which spares their imports."""
     reference, out = tmp_path / "reference", tmp_path / "run"
-    assert finish(launch(reference, "train.max_steps=6", processes=2), reference) == 0
+    args = ["-m", "grpokit", "train", "--no-progress", *ARGS, "train.max_steps=6"]
+    torchrun(2, [*args, f"train.output_dir={reference}"], tmp_path)
     process = launch(out, "train.max_steps=6", processes=2)
     wait_for(lambda: len(train_rows(out)) >= 3, process)
     process.send_signal(signal.SIGTERM)
     finish(process, out)  # torchrun's own status (1: its workers did not exit 0)
     assert (tmp_path / "run.log").read_text().count("SIGTERM received") == 1  # process 0 speaks
     assert checkpoint_step(latest_checkpoint(out)) == train_rows(out)[-1]["step"] < 6
-    assert finish(launch(out, "train.max_steps=6", processes=2), out) == 0
+    torchrun(2, [*args, f"train.output_dir={out}"], tmp_path)
     assert_same_resumed_run(out, reference)
 
 

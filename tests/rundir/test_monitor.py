@@ -109,16 +109,18 @@ def test_wandb_missing_is_a_clear_startup_error(tmp_path, monkeypatch, capsys):
 def test_trackio_logs_every_metric_locally(tmp_path):
     """monitor.trackio=true: Trackio's local database holds what metrics.jsonl holds."""
     pytest.importorskip("trackio", reason="trackio is in the test extra: pip install -e '.[test]'")
-    import os
     import subprocess
     import sys
 
-    env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio")}  # read when trackio is imported
+    from support.processes import run_grpokit, same_threads_env
+
+    # Read when trackio is imported: in the trainer's own process (forked before any import of it).
+    env = {**same_threads_env(), "TRACKIO_DIR": str(tmp_path / "trackio")}
     out = tmp_path / "run"
-    subprocess.run([sys.executable, "-m", "grpokit", "train", "--no-progress", "model.name=tiny-random",
-                    "train.prompts_per_step=2", "rollout.num_generations=3", "data.eval_size=2", "train.max_steps=3",
-                    "monitor.trackio=true", "monitor.trackio_project=tests", f"train.output_dir={out}"],
-                   env=env, check=True, capture_output=True)
+    result = run_grpokit("train", "--no-progress", "model.name=tiny-random", "train.prompts_per_step=2",
+                         "rollout.num_generations=3", "data.eval_size=2", "train.max_steps=3", "monitor.trackio=true",
+                         "monitor.trackio_project=tests", f"train.output_dir={out}", env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
     read = ("import json, sys; from trackio.sqlite_storage import SQLiteStorage; "
             "print(json.dumps(SQLiteStorage.get_logs('tests', sys.argv[1])))")
     logged = json.loads(subprocess.run([sys.executable, "-c", read, "run"], env=env, check=True,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import socket
@@ -53,10 +54,24 @@ _context = None
 
 
 def _forkserver():
+    """This pytest worker's forkserver, started with the preload imported. The forkserver is a
+    fresh interpreter that imports the preload by name, and Python 3.11's ignores this process's
+    sys.path (where pytest put tests/) and passes over an ImportError in silence: so it starts
+    with tests/ on PYTHONPATH, and `_run` refuses a process forked without the preload."""
     global _context
     if _context is None:
-        _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(["support.preload"])
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["support.preload"])
+        saved = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(TESTS), *([saved] if saved else [])])
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = saved
+        _context = context
     return _context
 
 
@@ -72,6 +87,9 @@ def _run(target, args: list[str], env: dict, cwd: str | None, out: str, err: str
         os.dup2(handle, fd)
         os.close(handle)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter
+    if "support.preload" not in sys.modules:  # each process would spend seconds importing
+        sys.stderr.write("support/processes.py: the forkserver did not import support.preload\n")
+        sys.exit(3)
     import torch
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", torch.get_num_threads())))
@@ -266,11 +284,13 @@ def accelerate_env(config: Path, nproc: int | None = None, *flags: str) -> tuple
 
 
 def accelerated(config: Path, args: list[str], cwd: Path, nproc: int | None = None,
-                timeout: float = 600) -> subprocess.CompletedProcess:
-    """`accelerate launch --config_file config -m grpokit *args`: its processes forked with the
-    environment accelerate gives them (accelerate_env); their exit status and output."""
+                timeout: float = 600, script: Path | None = None) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file config -m grpokit *args` (or `script *args`, a script that
+    runs grpokit's CLI): its processes forked with the environment accelerate gives them
+    (accelerate_env); their exit status and output."""
     n, env, launched = accelerate_env(config, nproc)
-    return processes_of_one_run(n, _cli, args, {**same_threads_env(), **env}, cwd, timeout, launched)
+    target, args = (_cli, args) if script is None else (_script, [str(script), *args])
+    return processes_of_one_run(n, target, args, {**same_threads_env(), **env}, cwd, timeout, launched)
 
 
 def run_worker(tmp_path, mode, overrides):

@@ -1,15 +1,15 @@
 """tools/compare_runs.py: two run folders compared bit for bit, timings aside."""
 
+import contextlib
+import io
 import json
+import runpy
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import save_file
-
-pytestmark = pytest.mark.process  # every test runs the tool in its own process
 
 TOOL = Path(__file__).parents[2] / "tools" / "compare_runs.py"
 
@@ -23,7 +23,19 @@ def make_run(folder: Path, weight: float, loss: float, step_time: float) -> Path
 
 
 def compare(a: Path, b: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(TOOL), str(a), str(b)], capture_output=True, text=True, timeout=120)
+    """`python tools/compare_runs.py a b` (the script as run, its `__main__` block), in this process:
+    its exit status and what it printed."""
+    printed, argv = io.StringIO(), sys.argv
+    sys.argv = [str(TOOL), str(a), str(b)]
+    try:
+        with contextlib.redirect_stdout(printed):
+            runpy.run_path(str(TOOL), run_name="__main__")
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    finally:
+        sys.argv = argv
+    return subprocess.CompletedProcess(sys.argv, code, printed.getvalue(), "")
 
 
 def test_the_same_run_with_other_timings_is_the_same(tmp_path):

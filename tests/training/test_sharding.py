@@ -3,9 +3,9 @@ the shipped FSDP2 and DeepSpeed config files, 2 gloo processes, reproduces the 1
 checkpoints are the same files, so a run moves between engines; a rollout server receives the
 gathered weights; and every shipped config is one grpokit accepts.
 
-`accelerate launch` itself runs the FSDP2 run, the run generating ahead and the run with a
-sitecustomize hook; the others start the processes it would, with the environment accelerate's
-own launch code computes from the config file (support/processes.py, `accelerated`)."""
+`accelerate launch` itself runs the FSDP2 run; the others start the processes it would, with the
+environment accelerate's own launch code computes from the config file (support/processes.py,
+`accelerated`)."""
 
 from __future__ import annotations
 
@@ -34,27 +34,27 @@ RUN = ["--no-progress", "model.name=tiny-random", f"reward.functions=[{TESTS / '
        "train.warmup_steps=2", "train.weight_decay=0.1"]
 
 
-def accelerate_launch(config: Path, args: list[str], cwd: Path, nproc: int | None = None,
-                      hooks: Path | None = None) -> subprocess.CompletedProcess:
-    """`accelerate launch` itself, each process a fresh interpreter (with a sitecustomize in `hooks`)."""
+def accelerate_launch(config: Path, args: list[str], cwd: Path, nproc: int | None = None) -> subprocess.CompletedProcess:
+    """`accelerate launch` itself, each process a fresh interpreter."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
                f"--main_process_port={free_port()}", *([f"--num_processes={nproc}"] if nproc else []), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(str(p) for p in (hooks, TESTS) if p is not None)}
+           "PYTHONPATH": str(TESTS)}
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
-def train(cwd: Path, out: str, *extra: str, config: Path | None = None, hooks: Path | None = None,
-          launcher: bool = False) -> subprocess.CompletedProcess:
+def train(cwd: Path, out: str, *extra: str, config: Path | None = None, launcher: bool = False,
+          script: Path | None = None) -> subprocess.CompletedProcess:
     """`grpokit train` on one process, or launched with accelerate `config`: by `accelerate launch`
-    itself with `launcher` (or `hooks`), else its processes forked as it would start them."""
+    itself with `launcher`, else its processes forked as it would start them (running `script`,
+    given, with grpokit's arguments)."""
     args = ["train", *RUN, f"train.output_dir={out}", *extra]
     if config is None:
         result = run_grpokit(*args, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    elif launcher or hooks is not None:
-        result = accelerate_launch(config, ["-m", "grpokit", *args], cwd, hooks=hooks)
+    elif launcher:
+        result = accelerate_launch(config, ["-m", "grpokit", *args], cwd)
     else:
-        result = accelerated(config, args, cwd)
+        result = accelerated(config, args, cwd, script=script)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return result
 
@@ -180,38 +180,37 @@ def test_every_shipped_config_is_accepted_by_grpokit(path, monkeypatch):
     assert sharding.from_launch(config, found.launch).name == expected[kind]
 
 
+# grpokit's CLI in each process, the loss of calls 5 to 8 made infinite first.
 INFINITE_LOSS = '''
-import os
-if os.environ.get("GRPOKIT_TEST_INFINITE_CALLS"):
-    from grpokit.algorithm.loss import LOSSES
+import sys
+from grpokit.algorithm.loss import LOSSES
+from grpokit.cli import main
 
-    first, last = map(int, os.environ["GRPOKIT_TEST_INFINITE_CALLS"].split("-"))
-    real, calls = LOSSES["grpo"], []
+first, last = 5, 8
+real, calls = LOSSES["grpo"], []
 
-    def infinite_loss(inputs, settings):
-        # An infinite loss whose gradient is finite (the loss's own): the hardest case to skip.
-        calls.append(1)
-        out = real(inputs, settings)
-        if first <= len(calls) <= last:
-            out.loss = out.loss + float("inf")
-        return out
 
-    LOSSES["grpo"] = infinite_loss
+def infinite_loss(inputs, settings):
+    # An infinite loss whose gradient is finite (the loss's own): the hardest case to skip.
+    calls.append(1)
+    out = real(inputs, settings)
+    if first <= len(calls) <= last:
+        out.loss = out.loss + float("inf")
+    return out
+
+
+LOSSES["grpo"] = infinite_loss
+sys.exit(main(sys.argv[1:]))
 '''
 
 
 def test_deepspeed_skips_a_non_finite_update_as_grpokit_does(tmp_path):
     """A step whose loss is infinite (its gradient finite) changes nothing under ZeRO-3: the
     weights and AdamW state after it are those before it, and it is counted as skipped."""
-    (tmp_path / "hook").mkdir()
-    (tmp_path / "hook" / "sitecustomize.py").write_text(INFINITE_LOSS)
     # Per process and step: 2 iterations x 2 micro-batches = 4 loss calls; step 2 is calls 5-8.
-    os.environ["GRPOKIT_TEST_INFINITE_CALLS"] = "5-8"
-    try:
-        train(tmp_path, "run", "train.max_steps=2", "train.save_every=1", "train.keep_checkpoints=3",
-              config=EXAMPLES / "cpu-2-processes-zero3.yaml", hooks=tmp_path / "hook")
-    finally:
-        del os.environ["GRPOKIT_TEST_INFINITE_CALLS"]
+    (tmp_path / "infinite_loss.py").write_text(INFINITE_LOSS)
+    train(tmp_path, "run", "train.max_steps=2", "train.save_every=1", "train.keep_checkpoints=3",
+          config=EXAMPLES / "cpu-2-processes-zero3.yaml", script=tmp_path / "infinite_loss.py")
     rows = [r for r in untimed_metrics(tmp_path / "run") if "loss" in r]
     assert [r["skipped_steps"] for r in rows] == [0, 1] and float(rows[1]["loss"]) == float("inf")
     before, after = (tmp_path / "run" / "checkpoints" / f"step-{n}" for n in (1, 2))
@@ -228,6 +227,6 @@ def test_steps_generated_ahead_under_fsdp2(tmp_path, server):
     s = server()
     ahead = ["train.max_steps=3", "rollout.engine=server", f"rollout.server_url={s.url}", "rollout.max_staleness=1"]
     train(tmp_path, "one", *ahead)
-    train(tmp_path, "run", *ahead, config=EXAMPLES / "cpu-2-processes-fsdp2.yaml", launcher=True)
+    train(tmp_path, "run", *ahead, config=EXAMPLES / "cpu-2-processes-fsdp2.yaml")
     assert [r["staleness"] for r in untimed_metrics(tmp_path / "run") if "loss" in r] == [0, 1, 1]
     assert_same_run_to_rounding(tmp_path / "run", tmp_path / "one")

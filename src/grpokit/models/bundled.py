@@ -120,15 +120,17 @@ _TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
 
 
 def tiny_random(tokenizer, dtype: torch.dtype):
+    # Built once per process and copied: a run, its reference model and each test's trainer
+    # rebuild it, and the copy is the same model as a fresh build, bit for bit.
+    return copy.deepcopy(_tiny_random(len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id,
+                                      tokenizer.pad_token_id, dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _tiny_random(vocab_size: int, bos: int, eos: int, pad: int, dtype: torch.dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        **_TINY_TEXT,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    config = LlamaConfig(vocab_size=vocab_size, **_TINY_TEXT, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
     state = torch.random.get_rng_state()
     torch.manual_seed(0)  # the same tiny model every time, whatever the run's seed
     try:

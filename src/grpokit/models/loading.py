@@ -151,7 +151,7 @@ def load_model(name: str, dtype: str = "float32"):
         base = load_model(json.loads(adapter.read_text())["base_model_name_or_path"], dtype)
         return PeftModel.from_pretrained(base, name).merge_and_unload().train()
     if name == TINY:
-        model = tiny_random(load_tokenizer(name), torch_dtype)
+        model = tiny_random(bundled_tokenizer(), torch_dtype)  # read only: no copy
     elif name == TINY_VLM:
         model = tiny_random_vlm(torch_dtype)
     elif is_vision_model(name):
