@@ -28,6 +28,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from unittest import mock
 
 TESTS = Path(__file__).parents[1]
 
@@ -62,15 +63,9 @@ def _forkserver():
     if _context is None:
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(["support.preload"])
-        saved = os.environ.get("PYTHONPATH")
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(TESTS), *([saved] if saved else [])])
-        try:
+        path = os.pathsep.join([str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])
+        with mock.patch.dict(os.environ, PYTHONPATH=path):
             multiprocessing.forkserver.ensure_running()
-        finally:
-            if saved is None:
-                del os.environ["PYTHONPATH"]
-            else:
-                os.environ["PYTHONPATH"] = saved
         _context = context
     return _context
 

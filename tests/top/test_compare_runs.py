@@ -25,8 +25,8 @@ def make_run(folder: Path, weight: float, loss: float, step_time: float) -> Path
 def compare(a: Path, b: Path) -> subprocess.CompletedProcess:
     """`python tools/compare_runs.py a b` (the script as run, its `__main__` block), in this process:
     its exit status and what it printed."""
-    printed, argv = io.StringIO(), sys.argv
-    sys.argv = [str(TOOL), str(a), str(b)]
+    printed, argv, command = io.StringIO(), sys.argv, [str(TOOL), str(a), str(b)]
+    sys.argv = command
     try:
         with contextlib.redirect_stdout(printed):
             runpy.run_path(str(TOOL), run_name="__main__")
@@ -35,7 +35,7 @@ def compare(a: Path, b: Path) -> subprocess.CompletedProcess:
         code = stop.code if isinstance(stop.code, int) else 1
     finally:
         sys.argv = argv
-    return subprocess.CompletedProcess(sys.argv, code, printed.getvalue(), "")
+    return subprocess.CompletedProcess(command, code, printed.getvalue(), "")
 
 
 def test_the_same_run_with_other_timings_is_the_same(tmp_path):
