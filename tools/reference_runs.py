@@ -44,6 +44,7 @@ SMALL = ["train.prompts_per_step=4", "rollout.num_generations=4", "data.eval_siz
          "train.save_every=2", "train.keep_checkpoints=null"]
 TINY = ["model.name=tiny-random", SHORTNESS, "train.learning_rate=1e-3", *SMALL]
 FSDP2 = ROOT / "examples" / "accelerate" / "cpu-2-processes-fsdp2.yaml"
+ZERO3 = ROOT / "examples" / "accelerate" / "cpu-2-processes-zero3.yaml"
 
 # name -> (launcher, servers, arguments): launcher "python" (one process), "torchrun" (2 processes)
 # or an accelerate config; servers: how many `grpokit serve` of tiny-random the run is given
@@ -74,6 +75,7 @@ RUNS = {
                                   "rollout.max_staleness=1", "rollout.agent={out}/agent.py:follow_up",
                                   "rollout.max_completion_length=24"]),
     "fsdp2": (str(FSDP2), 0, ["train.max_steps=3", *TINY, "algorithm.beta=0.04", "train.micro_batch_size=2"]),
+    "zero3": (str(ZERO3), 0, ["train.max_steps=3", *TINY, "algorithm.beta=0.04", "train.micro_batch_size=2"]),
 }
 
 

@@ -29,3 +29,21 @@ def test_bundled_model_saves_and_reloads(bundled, tmp_path):
     assert getattr(reloaded.config, "quantization_config", None) is None
     ids = torch.tensor([[1, 2, 3]])
     torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
+
+
+def test_each_tokenizer_loaded_has_settings_of_its_own():
+    """load_tokenizer gives each caller its own chat template and special tokens over one read of
+    the vocabulary; tiny-random-vlm's image tokens stay out of the text model's."""
+    from grpokit.models.bundled import tiny_vlm_processor
+
+    first, second = load_tokenizer("tiny-random"), load_tokenizer("tiny-random")
+    size = len(first)
+    first.chat_template = "{{ messages[0]['content'] }}"
+    first.pad_token = "<|im_start|>"
+    assert second.chat_template != first.chat_template and second.pad_token_id == second.eos_token_id
+    assert first("What is 6 * 7?")["input_ids"] == second("What is 6 * 7?")["input_ids"]
+    vlm, other = tiny_vlm_processor().tokenizer, tiny_vlm_processor().tokenizer
+    assert "<image>" in vlm.get_vocab() and "<end_of_utterance>" in vlm.get_vocab() and len(vlm) > size
+    vlm.chat_template = "{{ messages[0]['content'] }}"
+    assert other.chat_template != vlm.chat_template and len(other) == len(vlm)
+    assert len(load_tokenizer("tiny-random")) == len(second) == size and "<image>" not in second.get_vocab()

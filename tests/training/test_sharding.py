@@ -86,10 +86,7 @@ VARIANTS = {
     "fsdp2-offload-chunked": ("cpu-2-processes-fsdp2.yaml", {"fsdp_offload_params": "true"},
                               ["train.logprob_chunk_size=3", "model.gradient_checkpointing=true"], "CPU offload on"),
     "zero3": ("cpu-2-processes-zero3.yaml", {}, [], "DeepSpeed ZeRO-3 over 2 processes: process 0 holds 5"),
-    "zero3-offload": ("cpu-2-processes-zero3.yaml", {"offload_optimizer_device": "cpu", "offload_param_device": "cpu"},
-                      [], "AdamW state offloaded to cpu, weights offloaded to cpu"),
-    "zero2-offload": ("cpu-2-processes-zero3.yaml", {"zero_stage": "2", "offload_optimizer_device": "cpu"}, [],
-                      "ZeRO-2 over 2 processes: every process holds the whole weights"),
+    # ZeRO-2 and ZeRO-3 with offload: test_a_run_resumes_across_engines.
 }
 
 
@@ -99,6 +96,7 @@ def test_a_sharded_run_equals_the_one_process_run(name, one_process, tmp_path):
     config = variant(tmp_path, shipped, **changes) if changes else EXAMPLES / shipped
     result = train(tmp_path, "run", "train.max_steps=3", *extra, config=config, launcher=name == "fsdp2")
     assert described in result.stderr + result.stdout  # sharded as asked, and said so
+    assert "shm_comm" not in result.stderr + result.stdout  # DeepSpeed's inference all-reduce: not built on CPU
     assert_same_run_to_rounding(tmp_path / "run", one_process)
     from grpokit.models.loading import load_model
 
@@ -107,15 +105,28 @@ def test_a_sharded_run_equals_the_one_process_run(name, one_process, tmp_path):
 
 def test_a_run_resumes_across_engines(one_process, tmp_path):
     """Checkpoints hold full weights and the full AdamW state whatever the engine: step 0 (no
-    AdamW state yet) and step 1 under FSDP2, step 2 under DeepSpeed ZeRO-2, step 3 under ZeRO-3, is
-    the 1-process run."""
+    AdamW state yet) and step 1 under FSDP2, step 2 under DeepSpeed ZeRO-2 with the AdamW state
+    offloaded, step 3 under ZeRO-3 with the weights offloaded too, is the 1-process run."""
     fsdp2 = EXAMPLES / "cpu-2-processes-fsdp2.yaml"
     train(tmp_path, "run", "train.max_steps=0", config=fsdp2)
-    zero2 = variant(tmp_path, "cpu-2-processes-zero3.yaml", zero_stage="2")
-    for steps, config in ((1, fsdp2), (2, zero2), (3, EXAMPLES / "cpu-2-processes-zero3.yaml")):
+    zero2 = variant(tmp_path, "cpu-2-processes-zero3.yaml", zero_stage="2", offload_optimizer_device="cpu")
+    (tmp_path / "zero3").mkdir()
+    zero3 = variant(tmp_path / "zero3", "cpu-2-processes-zero3.yaml", offload_optimizer_device="cpu",
+                    offload_param_device="cpu")
+    for steps, config, described in (
+            (1, fsdp2, "FSDP2 over 2 processes: process 0 holds 5"),
+            (2, zero2, "ZeRO-2 over 2 processes: every process holds the whole weights; gradients and AdamW state "
+                       "are sharded (AdamW state offloaded to cpu)"),
+            (3, zero3, "DeepSpeed ZeRO-3 over 2 processes: process 0 holds 5")):
         result = train(tmp_path, "run", f"train.max_steps={steps}", config=config)
-        assert f"resuming from {Path('run', 'checkpoints', f'step-{steps - 1}')}" in result.stderr + result.stdout
+        out = result.stderr + result.stdout
+        assert f"resuming from {Path('run', 'checkpoints', f'step-{steps - 1}')}" in out
+        assert described in out  # sharded as asked, and said so
+    assert "(AdamW state offloaded to cpu, weights offloaded to cpu)" in out
     assert_same_run_to_rounding(tmp_path / "run", one_process, evals=False)
+    from grpokit.models.loading import load_model
+
+    load_model(str(tmp_path / "run" / "final"))  # a plain Hugging Face folder
 
 
 def test_a_rollout_server_gets_the_gathered_weights(one_process, tmp_path, server):

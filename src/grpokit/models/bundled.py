@@ -151,7 +151,16 @@ _VLM_TEMPLATE = (
 
 def tiny_vlm_processor(image_size: int = 64, image_seq_len: int = 4):
     """SmolLM2's tokenizer with Idefics3's image tokens, and an image processor that resizes every
-    image to image_size x image_size, unsplit (image_seq_len tokens an image)."""
+    image to image_size x image_size, unsplit (image_seq_len tokens an image). Built once per
+    process; each caller gets a copy with settings of its own (chat template) over the one Rust
+    tokenizer, as load_tokenizer gives the text models'."""
+    built = _tiny_vlm_processor(image_size, image_seq_len)
+    backend = built.tokenizer.backend_tokenizer
+    return copy.deepcopy(built, {id(backend): backend})
+
+
+@functools.lru_cache(maxsize=None)
+def _tiny_vlm_processor(image_size: int, image_seq_len: int):
     from transformers import Idefics3Processor
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 

@@ -60,9 +60,13 @@ def load_tokenizer(name: str):
 
     if name == TINY_VLM or is_vision_model(name):
         return load_processor(name).tokenizer
-    if name in (BUNDLED, TINY):  # a copy of the one read: the cached conversion does not change
+    if name in (BUNDLED, TINY):
+        # A copy with settings of its own (chat template, pad token) over the one Rust tokenizer read
+        # (vocabulary and merges), which grpokit never changes: reading it again is slow.
+        # (tiny_vlm_processor adds tokens to a deep copy of its own.)
         with _loading(name):
-            return copy.deepcopy(bundled_tokenizer())
+            read = bundled_tokenizer()
+            return copy.deepcopy(read, {id(read.backend_tokenizer): read.backend_tokenizer})
     check_source(name)
     with _loading(name):
         tokenizer = AutoTokenizer.from_pretrained(name)

@@ -221,6 +221,18 @@ class FSDP2(Strategy):
         return [(name, state[name]) for name, _ in named_weights(model)] if distributed.is_main() else []
 
 
+def _deepspeed():
+    """deepspeed, ready for `deepspeed.initialize`. On CPU its comm builds, as it starts, a
+    shared-memory all-reduce kernel (a C++ extension compiled with the machine's compiler, again
+    for each new Python environment) that only its inference engine calls: training reduces through
+    the process group (gloo). Marked unavailable, it is not built."""
+    import deepspeed
+
+    if not torch.cuda.is_available():
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # the dict DeepSpeed reads it from
+    return deepspeed
+
+
 class DeepSpeed(Strategy):
     """`deepspeed.initialize` with the accelerate config's ZeRO stage and offload devices, around
     grpokit's own AdamW (the same update as every other strategy; DeepSpeed's CPU Adam is not used)."""
@@ -247,8 +259,7 @@ class DeepSpeed(Strategy):
 
     def wrap(self, model, reference):
         if reference is not None and self.stage == 3:  # a sharded, frozen reference: no optimizer
-            import deepspeed
-
+            deepspeed = _deepspeed()
             frozen = {k: v for k, v in self.config.items() if k not in ("zero_optimization",)}
             frozen["zero_optimization"] = {k: v for k, v in self.config["zero_optimization"].items()
                                            if k != "offload_optimizer"}
@@ -269,8 +280,7 @@ class DeepSpeed(Strategy):
         return f"DeepSpeed ZeRO-{self.stage} over {self.world_size} processes: {held} ({offload})"
 
     def make_optimizer(self, model, params, make):
-        import deepspeed
-
+        deepspeed = _deepspeed()
         optimizer = make(params)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config)
         self.inner = optimizer  # the AdamW inside DeepSpeed's ZeRO optimizer: its param groups hold the lr
