@@ -15,9 +15,10 @@ def pytest_collection_modifyitems(config, items):
     dealt out to the pytest-xdist workers a module at a time (a module's shared runs, its
     module-scoped fixtures, are then made once, not on each worker), the module with the most
     such tests to the worker with the fewest; each worker's in-process tests after them, dealt
-    out in turn until its share is as long as the others'. With `--dist worksteal` (make test) each worker starts on its own share, long
-    tests first, and a worker that runs out takes short tests from the end of another's. So a
-    run ends on a tail of short tests, not with one worker idle while the other runs a long one."""
+    out in turn until its share is as long as the others'. With `--dist worksteal` (make test)
+    each worker starts on its own share, long tests first, and a worker that runs out takes short
+    tests from the end of another's. So a run ends on a tail of short tests, not with one worker
+    idle while the other runs a long one."""
     workers = getattr(config, "workerinput", {}).get("workercount", 1)
     modules: dict[str, list] = {}
     for item in items:
