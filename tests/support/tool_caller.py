@@ -83,9 +83,8 @@ def tool_caller(folder: Path, questions=((347, 58), (512, 33)), steps: int = 150
     with torch.no_grad():
         model.lm_head.weight.zero_()
         model.lm_head.weight[vocab] = heads
-    # Each call token but the one that picks the expression, in every row, taken with probability
-    # near 1 (every other token included): the model writes the call.
-    with torch.no_grad():
+        # Each call token but the one that picks the expression, in every row, taken with
+        # probability near 1 (every other token included): the model writes the call.
         chosen = model(input_ids=ids, attention_mask=mask).logits[where[:, 0], where[:, 1]].log_softmax(-1)
         p = chosen.gather(-1, torch.tensor(vocab)[targets][:, None])[:, 0].exp()
     assert (p > 0.99).sum() >= len(p) - len(rows) and (p > 0.4).all(), p

@@ -114,6 +114,14 @@ def bundled_tokenizer():
 
 
 
+def over_the_same_read(obj, tokenizer):
+    """A deep copy of `obj` (`tokenizer`, or a processor holding it) with settings of its own
+    (chat template, pad token) over `tokenizer`'s one Rust tokenizer (vocabulary and merges),
+    which grpokit never changes: reading that again is slow."""
+    backend = tokenizer.backend_tokenizer
+    return copy.deepcopy(obj, {id(backend): backend})
+
+
 # The language model of tiny-random and tiny-random-vlm.
 _TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True)
@@ -155,8 +163,7 @@ def tiny_vlm_processor(image_size: int = 64, image_seq_len: int = 4):
     process; each caller gets a copy with settings of its own (chat template) over the one Rust
     tokenizer, as load_tokenizer gives the text models'."""
     built = _tiny_vlm_processor(image_size, image_seq_len)
-    backend = built.tokenizer.backend_tokenizer
-    return copy.deepcopy(built, {id(backend): backend})
+    return over_the_same_read(built, built.tokenizer)
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from grpokit.models.bundled import (BUNDLED, BUNDLED_VLM, TINY, TINY_VLM, bundled_model_path, bundled_tokenizer,
-                                    bundled_vlm_path, cached_folder, tiny_config, tiny_random, tiny_random_vlm,
-                                    tiny_vlm_processor)
+                                    bundled_vlm_path, cached_folder, over_the_same_read, tiny_config, tiny_random,
+                                    tiny_random_vlm, tiny_vlm_processor)
 from grpokit.runtime.errors import StartupError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -60,13 +60,10 @@ def load_tokenizer(name: str):
 
     if name == TINY_VLM or is_vision_model(name):
         return load_processor(name).tokenizer
-    if name in (BUNDLED, TINY):
-        # A copy with settings of its own (chat template, pad token) over the one Rust tokenizer read
-        # (vocabulary and merges), which grpokit never changes: reading it again is slow.
-        # (tiny_vlm_processor adds tokens to a deep copy of its own.)
+    if name in (BUNDLED, TINY):  # (tiny_vlm_processor adds tokens to a deep copy of its own)
         with _loading(name):
             read = bundled_tokenizer()
-            return copy.deepcopy(read, {id(read.backend_tokenizer): read.backend_tokenizer})
+            return over_the_same_read(read, read)
     check_source(name)
     with _loading(name):
         tokenizer = AutoTokenizer.from_pretrained(name)
