@@ -12,6 +12,7 @@ import torch
 from support.exact import update_difference
 from support.conversations import FOLLOW_UP_AGENT, tool_call
 from support.processes import grpokit, run_worker
+from support.trained_replies import answerer
 from support.runs import assert_close_metrics, completions_log, metric_rows, training_rows, untimed_metrics
 from safetensors.torch import load_file
 
@@ -475,14 +476,17 @@ def test_a_verifiers_environment_object_is_taken_by_grpokit_train(scripted, monk
 
 def test_a_verifiers_environment_of_the_built_in_task_trains_as_the_built_in_task(tmp_path, monkeypatch):
     """examples/verifiers_arithmetic.py given the built-in task's prompts in the built-in task's
-    order: the same engine calls, rewards and updates as the built-in arithmetic task, bit for bit."""
+    order: the same engine calls, rewards and updates as the built-in arithmetic task, bit for bit.
+    The model answers the step's questions right or wrong at even odds (support/trained_replies.py)."""
     pytest.importorskip("verifiers")
     from grpokit.tasks import verifiers as through_verifiers
     from grpokit.tasks.arithmetic import ArithmeticTask
 
-    common = ["train.max_steps=1", "data.eval_size=0"]  # the default run's first step: the bundled model learns there
-    assert main(["train", "--no-progress", *common, f"train.output_dir={tmp_path / 'built-in'}"]) == 0
     stream = ArithmeticTask(seed=0, eval_size=0)
+    model = answerer(tmp_path / "model", [stream.train_example(i) for i in range(2)])
+    common = ["train.max_steps=1", "data.eval_size=0", f"model.name={model}", "train.prompts_per_step=2",
+              "rollout.num_generations=4"]
+    assert main(["train", "--no-progress", *common, f"train.output_dir={tmp_path / 'built-in'}"]) == 0
 
     def in_stream_order(self, index):
         e = stream.train_example(index)
@@ -497,4 +501,5 @@ def test_a_verifiers_environment_of_the_built_in_task_trains_as_the_built_in_tas
     for a, b in zip(built_in, verifiers):
         assert {k: a[k] for k in ("reward", "loss", "grad_norm", "entropy", "reward_std")} == \
             {k: b[k] for k in ("reward", "loss", "grad_norm", "entropy", "reward_std")}
+    assert built_in[0]["reward_std"] > 0
     assert built_in[0]["grad_norm"] > 0  # an update, from rewards the two compute alike

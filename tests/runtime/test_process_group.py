@@ -25,10 +25,11 @@ from grpokit.runtime import distributed
 
 
 def run():  # a run's sharded model, gone when it returns; torch's caches keep its DeviceMesh
-    from torch.distributed.fsdp import fully_shard
+    from types import SimpleNamespace
+    from grpokit.training.sharding import FSDP2
 
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
-    fully_shard(model)
+    plugin = SimpleNamespace(transformer_cls_names_to_wrap=["Linear"], cpu_offload=None, reshard_after_forward=True)
+    model = FSDP2(plugin)._shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)))
     model(torch.ones(2, 4)).sum().backward()
     import deepspeed.comm  # as transformers' save_pretrained imports it on the saving process
 

@@ -24,7 +24,6 @@ import importlib.util
 import math
 import os
 import pickle
-import sys
 
 import torch
 import torch.distributed as dist
@@ -181,13 +180,23 @@ def sum_gradients(params: list[torch.nn.Parameter], bucket_elements: int = 1 << 
             bucket, size = [], 0
 
 
+_meshes_made = False  # set by meshes_made()
+
+
+def meshes_made() -> None:
+    """Called by what builds a torch DeviceMesh (FSDP2's sharding): finish() then releases its groups."""
+    global _meshes_made
+    _meshes_made = True
+
+
 def finish() -> None:
     """Wait for every process (process 0 may still be writing), then leave the group, its threads
     ended here rather than while the interpreter tears down."""
     if _active():
         dist.barrier()
         dist.destroy_process_group()
-        _release_meshes()
+        if _meshes_made:
+            _release_meshes()
 
 
 def _release_meshes() -> None:
@@ -195,9 +204,8 @@ def _release_meshes() -> None:
     destroy_process_group, and an FSDP2 model keeps its mesh: the world group, its gloo threads
     running, would live on until the interpreter's teardown destroyed it midway. (A process ending
     so once aborted at exit: "terminate called without an active exception".) Emptied, the group is
-    destroyed now and its threads joined."""
-    if "torch.distributed.device_mesh" not in sys.modules:
-        return
+    destroyed now and its threads joined. (A whole collection and a walk over every object: a
+    process that made no mesh skips them.)"""
     from torch.distributed.device_mesh import DeviceMesh
 
     gc.collect()  # a finished run's sharded model, in reference cycles, holds the group too

@@ -178,6 +178,7 @@ class FSDP2(Strategy):
         layers = [m for m in model.modules() if type(m).__name__ in names]
         if not layers:
             raise StartupError(f"FSDP2: {type(base).__name__} has no module of class {sorted(names)}")
+        distributed.meshes_made()  # fully_shard makes the world's DeviceMesh
         for layer in layers:
             fully_shard(layer, **options)
         # What is left (embeddings, final norm, output layer) stays gathered from the whole model's

@@ -1,15 +1,18 @@
-"""A tiny model that calls the calculator, for multi-turn runs that need real tool calls at
-tiny-random's cost (a random model never writes one; the bundled 135M model does, slowly).
+"""Tiny models trained to give chosen replies, for runs that need a model that does something at
+tiny-random's cost (a random model never writes a tool call or a right answer; the bundled 135M
+model does, slowly).
 
 tiny-random's shape, with an output layer of its own whose rows are zero except for the tokens
-of the call: every other token's logit is exactly 0, so the loss over the whole vocabulary is
+of the replies: every other token's logit is exactly 0, so the loss over the whole vocabulary is
 the loss over those rows plus a constant count of zero logits, and training never computes the
-others. Its embeddings stay as drawn. It is trained to answer any question with
+others. Its embeddings stay as drawn. Each prompt is answered by one of its replies at even odds,
+so completions differ and rewards vary within a group.
 
-    <tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>
-
-or with "6 * 70" instead, at even odds (in the template's layout): so completions differ, and
-after the tool's reply it calls again, until the token budget.
+- `tool_caller`: answers any question with
+      <tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>
+  or with "6 * 70" instead (in the template's layout); after the tool's reply it calls again,
+  until the token budget.
+- `answerer`: answers each arithmetic question with the right number or with that number plus 10.
 """
 
 from __future__ import annotations
@@ -35,31 +38,44 @@ def _call(expression: str) -> dict:
 
 def tool_caller(folder: Path, questions=((347, 58), (512, 33)), steps: int = 150) -> Path:
     """Train the model on `questions` and save it (weights, tokenizer, the tools template) in `folder`."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     tokenizer = load_tokenizer("tiny-random")
     tokenizer.chat_template = TOOLS_TEMPLATE.read_text()
-    tools = [schema(calculator, "tool")]
-    rows = []  # (prompt ids, call ids)
-    for a, b in questions:
-        asked = [{"role": "user", "content": question(a, b)}]
+    asked = [[{"role": "user", "content": question(a, b)}] for a, b in questions]
+    return _trained(folder, tokenizer, [(q, [_call(e) for e in EXPRESSIONS]) for q in asked],
+                    [schema(calculator, "tool")], steps)
+
+
+def answerer(folder: Path, examples, steps: int = 100) -> Path:
+    """Train the model on arithmetic `examples` (grpokit.tasks Examples with an "answer" column)
+    and save it in `folder`, tiny-random's chat template kept."""
+    replies = [(e.prompt, [{"role": "assistant", "content": str(e.columns["answer"] + shift)} for shift in (0, 10)])
+               for e in examples]
+    return _trained(folder, load_tokenizer("tiny-random"), replies, None, steps)
+
+
+def _trained(folder: Path, tokenizer, conversations: list[tuple[list[dict], list[dict]]], tools, steps: int) -> Path:
+    """conversations: (the messages asked, the assistant messages to answer them with at even odds)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rows = []  # (prompt ids, reply ids)
+    for asked, replies in conversations:
         prompt = tokenizer.apply_chat_template(asked, tools=tools, tokenize=False, add_generation_prompt=True)
-        for expression in EXPRESSIONS:
-            whole = tokenizer.apply_chat_template([*asked, _call(expression)], tools=tools, tokenize=False)
+        for reply in replies:
+            whole = tokenizer.apply_chat_template([*asked, reply], tools=tools, tokenize=False)
             assert whole.startswith(prompt)
             rows.append((tokenizer(prompt, add_special_tokens=False)["input_ids"],
                          tokenizer(whole[len(prompt):], add_special_tokens=False)["input_ids"]))
-    vocab = sorted({t for _, call in rows for t in call})  # the tokens the model writes
+    vocab = sorted({t for _, reply in rows for t in reply})  # the tokens the model writes
     index = {t: i for i, t in enumerate(vocab)}
     width = max(len(p) + len(c) for p, c in rows)
     ids = torch.full((len(rows), width), tokenizer.pad_token_id)  # (R, T)
     mask = torch.zeros(len(rows), width, dtype=torch.long)  # (R, T)
-    where, targets = [], []  # the positions that predict a call's token, and that token's row in `vocab`
-    for r, (prompt, call) in enumerate(rows):
-        ids[r, : len(prompt) + len(call)] = torch.tensor(prompt + call)
-        mask[r, : len(prompt) + len(call)] = 1
-        where += [(r, len(prompt) - 1 + j) for j in range(len(call))]
-        targets += [index[t] for t in call]
+    where, targets = [], []  # the positions that predict a reply's token, and that token's row in `vocab`
+    for r, (prompt, reply) in enumerate(rows):
+        ids[r, : len(prompt) + len(reply)] = torch.tensor(prompt + reply)
+        mask[r, : len(prompt) + len(reply)] = 1
+        where += [(r, len(prompt) - 1 + j) for j in range(len(reply))]
+        targets += [index[t] for t in reply]
     where, targets = torch.tensor(where), torch.tensor(targets)  # (N, 2), (N,)
 
     config = LlamaConfig(**{**tiny_config().to_dict(), "tie_word_embeddings": False, "vocab_size": len(tokenizer),
@@ -83,8 +99,8 @@ def tool_caller(folder: Path, questions=((347, 58), (512, 33)), steps: int = 150
     with torch.no_grad():
         model.lm_head.weight.zero_()
         model.lm_head.weight[vocab] = heads
-        # Each call token but the one that picks the expression, in every row, taken with
-        # probability near 1 (every other token included): the model writes the call.
+        # Each reply token but the first that tells a prompt's replies apart, taken with
+        # probability near 1 (every other token included): the model writes its replies.
         chosen = model(input_ids=ids, attention_mask=mask).logits[where[:, 0], where[:, 1]].log_softmax(-1)
         p = chosen.gather(-1, torch.tensor(vocab)[targets][:, None])[:, 0].exp()
     assert (p > 0.99).sum() >= len(p) - len(rows) and (p > 0.4).all(), p
