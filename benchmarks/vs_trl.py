@@ -44,13 +44,22 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def grpokit_worker(conn, args) -> None:
+def grpokit_worker(conn, args, src: str | None = None, overrides: tuple[str, ...] = ()) -> None:
+    """src: the src/ folder of another grpokit checkout to run instead of this one (a worktree of an
+    older commit, say); overrides: config overrides added to the benchmark's own."""
     import torch
 
     torch.set_num_threads(args.threads)
-    from grpokit.config.loading import load_config
-    from grpokit.runtime.allocator import keep_freed_memory
-    from grpokit.training.trainer import Trainer
+    if src is not None:
+        sys.path.insert(0, src)
+    try:
+        from grpokit.config.loading import load_config
+        from grpokit.runtime.allocator import keep_freed_memory
+        from grpokit.training.trainer import Trainer
+    except ImportError:  # a checkout from before the code's layers (997ce89)
+        from grpokit.allocator import keep_freed_memory
+        from grpokit.config import load_config
+        from grpokit.trainer import Trainer
 
     PROMPTS_PER_STEP, GENERATIONS = args.prompts, args.generations
     config = load_config(None, [
@@ -60,10 +69,20 @@ def grpokit_worker(conn, args) -> None:
         "algorithm.loss_type=dapo", f"algorithm.beta={args.beta}", "algorithm.scale_rewards=group", "algorithm.epsilon=0.2",
         "train.max_grad_norm=1.0", f"train.learning_rate={LR}", "train.weight_decay=0.0", "train.warmup_steps=0",
         f"train.max_steps={args.steps}", "data.eval_size=0", "train.eval_every=0", "train.save_every=0",
-        "train.keep_checkpoints=1", f"train.output_dir={Path(args.workdir) / 'grpokit-run'}", "train.resume=never",
+        "train.keep_checkpoints=1", f"train.output_dir={Path(args.workdir) / f'grpokit-run-{os.getpid()}'}",
+        "train.resume=never", *overrides,
     ])
     keep_freed_memory()  # as `grpokit train` does (grpokit/runtime/allocator.py)
     trainer = Trainer(config, progress=False)
+    lengths = []  # each generation's completion lengths
+    engine, generate = trainer.rollouts.engine, trainer.rollouts.engine.generate
+
+    def recorded(*a, **k):
+        batch = generate(*a, **k)
+        lengths.extend(batch.completion_mask.sum(-1).tolist())
+        return batch
+
+    engine.generate = recorded
     conn.send("ready")
     for step in range(1, args.steps + 1):
         conn.recv()
@@ -73,7 +92,9 @@ def grpokit_worker(conn, args) -> None:
         generated = metrics["completions/mean_length"] * PROMPTS_PER_STEP * GENERATIONS
         conn.send({"wall": wall, "generated": generated, "tokens": metrics["num_tokens"],
                    "parts": {k: v for k, v in metrics.items() if k.startswith("time/")},
-                   "reward": metrics["reward"], "zero_std": metrics["frac_reward_zero_std"]})
+                   "waste": {k: v for k, v in metrics.items() if k.startswith("waste/")},
+                   "lengths": lengths[:], "reward": metrics["reward"], "zero_std": metrics["frac_reward_zero_std"]})
+        lengths.clear()
     conn.send(peaks())
 
 

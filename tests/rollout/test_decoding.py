@@ -35,11 +35,13 @@ def assert_same_samples(a, b, dtype):
 
 @pytest.mark.parametrize("dtype, params", [(torch.float64, p) for p in PARAMS] + [(torch.float32, "sampled")],
                          ids=[f"float64-{p}" for p in PARAMS] + ["float32-sampled"])
-@pytest.mark.parametrize("ending", ["one-ends-early", "all-end-early"])
+@pytest.mark.parametrize("ending", ["one-ends-early", "all-end-early", "one-ends-at-each-step"])
 def test_the_static_decoder_samples_what_the_dynamic_one_does(tiny, dtype, params, ending):
     """Prompts of different lengths (left padding), several completions sharing a prompt's prefill,
     and stop tokens chosen from a first run so that completions end at different steps (or all
-    before max_tokens: the outputs are cut where the last one ended, as the dynamic decoder stops)."""
+    before max_tokens: the outputs are cut where the last one ended, as the dynamic decoder stops).
+    The dynamic decoder drops a completion from its batch when it ends; the static one computes it
+    on, masked: the same samples either way."""
     model, tokenizer = tiny
     model = copy.deepcopy(model).to(dtype)
     prompts = [tokenizer(text)["input_ids"] for text in ("What is 2 + 2?", "Hi", "A longer prompt than the two others")]
@@ -48,12 +50,35 @@ def test_the_static_decoder_samples_what_the_dynamic_one_does(tiny, dtype, param
         return engine.generate(prompts, [3, 1, 2], PARAMS[params], list(range(6)))
 
     first = generate(TransformersEngine(model, tokenizer.pad_token_id, [tokenizer.pad_token_id]))
-    stops = first.completion_ids[:1, 4] if ending == "one-ends-early" else first.completion_ids[:, 3]
+    stops = {"one-ends-early": first.completion_ids[:1, 4], "all-end-early": first.completion_ids[:, 3],
+             "one-ends-at-each-step": first.completion_ids.diagonal()}[ending]  # completion i by token i
     a, b = both(model, tokenizer, stops.unique().tolist(), generate)
     assert_same_samples(a, b, dtype)
+    if ending == "one-ends-at-each-step" and params != "greedy":  # (greedy, tiny-random repeats one token)
+        assert len(set(a.completion_mask.sum(-1).tolist())) > 2
     assert a.completion_mask[0].sum() <= 5
     if ending == "all-end-early":
         assert a.completion_ids.shape[1] <= 4
+
+
+def test_the_dynamic_decoder_computes_only_the_completions_still_going(tiny):
+    """Its waste (positions run through the model / tokens kept) is 1: each completion costs its
+    own length; the static decoder's is every row for the longest."""
+    model, tokenizer = tiny
+    prompts = [tokenizer(text)["input_ids"] for text in ("What is 2 + 2?", "Hi")]
+    params = SamplingParams(12, 1.0)
+    first = TransformersEngine(model, tokenizer.pad_token_id, [tokenizer.pad_token_id]).generate(
+        prompts, 3, params, list(range(6)))
+    stops = first.completion_ids.diagonal().unique().tolist()  # completion i ends by token i
+    for decoder in ("dynamic", "static"):
+        engine = TransformersEngine(model, tokenizer.pad_token_id, stops, decoder=decoder)
+        batch = engine.generate(prompts, 3, params, list(range(6)))
+        lengths = batch.completion_mask.sum(-1)
+        assert engine.decoded_tokens == int(lengths.sum()) and len(set(lengths.tolist())) > 1
+        if decoder == "dynamic":
+            assert engine.decoded_positions == engine.decoded_tokens
+        else:  # every row until the check after the longest ended (every CHECK_EVERY tokens)
+            assert engine.decoded_positions >= 6 * int(lengths.max())
 
 
 def test_an_agent_s_conversations_are_the_same_with_either_decoder(tiny):

@@ -14,7 +14,7 @@ from grpokit.cli import main
 from grpokit.config.schema import Config
 from grpokit.rundir.diagnose import RunFacts, Watch, diagnose
 
-KINDS = ["grad_norm", "clip_ratio", "zero_std", "reward_flat", "truncation", "kl"]
+KINDS = ["grad_norm", "clip_ratio", "zero_std", "reward_flat", "truncation", "kl", "waste"]
 
 
 @pytest.mark.parametrize("kind", [None, *KINDS])
@@ -68,6 +68,15 @@ def test_grad_norm_growing_as_learning_starts_is_not_an_alert(tmp_path, capsys):
     assert not diagnose(starting, facts)
     drifting = [{**row, "grad_norm": 1.0 + 0.1 * max(0, row["step"] - 40)} for row in starting]
     assert [first.kind for first, _ in diagnose(drifting, facts)] == ["grad_norm"]
+
+
+def test_the_waste_alert_names_the_setting_that_stops_it(tmp_path, capsys):
+    write_synthetic_run(tmp_path / "run", "waste")
+    main(["doctor", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    assert "1. waste, from step 42 (still so at step 80): waste/passes 3.20 over steps 78-80: 69% of those " \
+        "token positions were computed for nothing" in out
+    assert "set train.micro_batch_tokens" in out
 
 
 def test_doctor_quotes_the_evidence(tmp_path, capsys):

@@ -25,6 +25,8 @@ def healthy_row(step: int, rng: random.Random) -> dict:
         "clip_ratio/region_mean": 0.01 + abs(rng.gauss(0, 0.005)),
         "completions/clipped_ratio": 0.1 + abs(rng.gauss(0, 0.03)),
         "kl": 0.01 + abs(rng.gauss(0, 0.002)),
+        "waste/decode": 1.0,  # (no draw of rng: the other metrics' values stay as they were)
+        "waste/passes": 1.25,
     }
 
 
@@ -41,6 +43,8 @@ def with_failure(kind: str, step: int, row: dict, rng: random.Random) -> dict:
         row["reward"] = 0.5 + rng.gauss(0, 0.02)  # stalled after halfway
     if kind == "truncation" and late:
         row["completions/clipped_ratio"] = 0.8 + rng.gauss(0, 0.03)
+    if kind == "waste" and late:
+        row["waste/passes"] = 3.2  # lengths grew ragged: most of each padded micro-batch is padding
     if kind == "kl" and late:
         row["kl"] = 0.02 * 1.1 ** (step - SYNTHETIC_STEPS // 2)
     return row

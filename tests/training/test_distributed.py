@@ -123,6 +123,26 @@ def test_micro_batch_size_never_changes_the_update(make_trainer, loss_type, beta
             assert metrics[key] == pytest.approx(whole_metrics[key], rel=1e-9, abs=1e-12), key
 
 
+@pytest.mark.parametrize("knobs", [["algorithm.loss_type=dapo", "algorithm.beta=0.04", "algorithm.num_iterations=2"],
+                                   ["algorithm.loss_type=grpo", "train.updates_per_step=2",
+                                    "rollout.tools=[grpokit.tasks.calculator:calculator]"]],
+                         ids=["dapo-kl-two-passes", "grpo-two-updates-multi-turn"])
+def test_the_token_budget_never_changes_the_update(make_trainer, knobs):
+    """train.micro_batch_tokens from one completion per packed micro-batch (a budget of 1) to the
+    whole update in one, against padded micro-batches: the same parameters, loss and gradient norm
+    (multi-turn: a tool result, context only, inside each completion)."""
+    examples, batch = fixed_batch(make_trainer(*knobs))
+    if any(k.startswith("rollout.tools") for k in knobs):
+        batch = with_tool_turns(batch, make_trainer(*knobs).tokenizer("<tool_response>\n42\n</tool_response>")["input_ids"])
+    start, whole, whole_metrics = one_step(make_trainer(*knobs), examples, batch)
+    assert update_difference(start, whole, start) > 0
+    for budget in (1, 30, 10**6):
+        _, params, metrics = one_step(make_trainer(*knobs, f"train.micro_batch_tokens={budget}"), examples, batch)
+        assert update_difference(start, whole, params) < EXACT, f"micro_batch_tokens={budget}"
+        for key in ("loss", "grad_norm", *(("kl",) if "algorithm.beta=0.04" in knobs else ())):
+            assert metrics[key] == pytest.approx(whole_metrics[key], rel=1e-9, abs=1e-12), (budget, key)
+
+
 # What shows, in a variant's metrics on that batch, that its mechanism acted (the cases are not
 # vacuous); and every variant's update differs from plain GRPO's on the same batch.
 ACTED = {

@@ -328,6 +328,12 @@ def _check_train(c: Config) -> list[str]:
         )
     if t.micro_batch_size is not None and t.micro_batch_size < 1:
         p.append(f"train.micro_batch_size={t.micro_batch_size}: must be >= 1, or null")
+    if t.micro_batch_tokens is not None:
+        if t.micro_batch_tokens < 1:
+            p.append(f"train.micro_batch_tokens={t.micro_batch_tokens}: must be >= 1, or null")
+        if t.micro_batch_size is not None:
+            p.append(f"train.micro_batch_size={t.micro_batch_size} and train.micro_batch_tokens={t.micro_batch_tokens} "
+                     "each set the micro-batches (completions, or packed tokens): set one of them")
     return p
 
 
@@ -457,6 +463,12 @@ def _check_rollout_kind(c: Config, facts: Facts) -> list[str]:
            "data parallelism")
     p.need(not (vision and tools), "multi-turn rollouts (rollout.tools, rollout.environment) with a vision-language "
            "model are not supported yet: a conversation's turns would carry no images")
+    if c.train.micro_batch_tokens is not None:
+        p.need(not vision, "train.micro_batch_tokens with a vision-language model is not supported: its prompts run "
+               "with their images' features, which packed rows do not carry; use train.micro_batch_size")
+        p.need(not lockstep, "train.micro_batch_tokens with sharded weights (FSDP2, ZeRO-3) is not supported: each "
+               "process's count of packed micro-batches follows its completions' lengths, and every forward call is "
+               "a collective there; use train.micro_batch_size")
     p.need(not (tools and lockstep), "multi-turn rollouts (rollout.tools, rollout.environment) with sharded weights "
            "(FSDP2, ZeRO-3) are not supported: the processes would take different numbers of turns")
     if r.environment is not None and several:

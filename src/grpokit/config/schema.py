@@ -262,6 +262,13 @@ class TrainConfig:
         "completions per forward/backward pass on each process; a memory knob only, it never changes "
         "the update; null means a process's whole share of an update at once",
     )
+    micro_batch_tokens: int | None = _f(
+        None,
+        "packed micro-batches instead: each one row of at most this many tokens (each of its prompts once, then "
+        "its completions' tokens, no padding; models/packing.py), so memory follows this budget and not the longest "
+        "completion; a memory knob only, it never changes the update; null: train.micro_batch_size's padded "
+        "micro-batches",
+    )
     logprob_chunk_size: int | None = _f(
         None, "run the output layer and log-softmax over at most this many completion tokens at a time, "
         "recomputed in the backward pass, so that memory grows with it and not with tokens x vocabulary; a "

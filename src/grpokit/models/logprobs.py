@@ -33,6 +33,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
+from grpokit.models.packing import Packed, pack, packed_tokens, plan
 from grpokit.runtime.errors import ConfigError
 
 
@@ -353,17 +354,36 @@ def _shared_prompt_pass(model, run, prompt_ids, prompt_mask, completion_ids, pro
 
 class LogProbs:
     """The reference, old and policy passes of a step: log-probs (n, T) of a batch's completions,
-    each pass through `of`, the one place where a batch's model inputs meet the model."""
+    each pass through `of`, the one place where a batch's model inputs meet the model, on the
+    micro-batches of `micro_batches`."""
 
     def __init__(self, policy, reference, temperature: float, chunk_size: int | None, checkpointing: bool,
-                 whole_model: bool, micro_batch: int, device: torch.device, vision=None):
+                 whole_model: bool, micro_batch: int, device: torch.device, vision=None,
+                 micro_batch_tokens: int | None = None):
         """reference: the frozen reference model, or None (with LoRA, the policy without its
         adapters is the reference); checkpointing: the policy recomputes its activations in the
-        backward pass; whole_model: see completion_logprobs; micro_batch: completions per no-grad pass;
-        vision: a vision-language model's vision.Vision (the batches carry their prompts' images)."""
+        backward pass; whole_model: see completion_logprobs; micro_batch: completions per micro-batch
+        (train.micro_batch_size); micro_batch_tokens: packed micro-batches of at most that many
+        tokens instead (train.micro_batch_tokens, models/packing.py); vision: a vision-language
+        model's vision.Vision (the batches carry their prompts' images)."""
         self.policy, self.reference, self.vision = policy, reference, vision
         self.temperature, self.chunk_size, self.checkpointing = temperature, chunk_size, checkpointing
         self.whole_model, self.micro_batch, self.device = whole_model, micro_batch, device
+        self.micro_batch_tokens = micro_batch_tokens
+        # Token positions the passes ran through the model, and those they needed (each
+        # micro-batch's prompts once, each completion's tokens but its last): their ratio is the
+        # passes' waste (padding). Read and reset by the trainer each step.
+        self.computed = self.needed = 0
+
+    def micro_batches(self, batch, rows: torch.Tensor) -> list[torch.Tensor]:
+        """`rows` (in order) split into micro-batches: of micro_batch completions, or packed up to
+        micro_batch_tokens tokens."""
+        if not len(rows):
+            return []
+        if self.micro_batch_tokens is None:
+            return list(rows.split(self.micro_batch))
+        lengths, prompt_lengths, groups = _sizes(batch, rows)
+        return [rows[part] for part in plan(lengths, prompt_lengths, groups, self.micro_batch_tokens)]
 
     def of(self, model, batch, rows: torch.Tensor) -> torch.Tensor:
         """Log-probs (len(rows), T) under `model` of the completions `rows` of `batch` (a
@@ -372,17 +392,31 @@ class LogProbs:
         # One row per distinct prompt; which one does not matter, they hold the same prompt tokens.
         first = torch.empty_like(groups)
         first[prompt_index] = rows
+        prompt_ids, prompt_mask = batch.prompt_ids[first], batch.prompt_mask[first]
+        completion_ids = batch.completion_ids[rows]
+        sequence_ids = None if batch.sequence_ids is None or not batch.sequence_ids[rows].any() \
+            else batch.sequence_ids[rows].to(self.device)
+        lengths, prompt_lengths, group_of = _sizes(batch, rows)
+        self.needed += packed_tokens(lengths, prompt_lengths, group_of)
+        if self.micro_batch_tokens is not None:
+            packed = pack(prompt_ids, prompt_mask, completion_ids, batch.completion_mask[rows].to(self.device),
+                          prompt_index.to(self.device), sequence_ids)
+            self.computed += packed.input_ids.shape[1]
+            return packed_logprobs(model, packed, completion_ids.shape, self.temperature, self.chunk_size,
+                                   self.whole_model)
+        share_prompt = not (self.checkpointing and model.training)
+        (P, Lp), (B, T) = prompt_ids.shape, completion_ids.shape
+        last = 0 if self.whole_model or self.vision is not None else 1  # as _shared_prompt_pass splits a row
+        self.computed += P * (Lp - last) + B * (T - 1 + last) if share_prompt else B * (Lp + T - 1)
         return completion_logprobs(
-            model, batch.prompt_ids[first], batch.prompt_mask[first],
-            batch.completion_ids[rows], prompt_index.to(self.device), self.temperature,
+            model, prompt_ids, prompt_mask, completion_ids, prompt_index.to(self.device), self.temperature,
             chunk_size=self.chunk_size,
             # Checkpointed layers drop the key/value cache in training mode: run completions whole.
-            share_prompt=not (self.checkpointing and model.training),
+            share_prompt=share_prompt,
             whole_model=self.whole_model,
             vision=self.vision, images=None if batch.images is None else [batch.images[i] for i in first.tolist()],
             # Only rows of several sequences need the 4D mask (L x L per row).
-            sequence_ids=None if batch.sequence_ids is None or not batch.sequence_ids[rows].any()
-            else batch.sequence_ids[rows].to(self.device),
+            sequence_ids=sequence_ids,
         )
 
     def old(self, batch, active: torch.Tensor) -> torch.Tensor:
@@ -406,11 +440,37 @@ class LogProbs:
             # completion_logprobs returns float32 for 16-bit models, the model's dtype otherwise.
             dtype = torch.promote_types(model.dtype, torch.float32)
             out = torch.zeros(batch.completion_ids.shape, dtype=dtype, device=self.device)  # (n, T)
-            rows = torch.nonzero(active).view(-1)
-            for mb in rows.split(self.micro_batch) if len(rows) else ():
+            for mb in self.micro_batches(batch, torch.nonzero(active).view(-1)):
                 out[mb] = self.of(model, batch, mb)  # (M, T)
             return out
         finally:
             model.train(was_training)
             if hasattr(model, "reshard"):  # FSDP2: no backward follows to free the gathered outer weights
                 model.reshard()
+
+
+def _sizes(batch, rows: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
+    """Of completions `rows` of `batch`: their lengths, their prompts' lengths and their prompts."""
+    return (batch.completion_mask[rows].sum(-1).tolist(), batch.prompt_mask[rows].sum(-1).tolist(),
+            batch.prompt_index[rows].tolist())
+
+
+def packed_logprobs(model, packed: Packed, shape: torch.Size, temperature: float, chunk_size: int | None,
+                    whole_model: bool) -> torch.Tensor:
+    """Log-probs (B, T) = `shape` of a packed row's completions (models/packing.py); 0 on padding.
+    One call of the model on the row; only the positions that predict a completion token reach the
+    output layer (the model's own head, or chunk by chunk, as completion_logprobs)."""
+    inputs = dict(input_ids=packed.input_ids, attention_mask=attention_form(model, packed.allowed),
+                  position_ids=packed.position_ids, use_cache=False)
+    if chunk_size is None:
+        logits = model(**inputs, logits_to_keep=packed.predictors).logits[0]  # (K, V)
+        values = token_logprobs(logits, packed.targets, temperature)  # (K,)
+    else:
+        if whole_model:  # its last hidden state is the decoder's
+            hidden = model(**inputs, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
+        else:
+            hidden = model.get_decoder()(**inputs).last_hidden_state  # (1, L, H)
+        values = chunked_logprobs(hidden[:, packed.predictors], model.get_output_embeddings(), packed.targets[None],
+                                  temperature, chunk_size)[0]  # (K,)
+    B, T = shape
+    return values.new_zeros(B * T).index_put((packed.slots,), values).view(B, T)

@@ -100,6 +100,9 @@ class TransformersEngine:
         self.eos_ids = torch.tensor(eos_ids)
         self.vision = vision
         self.decoder = decoder
+        # Since the engine was made: token positions decoding ran through the model (padding and
+        # ended completions included) and completion tokens it kept; their ratio is decoding's waste.
+        self.decoded_positions = self.decoded_tokens = 0
         if decoder == "static" and (problem := static_decoding_problem(model.config, vision is not None)):
             # (config/checks.py refuses such a run at start-up: this is an engine made by hand)
             raise ValueError(f"rollout.decoder=static: {problem}; use rollout.decoder=dynamic (or auto)")
@@ -168,8 +171,10 @@ class TransformersEngine:
             decoded = StaticDecoder(self.model, self.pad_id, self.eos_ids, self.lockstep, cache, prompt_mask, next_pos,
                                     params, uniforms).run(logits)
         else:
-            decoded = self._decode(logits, prompt_mask, next_pos, params, uniforms, cached, device)
+            decoded = self._decode(logits, prompt_mask, next_pos, params, uniforms, cache, device)
         batch = decoded.batch(prompt_index, prompt_ids, prompt_mask)
+        self.decoded_positions += decoded.positions
+        self.decoded_tokens += int(batch.completion_mask.sum())
         if images is not None:
             batch.images = [images[i] for i in prompt_index.tolist()]
         return batch
@@ -199,20 +204,32 @@ class TransformersEngine:
         cache.batch_select_indices(index)  # index the cache instead of recomputing
         return prompt_index, prompt_ids[index], prompt_mask[index], out.logits[:, -1][index], next_pos[index]
 
-    def _decode(self, logits, prompt_mask, next_pos, params, uniforms, cached, device) -> _Decoded:
+    def _decode(self, logits, prompt_mask, next_pos, params, uniforms, cache, device) -> _Decoded:
         """Sample token t of every completion from `logits` (N, V), then run the tokens through the
-        model at positions next_pos (N,) on, for the logits of token t + 1, until every completion
-        has ended: an EOS (or a vision-language model's image token), or params.max_tokens tokens."""
-        N = logits.shape[0]
+        model at positions next_pos (N,) on over the prompts' `cache`, for the logits of token t + 1,
+        until every completion has ended: an EOS (or a vision-language model's image token), or
+        params.max_tokens tokens.
+
+        A completion that ends leaves the batch at once: its rows of the key/value cache, its
+        attention mask and its position are dropped, so each step computes only the completions
+        still going. (With sharded weights every process makes every forward call: one whose
+        completions have all ended keeps one of them going, its outputs unused.)"""
+        N, cached = logits.shape[0], cache_inputs(self.model, cache)
         stops = None if self.vision is None else torch.tensor([self.vision.image_token_id], device=device)
         decoded = _Decoded(N, self.pad_id, self.eos_ids.to(device), device, stops)
-        attn = prompt_mask
+        attn, live = prompt_mask, torch.arange(N, device=device)  # (n, L), (n,): the rows in the batch
         for t in range(params.max_tokens):
-            tok = decoded.add(*sample_next(logits, params, None if uniforms is None else uniforms[:, t]))
+            tok = decoded.add(*sample_next(logits, params, None if uniforms is None else uniforms[live, t]), live)
             if _all_ended(decoded.finished, self.lockstep) or t == params.max_tokens - 1:  # the last token needs no logits after it
                 break
-            attn = torch.cat([attn, torch.ones((N, 1), dtype=attn.dtype, device=device)], dim=1)
+            going = ~decoded.finished[live]  # (n,)
+            if not going.all():
+                keep = going.nonzero().view(-1) if going.any() else going.new_zeros(1, dtype=torch.long)  # (n',)
+                cache.batch_select_indices(keep)
+                live, tok, attn, next_pos = live[keep], tok[keep], attn[keep], next_pos[keep]
+            attn = torch.cat([attn, torch.ones((len(live), 1), dtype=attn.dtype, device=device)], dim=1)
             logits = self._next_logits(tok, attn, next_pos, cached)
+            decoded.positions += len(live)
             next_pos = next_pos + 1
         return decoded
 
@@ -293,10 +310,14 @@ class _Decoded:
         self.finished = torch.zeros(N, dtype=torch.bool, device=device)  # (N,) an EOS (or image token) was sampled
         self.imaged = torch.zeros(N, dtype=torch.bool, device=device)  # (N,) an image token was sampled
         self.tokens, self.logps, self.entropies, self.masks = [], [], [], []
+        self.positions = N  # token positions run through the model for these completions: the prompts' last, then each step's
 
-    def add(self, tok: torch.Tensor, lp: torch.Tensor, ent: torch.Tensor) -> torch.Tensor:
-        """Record one step's samples (N,) each: a completion that had ended gets the pad id, with
-        log-prob and entropy 0 and mask 0. Returns the tokens recorded."""
+    def add(self, tok: torch.Tensor, lp: torch.Tensor, ent: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Record one step's samples (n,) each, of completions `rows` (n,) (default: all N); a
+        completion not among them, or that had ended, gets the pad id, with log-prob and entropy 0
+        and mask 0. Returns the tokens recorded for `rows`."""
+        if rows is not None and len(rows) < len(self.finished):
+            tok, lp, ent = (torch.zeros_like(self.finished, dtype=x.dtype).index_copy_(0, rows, x) for x in (tok, lp, ent))
         alive = ~self.finished
         tok = torch.where(alive, tok, torch.full_like(tok, self.pad_id))
         self.tokens.append(tok)
@@ -307,7 +328,7 @@ class _Decoded:
         if self.image_ids is not None:
             self.imaged = self.imaged | (alive & torch.isin(tok, self.image_ids))
             self.finished = self.finished | self.imaged
-        return tok
+        return tok if rows is None else tok[rows]
 
     def batch(self, prompt_index: torch.Tensor, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> RolloutBatch:
         """The completions decoded, (N, T) each, after their prompts."""
@@ -406,6 +427,7 @@ class StaticDecoder:
         max_tokens tokens; the outputs as the dynamic decoder gives them."""
         T, graph = self.params.max_tokens, None
         self.logits = logits.clone()  # read by a step's sampling, written by its forward
+        self.forwards = 0
         for t in range(T - 1):
             if graph is None and t == 1 and logits.device.type == "cuda" and not self.lockstep:
                 graph = self._capture()  # step 0 ran eagerly: every lazy allocation is made
@@ -413,6 +435,7 @@ class StaticDecoder:
                 graph.replay()
             else:
                 self._step()
+            self.forwards += 1
             if (t + 1) % CHECK_EVERY == 0 and _all_ended(self.finished, self.lockstep):
                 break
         else:
@@ -475,4 +498,5 @@ class StaticDecoder:
         decoded.tokens, decoded.logps = list(self.tokens[:, :last + 1].T), list(self.logps[:, :last + 1].T)
         decoded.entropies, decoded.masks = list(self.entropies[:, :last + 1].T), list(self.alive[:, :last + 1].T)
         decoded.finished = self.finished
+        decoded.positions = self.finished.shape[0] * (1 + self.forwards)  # every row, every step
         return decoded

@@ -27,6 +27,9 @@ compares windows of WINDOW steps (medians or means, robust to a single odd step)
   below the earlier).
 - `kl`: the median kl of the last WINDOW steps is at least 0.1 and at least GROWTH x the median of
   the WINDOW before: growing without bound.
+- `waste`: over the last WASTE_STEPS steps (it shows from the first), the mean waste/passes or
+  waste/decode (token positions computed / tokens kept, training/metrics.py `Waste`) is above
+  2: more than half of that compute went to padding or to completions that had ended.
 """
 
 from __future__ import annotations
@@ -219,7 +222,28 @@ def kl(rows, evals, facts) -> Finding | None:
     return None
 
 
-RULES = (grad_norm, clip_ratio, zero_std, reward_flat, truncation, kl)
+WASTE_STEPS = 3
+# What stops each kind of waste (training/metrics.py Waste).
+WASTE_FIXES = {
+    "waste/passes": "pack the log-prob passes: set train.micro_batch_tokens (a token budget per micro-batch, no "
+                    "padding; docs/speed-and-memory.md) in place of train.micro_batch_size",
+    "waste/decode": "decode with rollout.decoder=dynamic, which drops a completion from the batch when it ends (the "
+                    "static decoder computes every completion until the longest ends)",
+}
+
+
+def waste(rows, evals, facts) -> Finding | None:
+    recent = rows[-WASTE_STEPS:]
+    for key, fix in WASTE_FIXES.items():
+        values = _values(recent, key)
+        if len(values) == WASTE_STEPS and (mean := statistics.fmean(values)) > 2:
+            return Finding("waste", recent[-1]["step"],
+                           f"{key} {mean:.2f} over {_span(recent)}: {1 - 1 / mean:.0%} of those token positions were "
+                           "computed for nothing (padding, or completions that had ended)", fix)
+    return None
+
+
+RULES = (grad_norm, clip_ratio, zero_std, reward_flat, truncation, kl, waste)
 
 
 class Watch:

@@ -126,3 +126,31 @@ def _std(values: torch.Tensor) -> torch.Tensor:
     """Unbiased std over the scored values; 0 with fewer than two."""
     scored = values[~torch.isnan(values)]
     return scored.std() if scored.numel() > 1 else values.new_zeros(())
+
+
+class Waste:
+    """Compute spent on positions nobody keeps, per step: `waste/decode` is the token positions
+    decoding ran through the model (an in-process engine's counts: TransformersEngine) over the
+    completion tokens it kept, `waste/passes` the positions the log-prob passes ran (LogProbs'
+    counts) over those they needed (each micro-batch's prompts once, each completion's tokens but
+    its last). 1.0 wastes nothing; padding and completions computed after they ended add to it.
+    Counted from `start` to `step` (an evaluation between steps is not); over every process (a
+    collective)."""
+
+    def __init__(self, rollouts, logprobs):
+        self.rollouts, self.logprobs = rollouts, logprobs
+        self.seen = self._counts()
+
+    def _counts(self) -> list[int]:
+        e, lp = self.rollouts.engine, self.logprobs
+        return [getattr(e, "decoded_positions", 0), getattr(e, "decoded_tokens", 0), lp.computed, lp.needed]
+
+    def start(self) -> None:
+        self.seen = self._counts()
+
+    def step(self) -> dict:
+        """The waste since `start`, as metrics (a kind with nothing counted is left out)."""
+        positions, kept, computed, needed = distributed.all_reduce(
+            torch.tensor([b - a for a, b in zip(self.seen, self._counts())], dtype=torch.float64)).tolist()
+        return {**({"waste/decode": positions / kept} if kept else {}),
+                **({"waste/passes": computed / needed} if needed else {})}

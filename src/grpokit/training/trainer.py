@@ -87,7 +87,7 @@ from grpokit.sampling.pipeline import Queued
 from grpokit.sampling.rollouts import Rollouts
 from grpokit.sampling.scoring import Scored, Scorer
 from grpokit.training import setup, sharding
-from grpokit.training.metrics import LossMetrics, step_metrics
+from grpokit.training.metrics import LossMetrics, Waste, step_metrics
 from grpokit.training.state import FailureSave, Progress
 
 
@@ -159,8 +159,10 @@ class Trainer:
             self.optimizer, self.scheduler = self._make_optimizer()
             self.logprobs = LogProbs(self.policy, self.reference, config.rollout.temperature,
                                      chunk, config.model.gradient_checkpointing, whole_model,
-                                     config.micro_batch_size(distributed.world_size()), self.device, self.vision)
+                                     config.micro_batch_size(distributed.world_size()), self.device, self.vision,
+                                     config.train.micro_batch_tokens)
             self.loss_settings = setup.loss_settings(config)
+            self.waste = Waste(self.rollouts, self.logprobs)
             # The metrics.jsonl rows kept from before the checkpoint, and what to tell the user about them.
             self.resumed_rows, note = distributed.on_main(lambda: self._start_run_dir(resume_from))
         self.progress = Progress() if resume_from is None else self.resume(resume_from)
@@ -274,6 +276,7 @@ class Trainer:
         """Step `step` (the same on every process): its metrics row."""
         a = self.config.algorithm
         self.rollouts.queue(step)  # generating ahead: the steps to step + k queued (not the step's time)
+        self.waste.start()
         start = time.perf_counter()
         sampled = self.rollouts.step(step, self.scorer, self.progress.trainer_state(self.config, self.task))
         batch, scored = sampled.batch, sampled.scored
@@ -308,6 +311,7 @@ class Trainer:
             **logged,
             "num_tokens": self.progress.num_tokens,
             "skipped_steps": self.progress.skipped_steps,
+            **self.waste.step(),
             **dict(zip(("time/generate", "time/logprobs", "time/update", "time/optimizer", "step_time"), times)),
         }
 
@@ -376,8 +380,7 @@ class Trainer:
             policy_mask = high_entropy_tokens(batch.entropies, mask, local, a.top_entropy_quantile)
         rows = local[scored.active[local]]
         update_loss = 0.0
-        # split() of nothing gives one empty part
-        micro_batches = rows.split(cfg.micro_batch_size(distributed.world_size())) if len(rows) else ()
+        micro_batches = self.logprobs.micro_batches(batch, rows)
         for i, mb in enumerate(micro_batches):
             out = compute_loss(a.loss_type, LossInputs(
                 logps=self.logprobs.of(self.policy, batch, mb),  # (M, T)

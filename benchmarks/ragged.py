@@ -1,0 +1,135 @@
+"""Long, ragged completions: how much of the compute is kept, and step times side by side.
+
+The workload: the bundled SmolLM2-135M-Instruct in float32 on CPU on the built-in arithmetic task,
+with room to ramble: rollout.max_completion_length=256, temperature 1. The model answers most
+questions in a sentence and talks on in a few, so lengths are ragged (at step 0, seed 0: the mean
+is under a third of the longest; the table prints the distribution). 4 prompts x 8 completions
+per step, loss_type dapo, beta 0.04 (every completion goes through every pass), as
+benchmarks/vs_trl.py sets up both trainers (its workers run here).
+
+Runs, each in its own process, taking turns a step at a time (A B C ...), each alone on the cores:
+- packed: this checkout, train.micro_batch_tokens=--budget (packed passes), decoding that drops a
+  completion from the batch when it ends (the transformers engine's dynamic decoder);
+- padded: this checkout, train.micro_batch_size=--micro-batch (padded passes), the same decoding;
+- baseline (--baseline SRC): another checkout's src/ folder with its defaults: say, a worktree of
+  997ce89, whose decoder ran every completion until the longest ended
+  (`git worktree add /tmp/grpokit-997ce89 997ce89`, then --baseline /tmp/grpokit-997ce89/src);
+- TRL (--trl): TRL's GRPOTrainer (pip install 'grpokit[bench]').
+
+    python benchmarks/ragged.py                               # packed and padded, 3 steps
+    python benchmarks/ragged.py --baseline /tmp/grpokit-997ce89/src --trl
+
+Printed per run: step time (median over the steps after the first), and for grpokit the waste
+(metrics.jsonl's waste/decode and waste/passes: token positions computed / tokens kept), where the
+baseline's decoding waste is computed from its lengths (every completion ran to the longest:
+completions x longest / tokens). The ideal speed-up is the longest completion over the mean.
+Written to benchmarks/results/ragged.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from vs_trl import grpokit_worker, trl_worker  # noqa: E402 - the benchmarks folder is not a package
+
+
+def percentiles(lengths: list[int]) -> dict:
+    q = statistics.quantiles(lengths, n=10, method="inclusive")
+    return {"p10": q[0], "p50": statistics.median(lengths), "p90": q[-1], "max": max(lengths),
+            "mean": statistics.mean(lengths)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--max-completion-length", type=int, default=256)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--budget", type=int, default=1024, help="the packed run's train.micro_batch_tokens")
+    parser.add_argument("--micro-batch", type=int, default=8, help="the padded run's train.micro_batch_size")
+    parser.add_argument("--baseline", help="src/ folder of another grpokit checkout, run with its defaults")
+    parser.add_argument("--trl", action="store_true", help="TRL's GRPOTrainer on the same work too")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "ragged.md"))
+    args = parser.parse_args()
+    # What vs_trl's workers read.
+    args.beta, args.device, args.dtype, args.model, args.decoder = 0.04, "cpu", "float32", "smollm2-135m-instruct", "auto"
+    args.logprob_chunk_size = None
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    from grpokit.models.bundled import bundled_model_path
+
+    bundled_model_path()  # converted once here, not inside a timed process
+    runs = {"packed": (grpokit_worker, (None, (f"train.micro_batch_tokens={args.budget}",))),
+            "padded": (grpokit_worker, (None, (f"train.micro_batch_size={args.micro_batch}",)))}
+    if args.baseline:
+        runs["baseline"] = (grpokit_worker, (args.baseline, ()))
+    if args.trl:
+        runs["TRL"] = (trl_worker, ())
+    with tempfile.TemporaryDirectory() as workdir:
+        args.workdir = workdir
+        ctx = mp.get_context("spawn")
+        workers = {}
+        for name, (target, extra) in runs.items():
+            mine, theirs = ctx.Pipe()
+            process = ctx.Process(target=target, args=(theirs, args, *extra), daemon=True)
+            process.start()
+            workers[name] = (process, mine)
+        for name, (_, conn) in workers.items():
+            assert conn.recv() == "ready", name
+        steps = {name: [] for name in workers}
+        for step in range(1, args.steps + 1):
+            for name, (_, conn) in workers.items():  # one at a time
+                conn.send("go")
+                steps[name].append(conn.recv())
+            print(f"step {step}: " + "   ".join(f"{n} {s[-1]['wall']:.1f} s" for n, s in steps.items()), flush=True)
+        for _, conn in workers.values():
+            conn.recv()  # peak memory, not used here
+        for process, _ in workers.values():
+            process.join(timeout=60)
+
+    first = percentiles(steps["packed"][0]["lengths"])
+    lines = [
+        f"{args.steps} steps each, alternated; {args.prompts} x {args.generations} completions of at most "
+        f"{args.max_completion_length} tokens per step, temperature 1, on {args.threads} CPU threads. "
+        f"Completion lengths at step 1 (seed 0): p10 {first['p10']:.0f}, p50 {first['p50']:.0f}, "
+        f"p90 {first['p90']:.0f}, max {first['max']}, mean {first['mean']:.1f}: the longest is "
+        f"{first['max'] / first['mean']:.2f}x the mean (the most dropping the waste can give).",
+        "",
+        "| run | step time, median (s) | waste/decode | waste/passes | ideal (longest / mean) | speed-up over "
+        + ("baseline |" if args.baseline else "padded |"),
+        "|---|---|---|---|---|---|",
+    ]
+    reference = "baseline" if args.baseline else "padded"
+    median = {n: statistics.median(s["wall"] for s in rows[1:] or rows) for n, rows in steps.items()}
+    for name, rows in steps.items():
+        lengths = [n for r in rows for n in r.get("lengths", ())]
+        ideal = f"{max(lengths) / statistics.mean(lengths):.2f}" if lengths else ""
+        waste = [statistics.mean(r["waste"][k] for r in rows) if rows[0].get("waste", {}).get(k) else None
+                 for k in ("waste/decode", "waste/passes")]
+        if name == "baseline":  # its decoder ran every completion of a generation to the longest
+            waste[0] = statistics.mean(len(r["lengths"]) * max(r["lengths"]) / sum(r["lengths"]) for r in rows)
+        cells = ["" if w is None else f"{w:.2f}" for w in waste]
+        lines.append(f"| {name} | {median[name]:.1f} | {cells[0]} | {cells[1]} | {ideal} | "
+                     f"{median[reference] / median[name]:.2f}x |")
+    import torch
+    import transformers
+
+    lines += ["", f"torch {torch.__version__}, transformers {transformers.__version__}; "
+              f"packed: train.micro_batch_tokens={args.budget}; padded: train.micro_batch_size={args.micro_batch}."]
+    table = "\n".join(lines) + "\n"
+    print("\n" + table)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(table)
+    print(f"written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Packed passes (models/packing.py, train.micro_batch_tokens): each completion's log-probs are
+those of its sequence run alone, in float64; micro-batches follow the token budget."""
+
+import copy
+
+import pytest
+import torch
+
+from grpokit.models.logprobs import LogProbs, completion_logprobs, packed_logprobs
+from grpokit.models.packing import pack, packed_tokens, plan
+from grpokit.rollout.batch import RolloutBatch
+
+
+@pytest.fixture
+def float64(monkeypatch):
+    """Float64 all through (exact.py): any difference between two paths is then a bug, not rounding."""
+    from support.exact import rmsnorm_in_input_dtype
+    from transformers.models.llama import modeling_llama
+
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", rmsnorm_in_input_dtype)
+
+
+def alone(model, ids: list[int], positions: list[int]) -> torch.Tensor:
+    """log-softmax (L, V) of one unpadded sequence at `positions`, nothing else in its batch."""
+    out = model(input_ids=torch.tensor([ids]), position_ids=torch.tensor([positions])).logits[0]
+    return torch.log_softmax(out.double() / 0.7, -1)
+
+
+# Three prompts (left-padded), six completions of ragged lengths (right-padded; 0 pads).
+PROMPTS = [[5, 6, 7, 8], [9, 10], [30, 31, 32]]
+COMPLETIONS = [([11, 12, 13, 2], 0), ([14, 2], 0), ([15], 0), ([17, 18, 19, 20, 21], 1), ([22, 2], 1), ([23, 24, 2], 2)]
+
+
+def _batch():
+    W, T = max(map(len, PROMPTS)), max(len(c) for c, _ in COMPLETIONS)
+    prompt_ids = torch.tensor([[0] * (W - len(p)) + p for p in PROMPTS])
+    prompt_mask = torch.tensor([[0] * (W - len(p)) + [1] * len(p) for p in PROMPTS])
+    completion_ids = torch.tensor([c + [0] * (T - len(c)) for c, _ in COMPLETIONS])
+    completion_mask = torch.tensor([[1] * len(c) + [0] * (T - len(c)) for c, _ in COMPLETIONS])
+    return prompt_ids, prompt_mask, completion_ids, completion_mask, torch.tensor([p for _, p in COMPLETIONS])
+
+
+def test_packed_logprobs_are_each_sequence_run_alone(tiny, float64):
+    """Values at 1e-12, and the gradient of a weighted sum that of the sequences run alone."""
+    prompt_ids, prompt_mask, completion_ids, completion_mask, index = _batch()
+    model = copy.deepcopy(tiny[0]).double()
+    packed = pack(prompt_ids, prompt_mask, completion_ids, completion_mask, index)
+    # Each prompt once, each completion's tokens but the last: no padding.
+    assert packed.input_ids.shape[1] == sum(map(len, PROMPTS)) + sum(len(c) - 1 for c, _ in COMPLETIONS)
+    got = packed_logprobs(model, packed, completion_ids.shape, 0.7, None, False)
+    weights = torch.linspace(-1, 1, got.numel()).view(got.shape).double() * completion_mask
+    (got * weights).sum().backward()
+
+    reference = copy.deepcopy(tiny[0]).double()
+    total = 0
+    for b, (c, p) in enumerate(COMPLETIONS):
+        prompt = PROMPTS[p]
+        logp = alone(reference, prompt + c[:-1], list(range(len(prompt) + len(c) - 1)))
+        want = torch.stack([logp[len(prompt) - 1 + t, tok] for t, tok in enumerate(c)])
+        torch.testing.assert_close(got[b, : len(c)], want, rtol=0, atol=1e-12)
+        assert (got[b, len(c):] == 0).all()
+        total = total + (want * weights[b, : len(c)]).sum()
+    total.backward()
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        assert (a.grad - b.grad).norm() <= 1e-9 * b.grad.norm() + 1e-15, name
+
+
+@pytest.mark.parametrize("variant", [dict(chunk_size=3), dict(whole_model=True), dict(whole_model=True, chunk_size=2)],
+                         ids=["chunk3", "whole-model", "whole-model-chunk2"])
+def test_packed_passes_of_every_kind_agree(tiny, float64, variant):
+    """The model's own head at the predicting positions, its head chunk by chunk, and a call of the
+    whole model (a sharded model's): the same values and gradients."""
+    prompt_ids, prompt_mask, completion_ids, completion_mask, index = _batch()
+    packed = pack(prompt_ids, prompt_mask, completion_ids, completion_mask, index)
+
+    def run(chunk_size=None, whole_model=False):
+        model = copy.deepcopy(tiny[0]).double()
+        logps = packed_logprobs(model, packed, completion_ids.shape, 0.7, chunk_size, whole_model)
+        (logps * torch.linspace(-1, 1, logps.numel()).view(logps.shape)).sum().backward()
+        return logps.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    (ref, ref_grads), (got, grads) = run(), run(**variant)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
+    for name, g in grads.items():
+        assert (g - ref_grads[name]).norm() <= 1e-9 * ref_grads[name].norm() + 1e-15, name
+
+
+def test_rows_of_several_sequences_keep_their_layout_in_a_pack(tiny, float64):
+    """An agent's row (RolloutBatch.sequence_ids): its second sequence attends only to itself, at
+    positions from 0, packed beside other completions as alone."""
+    prompt_ids, prompt_mask, completion_ids, completion_mask, index = _batch()
+    sequence_ids = torch.zeros_like(completion_ids)
+    sequence_ids[3, 2:5] = 1  # completion 3: tokens 0-1 continue the prompt, tokens 2-4 a request of their own
+    model = copy.deepcopy(tiny[0]).double()
+    got = packed_logprobs(model, pack(prompt_ids, prompt_mask, completion_ids, completion_mask, index, sequence_ids),
+                          completion_ids.shape, 0.7, None, False)
+    prompt, c = PROMPTS[1], COMPLETIONS[3][0]
+    first = alone(model, prompt + c[:2], list(range(len(prompt) + 2)))  # the prompt, then tokens 0 and 1
+    second = alone(model, c[2:4], [0, 1])  # tokens 2 and 3, from position 0
+    want = [first[len(prompt) - 1, c[0]], first[len(prompt), c[1]], first[len(prompt) + 1, c[2]],
+            second[0, c[3]], second[1, c[4]]]  # token 2 is predicted by token 1, of the first sequence
+    torch.testing.assert_close(got[3, :5], torch.stack(want), rtol=0, atol=1e-12)
+    # The padded pass's layout of such rows (logprobs.sequence_layout) gives the same.
+    padded = completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, index, 0.7, sequence_ids=sequence_ids)
+    torch.testing.assert_close(got, padded * completion_mask, rtol=0, atol=1e-12)
+    # The other completions are as without sequence ids.
+    plain = packed_logprobs(model, pack(prompt_ids, prompt_mask, completion_ids, completion_mask, index),
+                            completion_ids.shape, 0.7, None, False)
+    others = [0, 1, 2, 4, 5]
+    torch.testing.assert_close(got[others], plain[others], rtol=0, atol=0)
+
+
+def test_the_plan_fills_each_micro_batch_up_to_the_budget():
+    lengths, prompts, groups = [4, 2, 1, 5, 2, 3], [4, 4, 4, 2, 2, 3], [0, 0, 0, 1, 1, 2]
+    assert plan(lengths, prompts, groups, 10**6) == [[0, 1, 2, 3, 4, 5]]
+    assert plan(lengths, prompts, groups, 1) == [[i] for i in range(6)]  # each alone, over the budget
+    # prompt 0 + 3 + 1 + 0 = 8 tokens; completion 3 would add its prompt and 4: a new micro-batch.
+    assert plan(lengths, prompts, groups, 9) == [[0, 1, 2], [3, 4], [5]]
+    for budget in range(1, 30):
+        parts = plan(lengths, prompts, groups, budget)
+        assert [i for part in parts for i in part] == list(range(6))  # every completion once, in order
+        for part in parts:
+            cost = packed_tokens([lengths[i] for i in part], [prompts[i] for i in part], [groups[i] for i in part])
+            assert cost <= budget or len(part) == 1
+
+
+def test_log_probs_split_by_tokens_and_count_their_padding(tiny):
+    prompt_ids, prompt_mask, completion_ids, completion_mask, index = _batch()
+    batch = RolloutBatch(index, prompt_ids[index], prompt_mask[index], completion_ids, completion_mask,
+                         torch.zeros(completion_ids.shape), None, ["stop"] * 6)
+    model = tiny[0]
+    padded = LogProbs(model, None, 0.7, None, False, False, 6, torch.device("cpu"))
+    packed = LogProbs(model, None, 0.7, None, False, False, 6, torch.device("cpu"), micro_batch_tokens=11)
+    rows = torch.arange(6)
+    assert [mb.tolist() for mb in packed.micro_batches(batch, rows)] == [[0, 1, 2], [3, 4], [5]]
+    assert [mb.tolist() for mb in padded.micro_batches(batch, rows)] == [[0, 1, 2, 3, 4, 5]]
+    for logprobs in (padded, packed):
+        for mb in logprobs.micro_batches(batch, rows):
+            logprobs.of(model, batch, mb)
+    needed = sum(map(len, PROMPTS)) + sum(len(c) - 1 for c, _ in COMPLETIONS)
+    assert packed.computed == packed.needed == padded.needed == needed
+    # The padded pass: 3 prompts of width 4 but their last token, then 6 rows of 5.
+    assert padded.computed == 3 * 3 + 6 * 5
