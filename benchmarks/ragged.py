@@ -7,17 +7,21 @@ is under a third of the longest; the table prints the distribution). 4 prompts x
 per step, loss_type dapo, beta 0.04 (every completion goes through every pass), as
 benchmarks/vs_trl.py sets up both trainers (its workers run here).
 
-Runs, each in its own process, taking turns a step at a time (A B C ...), each alone on the cores:
+Runs (--runs), each in its own process, taking turns a step at a time (A B C ...), each alone on the
+cores:
 - packed: this checkout, train.micro_batch_tokens=--budget (packed passes), decoding that drops a
   completion from the batch when it ends (the transformers engine's dynamic decoder);
 - padded: this checkout, train.micro_batch_size=--micro-batch (padded passes), the same decoding;
-- baseline (--baseline SRC): another checkout's src/ folder with its defaults: say, a worktree of
-  997ce89, whose decoder ran every completion until the longest ended
+- baseline: another checkout's src/ folder (--baseline), with train.micro_batch_size=--micro-batch
+  too: say, a worktree of 997ce89, whose decoder ran every completion until the longest ended
   (`git worktree add /tmp/grpokit-997ce89 997ce89`, then --baseline /tmp/grpokit-997ce89/src);
-- TRL (--trl): TRL's GRPOTrainer (pip install 'grpokit[bench]').
+- TRL: TRL's GRPOTrainer (pip install 'grpokit[bench]'), in micro-batches of --micro-batch.
+Every process holds its model, reference and optimizer (about 4 GB here), so on a 24 GB machine
+run three at a time at most, and TRL beside one other:
 
-    python benchmarks/ragged.py                               # packed and padded, 3 steps
-    python benchmarks/ragged.py --baseline /tmp/grpokit-997ce89/src --trl
+    python benchmarks/ragged.py                                         # packed and padded, 3 steps
+    python benchmarks/ragged.py --runs packed padded baseline --baseline /tmp/grpokit-997ce89/src
+    python benchmarks/ragged.py --runs packed TRL --out benchmarks/results/ragged-trl.md
 
 Printed per run: step time (median over the steps after the first), and for grpokit the waste
 (metrics.jsonl's waste/decode and waste/passes: token positions computed / tokens kept), where the
@@ -54,24 +58,25 @@ def main() -> int:
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--budget", type=int, default=1024, help="the packed run's train.micro_batch_tokens")
     parser.add_argument("--micro-batch", type=int, default=8, help="the padded run's train.micro_batch_size")
-    parser.add_argument("--baseline", help="src/ folder of another grpokit checkout, run with its defaults")
-    parser.add_argument("--trl", action="store_true", help="TRL's GRPOTrainer on the same work too")
+    parser.add_argument("--runs", nargs="+", default=["packed", "padded"], choices=("packed", "padded", "baseline", "TRL"))
+    parser.add_argument("--baseline", help="src/ folder of another grpokit checkout (the baseline run)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "ragged.md"))
     args = parser.parse_args()
     # What vs_trl's workers read.
     args.beta, args.device, args.dtype, args.model, args.decoder = 0.04, "cpu", "float32", "smollm2-135m-instruct", "auto"
-    args.logprob_chunk_size = None
+    args.logprob_chunk_size, args.trl_micro_batch = None, args.micro_batch
+    if "baseline" in args.runs and not args.baseline:
+        parser.error("the baseline run needs --baseline SRC")
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     from grpokit.models.bundled import bundled_model_path
 
     bundled_model_path()  # converted once here, not inside a timed process
-    runs = {"packed": (grpokit_worker, (None, (f"train.micro_batch_tokens={args.budget}",))),
-            "padded": (grpokit_worker, (None, (f"train.micro_batch_size={args.micro_batch}",)))}
-    if args.baseline:
-        runs["baseline"] = (grpokit_worker, (args.baseline, ()))
-    if args.trl:
-        runs["TRL"] = (trl_worker, ())
+    padded = (f"train.micro_batch_size={args.micro_batch}",)
+    every = {"packed": (grpokit_worker, (None, (f"train.micro_batch_tokens={args.budget}",))),
+             "padded": (grpokit_worker, (None, padded)), "baseline": (grpokit_worker, (args.baseline, padded)),
+             "TRL": (trl_worker, ())}
+    runs = {name: every[name] for name in args.runs}
     with tempfile.TemporaryDirectory() as workdir:
         args.workdir = workdir
         ctx = mp.get_context("spawn")
@@ -94,7 +99,9 @@ def main() -> int:
         for process, _ in workers.values():
             process.join(timeout=60)
 
-    first = percentiles(steps["packed"][0]["lengths"])
+    first = percentiles(next(rows for rows in steps.values() if "lengths" in rows[0])[0]["lengths"])
+    median = {n: statistics.median(s["wall"] for s in rows[1:] or rows) for n, rows in steps.items()}
+    reference = args.runs[-1]  # the speed-ups are over the last run named
     lines = [
         f"{args.steps} steps each, alternated; {args.prompts} x {args.generations} completions of at most "
         f"{args.max_completion_length} tokens per step, temperature 1, on {args.threads} CPU threads. "
@@ -102,18 +109,15 @@ def main() -> int:
         f"p90 {first['p90']:.0f}, max {first['max']}, mean {first['mean']:.1f}: the longest is "
         f"{first['max'] / first['mean']:.2f}x the mean (the most dropping the waste can give).",
         "",
-        "| run | step time, median (s) | waste/decode | waste/passes | ideal (longest / mean) | speed-up over "
-        + ("baseline |" if args.baseline else "padded |"),
+        f"| run | step time, median (s) | waste/decode | waste/passes | ideal (longest / mean) | {reference} / run |",
         "|---|---|---|---|---|---|",
     ]
-    reference = "baseline" if args.baseline else "padded"
-    median = {n: statistics.median(s["wall"] for s in rows[1:] or rows) for n, rows in steps.items()}
     for name, rows in steps.items():
         lengths = [n for r in rows for n in r.get("lengths", ())]
         ideal = f"{max(lengths) / statistics.mean(lengths):.2f}" if lengths else ""
         waste = [statistics.mean(r["waste"][k] for r in rows) if rows[0].get("waste", {}).get(k) else None
                  for k in ("waste/decode", "waste/passes")]
-        if name == "baseline":  # its decoder ran every completion of a generation to the longest
+        if name == "baseline":  # its dynamic decoder ran every completion of a generation to the longest
             waste[0] = statistics.mean(len(r["lengths"]) * max(r["lengths"]) / sum(r["lengths"]) for r in rows)
         cells = ["" if w is None else f"{w:.2f}" for w in waste]
         lines.append(f"| {name} | {median[name]:.1f} | {cells[0]} | {cells[1]} | {ideal} | "
@@ -122,7 +126,8 @@ def main() -> int:
     import transformers
 
     lines += ["", f"torch {torch.__version__}, transformers {transformers.__version__}; "
-              f"packed: train.micro_batch_tokens={args.budget}; padded: train.micro_batch_size={args.micro_batch}."]
+              f"packed: train.micro_batch_tokens={args.budget}; padded and baseline: train.micro_batch_size="
+              f"{args.micro_batch}; TRL: micro-batches of {args.micro_batch}."]
     table = "\n".join(lines) + "\n"
     print("\n" + table)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -130,8 +130,11 @@ def trl_worker(conn, args) -> None:
     config = GRPOConfig(
         output_dir=str(Path(args.workdir) / "trl-run"), use_cpu=args.device == "cpu", bf16=args.dtype == "bfloat16",
         fp16=False, seed=0,
-        per_device_train_batch_size=PROMPTS_PER_STEP * GENERATIONS, num_generations=GENERATIONS,
-        gradient_accumulation_steps=1, max_completion_length=args.max_completion_length, loss_type="dapo",
+        # A step's completions in micro-batches of trl_micro_batch (gradients accumulated), or all at once.
+        per_device_train_batch_size=getattr(args, "trl_micro_batch", None) or PROMPTS_PER_STEP * GENERATIONS,
+        num_generations=GENERATIONS,
+        gradient_accumulation_steps=PROMPTS_PER_STEP * GENERATIONS // (getattr(args, "trl_micro_batch", None)
+                                                                       or PROMPTS_PER_STEP * GENERATIONS), max_completion_length=args.max_completion_length, loss_type="dapo",
         beta=args.beta, scale_rewards="group", epsilon=0.2, max_grad_norm=1.0, learning_rate=LR, weight_decay=0.0,
         lr_scheduler_type="constant", warmup_steps=0, temperature=1.0, top_p=1.0, max_steps=args.steps,
         gradient_checkpointing=False, logging_steps=1, report_to="none", save_strategy="no",

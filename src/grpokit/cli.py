@@ -164,6 +164,13 @@ def _serve(args) -> int:
         if value > 1 and args.engine != "vllm":
             raise ConfigError(f"{flag} {value} spreads vLLM over GPUs: it needs --engine vllm (the {args.engine} "
                               "engine runs on one device; start several servers and list them in rollout.server_url)")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ConfigError(f"--threads {args.threads}: must be >= 1")
+        if not os.environ.get("OMP_NUM_THREADS"):
+            import torch
+
+            torch.set_num_threads(args.threads)
     if args.engine == "vllm":  # said before any model loads or process starts
         from grpokit.rollout.vllm_engine import import_vllm
 
@@ -259,6 +266,9 @@ def _add_serve(commands) -> None:
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="--engine vllm: engine replicas, each on its own --tensor-parallel-size GPUs; a generation's "
                         "prompt groups are split among them, weights pushed to each")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default: every core; beside a trainer on the same machine, a share of them: "
+                        "docs/scaling.md). OMP_NUM_THREADS, if set, wins")
     p.set_defaults(run=_serve)
 
 

@@ -61,24 +61,30 @@ def test_the_static_decoder_samples_what_the_dynamic_one_does(tiny, dtype, param
         assert a.completion_ids.shape[1] <= 4
 
 
-def test_the_dynamic_decoder_computes_only_the_completions_still_going(tiny):
-    """Its waste (positions run through the model / tokens kept) is 1: each completion costs its
-    own length; the static decoder's is every row for the longest."""
+def test_ended_completions_leave_the_batch(tiny):
+    """The dynamic decoder computes each completion for its own length (waste 1: positions run
+    through the model = tokens kept); the static one drops the ended rows once half have ended, at
+    its checks every CHECK_EVERY tokens. Both sample what they sample whole (the test above)."""
     model, tokenizer = tiny
     prompts = [tokenizer(text)["input_ids"] for text in ("What is 2 + 2?", "Hi")]
-    params = SamplingParams(12, 1.0)
+    params = SamplingParams(24, 1.0)
     first = TransformersEngine(model, tokenizer.pad_token_id, [tokenizer.pad_token_id]).generate(
         prompts, 3, params, list(range(6)))
-    stops = first.completion_ids.diagonal().unique().tolist()  # completion i ends by token i
+    stops = first.completion_ids[:3, 1].unique().tolist()  # completions 0-2 end by their second token
     for decoder in ("dynamic", "static"):
         engine = TransformersEngine(model, tokenizer.pad_token_id, stops, decoder=decoder)
         batch = engine.generate(prompts, 3, params, list(range(6)))
-        lengths = batch.completion_mask.sum(-1)
-        assert engine.decoded_tokens == int(lengths.sum()) and len(set(lengths.tolist())) > 1
+        lengths = sorted(batch.completion_mask.sum(-1).tolist())
+        assert lengths[2] <= 2 and lengths[-1] == 24 and engine.decoded_tokens == sum(lengths)
         if decoder == "dynamic":
             assert engine.decoded_positions == engine.decoded_tokens
-        else:  # every row until the check after the longest ended (every CHECK_EVERY tokens)
-            assert engine.decoded_positions >= 6 * int(lengths.max())
+        else:  # the rule, step by step: rows dropped at a check (every 8 tokens) once half have ended
+            rows, positions = lengths, len(lengths)  # the prefill's last position, once per completion
+            for t in range(23):  # the 24th token is sampled, never fed
+                positions += len(rows)
+                if (t + 1) % 8 == 0 and 2 * sum(n <= t + 1 for n in rows) >= len(rows):
+                    rows = [n for n in rows if n > t + 1]
+            assert engine.decoded_positions == positions < 6 * 24
 
 
 def test_an_agent_s_conversations_are_the_same_with_either_decoder(tiny):

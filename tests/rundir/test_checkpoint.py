@@ -28,7 +28,10 @@ from grpokit.rundir.folder import read_metrics, release_run_dir
 # Dynamic sampling is on and about half the groups have equal rewards, so steps take one or two
 # rounds of sampling (the data position moves by a varying number of prompts) or fill their batch;
 # the reference model moves towards the policy every second update (it is saved with the weights).
+# The passes are packed (train.micro_batch_tokens: a group a micro-batch), so a packed run resumes
+# exactly too; padded micro-batches resume in the other killed-and-resumed runs (agents, vision, LoRA).
 ARGS = ["model.name=tiny-random", f"reward.functions=[{TESTS / 'support' / 'noisy_reward.py'}:noisy_parity]",
+        "train.micro_batch_tokens=64",
         "train.prompts_per_step=2", "rollout.num_generations=4", "data.eval_size=4", "train.learning_rate=1e-3",
         "train.warmup_steps=30", "train.eval_every=5", "train.save_every=3",
         "train.max_steps=24", "algorithm.beta=0.01", "rollout.dynamic_sampling=true", "rollout.max_sampling_rounds=2",

@@ -245,9 +245,10 @@ def test_same_seed_same_run(make_trainer):
 @pytest.mark.process
 @pytest.mark.parametrize("overrides", [
     # 4 completions per update, 2 per process: every group is split across the two processes; each
-    # completion has a tool result between two model turns (exact.with_tool_turns).
+    # completion has a tool result between two model turns (exact.with_tool_turns); packed
+    # micro-batches of one completion or two (padded ones: the every-variant test below).
     ["train.prompts_per_step=2", "rollout.num_generations=4", "train.updates_per_step=2", "algorithm.beta=0.04",
-     "algorithm.num_iterations=2", "algorithm.scale_rewards=batch", "train.micro_batch_size=1", "multi_turn"],
+     "algorithm.num_iterations=2", "algorithm.scale_rewards=batch", "train.micro_batch_tokens=40", "multi_turn"],
     # Whole groups per process; process 1's groups have constant rewards: it back-propagates nothing.
     ["train.prompts_per_step=4", "rollout.num_generations=4", "algorithm.loss_type=dapo", "half_constant"],
 ], ids=["groups-span-processes-multi-turn", "dapo-one-process-idle"])

@@ -379,9 +379,12 @@ class StaticDecoder:
     shapes: the N tokens just sampled, at one cache slot, an attention mask over the whole cache,
     sampling on the device into preallocated (N, max_tokens) outputs. A completion that has ended
     goes on being computed, its tokens recorded as padding and masked out, so the batch keeps its
-    shape; the host learns whether all have ended only every CHECK_EVERY tokens. On CUDA, one step
-    (sampling a token, then the model's forward on it) is captured once as a CUDA graph and
-    replayed: one launch a token instead of one a kernel.
+    shape; the host learns whether all have ended only every CHECK_EVERY tokens. When by then half
+    the rows or more have ended, they are dropped (the cache and every buffer cut to the rows still
+    going), so the shape at least halves each time it changes: at most log2(N) shapes. On CUDA, one
+    step (sampling a token, then the model's forward on it) is captured as a CUDA graph, once per
+    shape, and replayed: one launch a token instead of one a kernel. (With sharded weights every
+    process keeps its rows: every forward is a collective.)
 
     It samples what the dynamic decoder samples: completion i from its own uniforms, the same
     tokens, log-probs equal to rounding (the attention runs over the whole cache, masked; in
@@ -421,26 +424,53 @@ class StaticDecoder:
         self.alive = torch.zeros((N, T), dtype=torch.bool, device=device)
         self.finished = torch.zeros(N, dtype=torch.bool, device=device)
         self.logits = None  # (N, V) the logits the next token is sampled from (a graph's output)
+        # Once rows are dropped (_compact): the original index of each row still decoded (n,), and
+        # the (N, ...) outputs of every completion, the dropped ones' final.
+        self.rows = torch.arange(N, device=device)
+        self.whole = None
 
     def run(self, logits: torch.Tensor) -> _Decoded:
         """Decode from the prompts' last logits (N, V) until every completion has ended or
         max_tokens tokens; the outputs as the dynamic decoder gives them."""
-        T, graph = self.params.max_tokens, None
+        T, graph, capture_at = self.params.max_tokens, None, 1
         self.logits = logits.clone()  # read by a step's sampling, written by its forward
-        self.forwards = 0
+        self.positions_run = self.finished.shape[0]  # the prefill's last position, once per completion
         for t in range(T - 1):
-            if graph is None and t == 1 and logits.device.type == "cuda" and not self.lockstep:
-                graph = self._capture()  # step 0 ran eagerly: every lazy allocation is made
+            if graph is None and t == capture_at and logits.device.type == "cuda" and not self.lockstep:
+                graph = self._capture()  # a step at this shape ran eagerly: every lazy allocation is made
             if graph:
                 graph.replay()
             else:
                 self._step()
-            self.forwards += 1
-            if (t + 1) % CHECK_EVERY == 0 and _all_ended(self.finished, self.lockstep):
-                break
+            self.positions_run += len(self.rows)
+            if (t + 1) % CHECK_EVERY == 0:
+                if _all_ended(self.finished, self.lockstep):
+                    break
+                if not self.lockstep and 2 * int(self.finished.sum()) >= len(self.rows):
+                    self._compact()
+                    graph, capture_at = (None if graph is not False else False), t + 2
         else:
             self._sample()  # the last token: no logits after it
         return self._outputs()
+
+    OUTPUTS = ("tokens", "logps", "entropies", "alive", "finished")
+
+    def _compact(self) -> None:
+        """Drop the rows whose completions have ended: from the cache, the step's inputs, the
+        uniforms and the outputs (theirs kept, final, in `whole`)."""
+        if self.whole is None:
+            self.whole = {name: getattr(self, name) for name in self.OUTPUTS}  # every row, as written so far
+        else:
+            for name in self.OUTPUTS:
+                self.whole[name].index_copy_(0, self.rows, getattr(self, name))
+        keep = (~self.finished).nonzero().view(-1)  # (n',)
+        self.rows = self.rows[keep]
+        for name in ("ids", "positions", "seen", "logits", *self.OUTPUTS):
+            setattr(self, name, getattr(self, name).index_select(0, keep))
+        if self.uniforms is not None:
+            self.uniforms = self.uniforms.index_select(0, keep)
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys.index_select(0, keep), layer.values.index_select(0, keep)
 
     def _capture(self):
         """One step as a CUDA graph, on the step's buffers (captured, not run); False where the
@@ -491,6 +521,11 @@ class StaticDecoder:
     def _outputs(self) -> _Decoded:
         """The decoded completions, cut after the last token any of them sampled (every process's,
         with sharded weights: they decode alike)."""
+        if self.whole is not None:  # rows were dropped: the last ones' outputs join the others'
+            for name in self.OUTPUTS:
+                self.whole[name].index_copy_(0, self.rows, getattr(self, name))
+            for name in self.OUTPUTS:
+                setattr(self, name, self.whole[name])
         last = int(self.alive.any(0).nonzero().max())  # token 0 is always sampled
         if self.lockstep:
             last = int(distributed.all_reduce(torch.tensor(last), "max"))
@@ -498,5 +533,5 @@ class StaticDecoder:
         decoded.tokens, decoded.logps = list(self.tokens[:, :last + 1].T), list(self.logps[:, :last + 1].T)
         decoded.entropies, decoded.masks = list(self.entropies[:, :last + 1].T), list(self.alive[:, :last + 1].T)
         decoded.finished = self.finished
-        decoded.positions = self.finished.shape[0] * (1 + self.forwards)  # every row, every step
+        decoded.positions = self.positions_run
         return decoded

@@ -29,6 +29,7 @@ from grpokit.rewards.reward_set import RewardSet
 from grpokit.rollout.prompts import PromptEncoder
 from grpokit.runtime import distributed
 from grpokit.runtime.errors import ConfigError, StartupError
+from grpokit.runtime.threads import share_cores, trainer_processes
 from grpokit.tasks.registry import make_task
 
 __all__ = ["Prepared", "checked_facts", "loss_settings", "make_kind", "prepare", "served_engine"]
@@ -63,6 +64,8 @@ def prepare(config: Config, tokenizer=None, model_name: str | None = None, model
     the first training row (an environment's reset, the reward functions' arguments); and every
     prompt against the model's positions (`model_facts`, config/checks.py)."""
     name = model_name or config.model.name
+    if train:  # this process's share of the machine's cores (runtime/threads.py)
+        share_cores(trainer_processes(config.rollout.server_url or [] if config.rollout.engine == "server" else []))
     tokenizer, vision = processing(name, tokenizer)
     if model is not None:  # a model given with the wrong one of tokenizer and processor: said before its data
         check_vision(model, vision)
