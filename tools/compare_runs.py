@@ -2,7 +2,8 @@
 
     python tools/compare_runs.py RUN_A RUN_B
 
-compares the metrics.jsonl rows (the timing keys aside: `time/*` and `step_time`), and the state
+compares the metrics.jsonl rows (the timing keys aside: `time/*` and `step_time`; and `waste/*`, counts
+of the compute spent, which a change of how the work is done may move), and the state
 files (STATE) under the two run folders, final/ and every checkpoint: weights and tensors with
 torch.equal, everything else with ==. A state file that only one run has is a difference too. It prints what differs and exits 1, or exits 0 when nothing does.
 docs/architecture.md has the runs to make before and after a change.
@@ -20,7 +21,7 @@ from safetensors.torch import load_file
 
 def metric_rows(run: Path) -> list[dict]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in row.items() if not (k.startswith("time/") or k == "step_time")} for row in rows]
+    return [{k: v for k, v in row.items() if not (k.startswith(("time/", "waste/")) or k == "step_time")} for row in rows]
 
 
 def leaves(value, prefix: str = ""):
