@@ -13,7 +13,7 @@ from support.exact import update_difference
 from support.conversations import FOLLOW_UP_AGENT, tool_call
 from support.processes import grpokit, run_worker
 from support.trained_replies import answerer
-from support.runs import assert_close_metrics, completions_log, metric_rows, training_rows, untimed_metrics
+from support.runs import assert_close_metrics, completions_log, measured, metric_rows, training_rows, untimed_metrics
 from safetensors.torch import load_file
 
 from support import scripted_engine
@@ -340,8 +340,7 @@ def test_a_killed_agent_run_resumes_as_the_uninterrupted_run(scripted):
     assert resumed.returncode == 0 and "resuming from" in said, said[-2000:]
 
     def untimed(run):
-        return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "step_time"}
-                for r in read_metrics(scripted / run / "metrics.jsonl")]
+        return [{k: v for k, v in r.items() if not measured(k)} for r in read_metrics(scripted / run / "metrics.jsonl")]
 
     assert untimed("run") == untimed("reference") and len(untimed("run")) == 6
     wa, wb = (load_file(scripted / run / "final" / "model.safetensors") for run in ("run", "reference"))

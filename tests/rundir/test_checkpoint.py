@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.processes import TESTS, Process, free_port, grpokit, run_grpokit, same_threads_env, torchrun
-from support.runs import assert_same_final_weights
+from support.runs import assert_same_final_weights, measured
 
 from grpokit.cli import main
 from grpokit.rundir.checkpoint import (checkpoint_step, checkpoints, latest_checkpoint, load_weights, rng_state,
@@ -70,7 +70,7 @@ def wait_for(condition, process: subprocess.Popen | Process, timeout: float = 12
 
 
 def without_times(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "step_time"} for r in rows]
+    return [{k: v for k, v in r.items() if not measured(k)} for r in rows]
 
 
 def assert_same_resumed_run(out: Path, reference: Path, metrics: str = "all") -> None:

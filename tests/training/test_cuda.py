@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from support.runs import measured
 
 from grpokit.cli import main
 
@@ -21,7 +22,7 @@ RUN = ["--no-progress", "model.name=tiny-random", "reward.functions=[length]", "
 def train(out: Path, *extra: str) -> tuple[list[dict], dict]:
     assert main(["train", *RUN, f"train.output_dir={out}", *extra]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if "time" not in k} for r in rows], load_file(out / "final" / "model.safetensors")
+    return [{k: v for k, v in r.items() if not measured(k)} for r in rows], load_file(out / "final" / "model.safetensors")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

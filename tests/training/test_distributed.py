@@ -13,7 +13,7 @@ from support.exact import (cut_ragged, off_the_sampler, rmsnorm_in_input_dtype, 
                            with_tool_turns)
 from support.processes import TESTS, free_port, run_grpokit, run_worker, torchrun
 from support.rewards import shortness
-from support.runs import assert_close_metrics, metric_rows, untimed_metrics
+from support.runs import assert_close_metrics, measured, metric_rows, untimed_metrics
 from transformers.models.llama import modeling_llama
 
 from grpokit.algorithm.loss import LOSSES
@@ -174,7 +174,7 @@ def test_micro_batch_size_never_changes_a_variant_update(make_trainer, variant, 
         _, params, metrics = results[m]
         assert update_difference(start, whole, params) < EXACT, f"micro_batch_size={m}"
         for key, value in whole_metrics.items():
-            if "time" not in key:
+            if not measured(key):
                 assert metrics[key] == pytest.approx(value, rel=1e-9, abs=1e-12, nan_ok=True), key
 
 
@@ -259,7 +259,7 @@ def test_two_processes_compute_the_one_process_update(tmp_path, overrides):
         assert torch.equal(two[0]["params"][name], two[1]["params"][name]), name  # lockstep, bit for bit
     assert update_difference(one["start"], one["params"], two[0]["params"]) < EXACT
     for key, value in one["metrics"].items():
-        if "time" not in key:
+        if not measured(key):
             assert two[0]["metrics"][key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
             assert two[1]["metrics"][key] == two[0]["metrics"][key], key
     if "half_constant" in overrides:
@@ -279,7 +279,7 @@ def test_two_processes_compute_the_one_process_update_of_every_variant(tmp_path)
         for name in a["params"]:
             assert torch.equal(b0["params"][name], b1["params"][name]), (variant, name)
         for key, value in a["metrics"].items():
-            if "time" not in key:
+            if not measured(key):
                 assert b0["metrics"][key] == pytest.approx(value, rel=1e-9, abs=1e-12, nan_ok=True), (variant, key)
 
 
