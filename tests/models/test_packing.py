@@ -141,3 +141,22 @@ def test_log_probs_split_by_tokens_and_count_their_padding(tiny):
     assert packed.computed == packed.needed == padded.needed == needed
     # The padded pass: 3 prompts of width 4 but their last token, then 6 rows of 5.
     assert padded.computed == 3 * 3 + 6 * 5
+
+
+@pytest.mark.parametrize("case", ["vision", "sharded", "both-sizes"])
+def test_what_packing_does_not_run_with_is_refused_at_start_up(case):
+    """Images (their features are not in a packed row), sharded weights (the processes' micro-batch
+    counts would differ, and every forward there is a collective), and train.micro_batch_size set too."""
+    from grpokit.config.checks import Facts, ModelFacts, check
+    from grpokit.config.loading import load_config
+    from grpokit.runtime.errors import ConfigError
+    from grpokit.runtime.launch import Launch
+
+    overrides = ["train.micro_batch_tokens=2048", *(["train.micro_batch_size=4"] if case == "both-sizes" else [])]
+    facts = {"vision": Facts(model=ModelFacts(vision=True)),
+             "sharded": Facts(Launch(2, sharding="FSDP", fsdp_version="2")), "both-sizes": Facts()}[case]
+    message = {"vision": "train.micro_batch_tokens with a vision-language model is not supported",
+               "sharded": r"train.micro_batch_tokens with sharded weights \(FSDP2, ZeRO-3\) is not supported",
+               "both-sizes": "each set the micro-batches .*: set one of them"}[case]
+    with pytest.raises(ConfigError, match=message):
+        check(load_config(None, overrides), facts)
