@@ -33,15 +33,13 @@ Written to benchmarks/results/ragged.md.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from vs_trl import grpokit_worker, trl_worker  # noqa: E402 - the benchmarks folder is not a package
+from vs_trl import grpokit_worker, take_turns, trl_worker, write_table  # noqa: E402 - the benchmarks folder is not a package
 
 
 def percentiles(lengths: list[int]) -> dict:
@@ -77,27 +75,7 @@ def main() -> int:
              "padded": (grpokit_worker, (None, padded)), "baseline": (grpokit_worker, (args.baseline, padded)),
              "TRL": (trl_worker, ())}
     runs = {name: every[name] for name in args.runs}
-    with tempfile.TemporaryDirectory() as workdir:
-        args.workdir = workdir
-        ctx = mp.get_context("spawn")
-        workers = {}
-        for name, (target, extra) in runs.items():
-            mine, theirs = ctx.Pipe()
-            process = ctx.Process(target=target, args=(theirs, args, *extra), daemon=True)
-            process.start()
-            workers[name] = (process, mine)
-        for name, (_, conn) in workers.items():
-            assert conn.recv() == "ready", name
-        steps = {name: [] for name in workers}
-        for step in range(1, args.steps + 1):
-            for name, (_, conn) in workers.items():  # one at a time
-                conn.send("go")
-                steps[name].append(conn.recv())
-            print(f"step {step}: " + "   ".join(f"{n} {s[-1]['wall']:.1f} s" for n, s in steps.items()), flush=True)
-        for _, conn in workers.values():
-            conn.recv()  # peak memory, not used here
-        for process, _ in workers.values():
-            process.join(timeout=60)
+    steps, _ = take_turns(runs, args)  # (peak memory: benchmarks/packed_memory.py measures the pass's)
 
     first = percentiles(next(rows for rows in steps.values() if "lengths" in rows[0])[0]["lengths"])
     median = {n: statistics.median(s["wall"] for s in rows[1:] or rows) for n, rows in steps.items()}
@@ -128,11 +106,7 @@ def main() -> int:
     lines += ["", f"torch {torch.__version__}, transformers {transformers.__version__}; "
               f"packed: train.micro_batch_tokens={args.budget}; padded and baseline: train.micro_batch_size="
               f"{args.micro_batch}; TRL: micro-batches of {args.micro_batch}."]
-    table = "\n".join(lines) + "\n"
-    print("\n" + table)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(table)
-    print(f"written to {args.out}")
+    write_table(lines, args.out)
     return 0
 
 

@@ -164,6 +164,43 @@ def trl_worker(conn, args) -> None:
     conn.send(peaks())
 
 
+def take_turns(runs: dict, args) -> tuple[dict[str, list[dict]], dict[str, dict]]:
+    """Each run of `runs` ({name: (worker, extra arguments)}) in a process of its own, taking turns a
+    step at a time (A B A B), each alone on the machine's cores while the others wait: each run's
+    rows (one a step, as its worker sends them) and its peak memory."""
+    with tempfile.TemporaryDirectory() as workdir:
+        args.workdir = workdir
+        ctx = mp.get_context("spawn")
+        workers = {}
+        for name, (target, extra) in runs.items():
+            mine, theirs = ctx.Pipe()
+            process = ctx.Process(target=target, args=(theirs, args, *extra), daemon=True)
+            process.start()
+            workers[name] = (process, mine)
+        for name, (_, conn) in workers.items():
+            assert conn.recv() == "ready", name
+        steps = {name: [] for name in workers}
+        for step in range(1, args.steps + 1):
+            for name, (_, conn) in workers.items():  # one at a time
+                conn.send("go")
+                steps[name].append(conn.recv())
+            print(f"step {step:3d}: " + "   ".join(f"{n} {rows[-1]['wall']:6.2f} s" for n, rows in steps.items()),
+                  flush=True)
+        peaks = {name: conn.recv() for name, (_, conn) in workers.items()}
+        for process, _ in workers.values():
+            process.join(timeout=60)
+    return steps, peaks
+
+
+def write_table(lines: list[str], out: str) -> None:
+    """Print the table's lines and write them to `out`."""
+    table = "\n".join(lines) + "\n"
+    print("\n" + table)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(table)
+    print(f"written to {out}")
+
+
 def summary(steps: list[dict]) -> dict:
     """Median and 10-90th percentile of step wall time over the steps after the first; rates."""
     later = steps[1:]
@@ -200,27 +237,7 @@ def main() -> int:
 
     if args.model == "smollm2-135m-instruct":
         bundled_model_path()  # converted once here, not inside a timed process
-    with tempfile.TemporaryDirectory() as workdir:
-        args.workdir = workdir
-        ctx = mp.get_context("spawn")
-        workers = {}
-        for name, target in (("grpokit", grpokit_worker), ("TRL", trl_worker)):
-            mine, theirs = ctx.Pipe()
-            process = ctx.Process(target=target, args=(theirs, args), daemon=True)
-            process.start()
-            workers[name] = (process, mine)
-        for name, (_, conn) in workers.items():
-            assert conn.recv() == "ready", name
-        steps = {name: [] for name in workers}
-        for step in range(1, args.steps + 1):
-            for name, (_, conn) in workers.items():  # A B A B: one at a time
-                conn.send("go")
-                steps[name].append(conn.recv())
-            g, t = steps["grpokit"][-1], steps["TRL"][-1]
-            print(f"step {step:3d}: grpokit {g['wall']:6.2f} s   TRL {t['wall']:6.2f} s", flush=True)
-        peaks = {name: conn.recv() for name, (_, conn) in workers.items()}
-        for process, _ in workers.values():
-            process.join(timeout=60)
+    steps, peaks = take_turns({"grpokit": (grpokit_worker, ()), "TRL": (trl_worker, ())}, args)
 
     s = {name: summary(rows) for name, rows in steps.items()}
     later = steps["grpokit"][1:]
@@ -261,11 +278,7 @@ def main() -> int:
         "grpokit's step, median seconds by phase (metrics.jsonl's time/*; overhead: the rest of the step, "
         "rewards and bookkeeping): " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()) + ".",
     ]
-    table = "\n".join(lines) + "\n"
-    print("\n" + table)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(table)
-    print(f"written to {args.out}")
+    write_table(lines, args.out)
     return 0
 
 

@@ -33,7 +33,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
-from grpokit.models.packing import Packed, pack, packed_tokens, plan
+from grpokit.models.packing import Packed, pack, plan
 from grpokit.runtime.errors import ConfigError
 
 
@@ -372,7 +372,7 @@ class LogProbs:
         self.micro_batch_tokens = micro_batch_tokens
         # Token positions the passes ran through the model, and those they needed (each
         # micro-batch's prompts once, each completion's tokens but its last): their ratio is the
-        # passes' waste (padding). Read and reset by the trainer each step.
+        # passes' waste (padding). Counts since the start, read by training/metrics.py Waste.
         self.computed = self.needed = 0
 
     def micro_batches(self, batch, rows: torch.Tensor) -> list[torch.Tensor]:
@@ -396,8 +396,8 @@ class LogProbs:
         completion_ids = batch.completion_ids[rows]
         sequence_ids = None if batch.sequence_ids is None or not batch.sequence_ids[rows].any() \
             else batch.sequence_ids[rows].to(self.device)
-        lengths, prompt_lengths, group_of = _sizes(batch, rows)
-        self.needed += packed_tokens(lengths, prompt_lengths, group_of)
+        # Summed on the device, read by the trainer once a step: no host synchronisation per pass.
+        self.needed += prompt_mask.sum() + batch.completion_mask[rows].sum() - len(rows)
         if self.micro_batch_tokens is not None:
             packed = pack(prompt_ids, prompt_mask, completion_ids, batch.completion_mask[rows].to(self.device),
                           prompt_index.to(self.device), sequence_ids)

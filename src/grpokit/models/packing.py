@@ -46,12 +46,6 @@ def plan(lengths: list[int], prompt_lengths: list[int], groups: list[int], budge
     return parts
 
 
-def packed_tokens(lengths: list[int], prompt_lengths: list[int], groups: list[int]) -> int:
-    """The positions one packed pass over all these completions computes (prompt once per group)."""
-    firsts = {g: p for g, p in zip(groups, prompt_lengths)}
-    return sum(firsts.values()) + sum(n - 1 for n in lengths)
-
-
 @dataclass
 class Packed:
     """One packed row: what the model takes, and where each completion token's log-prob comes from."""

@@ -143,7 +143,7 @@ class Waste:
 
     def _counts(self) -> list[int]:
         e, lp = self.rollouts.engine, self.logprobs
-        return [getattr(e, "decoded_positions", 0), getattr(e, "decoded_tokens", 0), lp.computed, lp.needed]
+        return [getattr(e, "decoded_positions", 0), getattr(e, "decoded_tokens", 0), lp.computed, int(lp.needed)]
 
     def start(self) -> None:
         self.seen = self._counts()
