@@ -164,6 +164,9 @@ def _serve(args) -> int:
         if value > 1 and args.engine != "vllm":
             raise ConfigError(f"{flag} {value} spreads vLLM over GPUs: it needs --engine vllm (the {args.engine} "
                               "engine runs on one device; start several servers and list them in rollout.server_url)")
+    if args.decode_slots is not None and (args.decode_slots < 1 or args.engine != "transformers"):
+        raise ConfigError(f"--decode-slots {args.decode_slots}: must be >= 1, with --engine transformers (vLLM "
+                          "schedules its own batch)")
     if args.threads is not None:
         if args.threads < 1:
             raise ConfigError(f"--threads {args.threads}: must be >= 1")
@@ -175,7 +178,8 @@ def _serve(args) -> int:
         from grpokit.rollout.vllm_engine import import_vllm
 
         import_vllm()
-    serve(args.model, args.engine, args.host, args.port, args.dtype, args.tensor_parallel_size, args.data_parallel_size)
+    serve(args.model, args.engine, args.host, args.port, args.dtype, args.tensor_parallel_size, args.data_parallel_size,
+          args.decode_slots)
     return 0
 
 
@@ -266,6 +270,9 @@ def _add_serve(commands) -> None:
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="--engine vllm: engine replicas, each on its own --tensor-parallel-size GPUs; a generation's "
                         "prompt groups are split among them, weights pushed to each")
+    p.add_argument("--decode-slots", type=int, default=None,
+                   help="--engine transformers: the most completions decoded at once; the others wait and take the "
+                        "places of those that end (rollout.decode_slots; default: all of a request's)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads (default: every core; beside a trainer on the same machine, a share of them: "
                         "docs/scaling.md). OMP_NUM_THREADS, if set, wins")

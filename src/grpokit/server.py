@@ -331,9 +331,9 @@ def make_app(service: RolloutService):
 
 
 def serve(model_name: str, engine_name: str, host: str, port: int, dtype: str, tensor_parallel_size: int = 1,
-          data_parallel_size: int = 1) -> None:
-    """Load the model, build the engine (vLLM: on tensor_parallel_size x data_parallel_size GPUs),
-    and serve until interrupted."""
+          data_parallel_size: int = 1, decode_slots: int | None = None) -> None:
+    """Load the model, build the engine (vLLM: on tensor_parallel_size x data_parallel_size GPUs;
+    transformers: decoding at most decode_slots completions at once), and serve until interrupted."""
     import socket
 
     import uvicorn
@@ -348,7 +348,8 @@ def serve(model_name: str, engine_name: str, host: str, port: int, dtype: str, t
 
     from grpokit.training.setup import served_engine
 
-    engine, fp, tokenizer, eos = served_engine(model_name, engine_name, dtype, tensor_parallel_size, data_parallel_size)
+    engine, fp, tokenizer, eos = served_engine(model_name, engine_name, dtype, tensor_parallel_size, data_parallel_size,
+                                               decode_slots)
     service = RolloutService(engine, engine_name, model_name, fp, fp["vocab_size"], tokenizer, eos)
     spread = f", tensor parallel {tensor_parallel_size} x data parallel {data_parallel_size}" if engine_name == "vllm" else ""
     print(f"grpokit serve: {model_name} ({engine_name}, {dtype}{spread}) on http://{host}:{port}", flush=True)

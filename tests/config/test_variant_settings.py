@@ -32,6 +32,7 @@ CASES = {
     "rollout.vllm_gpu_memory_utilization": ("0.5", [], "rollout.engine=transformers", ["rollout.engine=vllm"]),
     "rollout.vllm_sleep": ("false", [], "rollout.engine=transformers", ["rollout.engine=vllm"]),
     "rollout.decoder": ("static", ["rollout.engine=vllm"], "rollout.engine=vllm", ["rollout.engine=transformers"]),
+    "rollout.decode_slots": ("4", ["rollout.engine=vllm"], "rollout.engine=vllm", ["rollout.engine=transformers"]),
     "rollout.is_level": ("sequence", ["rollout.is_correction=false", "rollout.engine=vllm"], "rollout.is_correction=false",
                          ["rollout.is_correction=true", "rollout.engine=vllm"]),
     "rollout.is_mode": ("mask", ["rollout.is_correction=false", "rollout.engine=vllm"], "rollout.is_correction=false",

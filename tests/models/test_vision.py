@@ -57,10 +57,10 @@ def built(request):
     return request.param, model.eval(), processor, Vision(processor)
 
 
-def sampled(model, processor, vision, rows=ROWS, n=2):
+def sampled(model, processor, vision, rows=ROWS, n=2, slots=None):
     prompts = [vision.encode(p, images) for p, images in rows]
     engine = TransformersEngine(model, processor.tokenizer.pad_token_id, [processor.tokenizer.eos_token_id],
-                                vision=vision)
+                                vision=vision, slots=slots)
     return prompts, engine.generate(prompts, n, SamplingParams(6, 1.0), seeds=range(n * len(rows)),
                                     images=[images for _, images in rows])
 
@@ -121,6 +121,16 @@ def test_a_sampled_image_token_ends_its_completion_and_is_never_an_input(built, 
                                 batch.prompt_index, vision=vision, images=[images for _, images in ROWS])
     expected = alone(model, processor, vision, *ROWS[0], batch.completion_ids[0, :3].tolist())
     torch.testing.assert_close(logps[0, :3], expected, rtol=0, atol=1e-12)
+
+
+def test_completions_waiting_for_a_slot_sample_what_they_would_all_at_once_with_images(built):
+    """rollout.decode_slots with a vision-language model: a completion that joins the batch later
+    starts from its prompt's cache (its images in it) and positions (mRoPE's included)."""
+    name, model, processor, vision = built
+    _, whole = sampled(model, processor, vision)
+    _, slotted = sampled(model, processor, vision, slots=2)
+    assert torch.equal(whole.completion_ids, slotted.completion_ids) and whole.finish_reasons == slotted.finish_reasons
+    torch.testing.assert_close(slotted.sampling_logps, whole.sampling_logps, rtol=0, atol=1e-12)
 
 
 # ---------------------------------------------------------------------- training

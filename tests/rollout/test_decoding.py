@@ -150,3 +150,113 @@ def test_a_model_the_static_decoder_cannot_run_decodes_dynamically_or_is_refused
         facts = Facts(model=model_facts("a model", model, tokenizer=object()))
         with pytest.raises(ConfigError, match="rollout.decoder=static: .*use rollout.decoder=dynamic"):
             check(load_config(None, ["rollout.decoder=static"], check=False), facts)
+
+
+@pytest.mark.parametrize("dtype, params", [(torch.float64, p) for p in PARAMS] + [(torch.float32, "sampled")],
+                         ids=[f"float64-{p}" for p in PARAMS] + ["float32-sampled"])
+@pytest.mark.parametrize("ending", ["one-ends-at-each-step", "all-end-at-once", "none-end"])
+@pytest.mark.parametrize("slots", [1, 2])
+def test_completions_waiting_for_a_slot_sample_what_they_would_all_at_once(tiny, dtype, params, ending, slots,
+                                                                           monkeypatch):
+    """rollout.decode_slots: with fewer slots than completions (6), the waiting ones join as others
+    end (continuous batching), and every completion samples what it samples when all are decoded
+    at once: the same tokens, masks and finish reasons, log-probs and entropies to 1e-12 in float64.
+    The batch never holds more than `slots` rows, and its key/value cache never more columns than
+    the longest prompt plus max_tokens (the columns every row masks are cut off)."""
+    model, tokenizer = tiny
+    model = copy.deepcopy(model).to(dtype)
+    prompts = [tokenizer(text)["input_ids"] for text in ("What is 2 + 2?", "Hi", "A longer prompt than the two others")]
+
+    def generate(engine):
+        return engine.generate(prompts, [3, 1, 2], PARAMS[params], list(range(6)))
+
+    first = generate(TransformersEngine(model, tokenizer.pad_token_id, [tokenizer.pad_token_id]))
+    stops = {"one-ends-at-each-step": first.completion_ids.diagonal(), "all-end-at-once": first.completion_ids[:, 3],
+             "none-end": torch.tensor([tokenizer.pad_token_id])}[ending]
+    stops = stops.unique().tolist()
+    whole = generate(TransformersEngine(model, tokenizer.pad_token_id, stops))
+    engine = TransformersEngine(model, tokenizer.pad_token_id, stops, slots=slots)
+    shapes, forward = [], engine._next_logits
+    monkeypatch.setattr(engine, "_next_logits", lambda tok, attn, *a: shapes.append(attn.shape) or forward(tok, attn, *a))
+    slotted = generate(engine)
+    assert_same_samples(whole, slotted, dtype)
+    lengths = whole.completion_mask.sum(-1)
+    assert shapes or lengths.max() == 1  # (greedy, tiny-random repeats its first token: all may end there)
+    assert max(rows for rows, _ in shapes or [(slots, 0)]) == slots
+    assert max(width for _, width in shapes or [(0, 0)]) <= max(map(len, prompts)) + 16
+    assert engine.decoded_positions == 6 + int((lengths - 1).sum())  # no step computes an ended completion
+    if ending == "all-end-at-once":
+        assert lengths.max() <= 4
+    if ending == "none-end":
+        assert (lengths == 16).all() and whole.finish_reasons == slotted.finish_reasons == ["length"] * 6
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gemma3"])
+def test_completions_waiting_for_a_slot_in_a_sliding_window_model(kind):
+    """Layers that keep a sliding window's cache (Mistral's every layer, Gemma 3's local ones):
+    a joining completion's prompt rows are padded to the window's cache, and sample the same."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=8)
+    model = (MistralForCausalLM(MistralConfig(**small, sliding_window=4)) if kind == "mistral" else
+             Gemma3ForCausalLM(Gemma3TextConfig(**small, sliding_window=4, layer_types=["sliding_attention",
+                                                                                         "full_attention"])))
+    model = model.double().eval()
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18]]
+    params = SamplingParams(12, 1.0)
+    whole = TransformersEngine(model, 0, [3]).generate(prompts, 3, params, list(range(9)))
+    assert len(set(whole.completion_mask.sum(-1).tolist())) > 1  # completions of different lengths
+    slotted = TransformersEngine(model, 0, [3], slots=2).generate(prompts, 3, params, list(range(9)))
+    assert_same_samples(whole, slotted, torch.float64)
+
+
+def test_with_sharded_weights_a_process_whose_completions_ended_keeps_a_row_for_the_forward_calls(tiny,
+                                                                                                  monkeypatch):
+    """Sharded weights (lockstep): every process makes each forward call while any process still
+    decodes. Here another process is made to decode 5 steps longer: this one, its own completions
+    all ended, keeps one (already ended) row going, records nothing for it, and its completions
+    are what they are alone; the width of its batch is the longest of any process's."""
+    from grpokit.rollout import transformers_engine
+
+    model, tokenizer = tiny
+    prompts = [tokenizer(text)["input_ids"] for text in ("What is 2 + 2?", "Hi")]
+    params = SamplingParams(16, 1.0)
+    first = TransformersEngine(model, tokenizer.pad_token_id, [tokenizer.pad_token_id]).generate(
+        prompts, 2, params, list(range(4)))
+    stops = first.completion_ids[:, 2].unique().tolist()  # all end by their third token
+    alone = TransformersEngine(model, tokenizer.pad_token_id, stops).generate(prompts, 2, params, list(range(4)))
+    longest = int(alone.completion_mask.sum(-1).max())
+    assert longest <= 3
+    extra = iter([1] * (longest + 4) + [0])  # the other process: a completion of longest + 5 tokens
+
+    def all_reduce(t, op="sum"):
+        return t + next(extra) if op == "sum" else torch.maximum(t, torch.tensor(longest + 5))
+
+    monkeypatch.setattr(transformers_engine.distributed, "all_reduce", all_reduce)
+    engine = TransformersEngine(model, tokenizer.pad_token_id, stops, lockstep=True, slots=3)
+    rows, forward = [], engine._next_logits
+    monkeypatch.setattr(engine, "_next_logits", lambda tok, attn, *a: rows.append(len(tok)) or forward(tok, attn, *a))
+    batch = engine.generate(prompts, 2, params, list(range(4)))
+    assert batch.completion_ids.shape[1] == longest + 5
+    w = alone.completion_ids.shape[1]
+    assert torch.equal(batch.completion_ids[:, :w], alone.completion_ids) and not batch.completion_mask[:, w:].any()
+    assert batch.finish_reasons == alone.finish_reasons
+    assert len(rows) == longest + 4 and rows[-5:] == [1] * 5  # one row kept for the other's last steps
+
+
+def test_decode_slots_that_cannot_be_taken_are_refused(tiny):
+    from grpokit.config.checks import Facts, check
+
+    model, tokenizer = tiny
+    with pytest.raises(ValueError, match="rollout.decode_slots: the static decoder's cache is sized once"):
+        TransformersEngine(model, tokenizer.pad_token_id, [0], decoder="static", slots=2)
+    assert TransformersEngine(model, tokenizer.pad_token_id, [0], slots=2)._decoder(torch.device("cuda")) == "dynamic"
+    for settings, message in ((["rollout.decode_slots=0"], "rollout.decode_slots=0: must be >= 1"),
+                              (["rollout.decode_slots=2", "rollout.decoder=static"],
+                               "rollout.decode_slots=2 with rollout.decoder=static: the static decoder sizes"),
+                              (["rollout.decode_slots=2", "rollout.engine=server",
+                                "rollout.server_url=http://127.0.0.1:1"], "rollout.decode_slots")):
+        with pytest.raises(ConfigError, match=message):
+            check(load_config(None, settings, check=False), Facts())

@@ -150,7 +150,7 @@ def _check_settings(c: Config) -> list[str]:
     settings that contradict each other; each message names its field and a fix."""
     return [*_check_choices(c), *_check_task(c), *_check_sampling(c), *_check_algorithm(c), *_check_variants(c),
             *_check_unused(c), *_check_engine(c), *_check_rollout(c), *_check_data(c), *_check_train(c),
-            *_check_reward_functions(c.reward.functions)]
+            *_check_reward_functions(c.reward.functions, c.rollout.agent is not None)]
 
 
 def _check_choices(c: Config) -> list[str]:
@@ -256,6 +256,12 @@ def _check_engine(c: Config) -> list[str]:
                "supported: which prompts a step draws depends on the rewards of the step before; turn one of them off")
     p.need(r.server_timeout > 0, f"rollout.server_timeout={r.server_timeout}: must be > 0")
     p.need(r.decoder in DECODERS, f"rollout.decoder={r.decoder!r}: must be one of {', '.join(DECODERS)}")
+    if r.decode_slots is not None:
+        p.need(r.decode_slots >= 1, f"rollout.decode_slots={r.decode_slots}: must be >= 1 (or null: every completion "
+               "at once)")
+        p.need(r.decoder != "static", f"rollout.decode_slots={r.decode_slots} with rollout.decoder=static: "
+               "the static decoder sizes its cache once for the completions it starts with, so none can join later; "
+               "use rollout.decoder=dynamic (or auto, which picks it when decode_slots is set)")
     return p
 
 
@@ -353,11 +359,13 @@ def _url_problems(address: str) -> list[str]:
     return []
 
 
-def _check_reward_functions(functions) -> list[str]:
+def _check_reward_functions(functions, agent: bool) -> list[str]:
+    """agent: rollout.agent is set, whose returned reward is one (reward.functions=[]: it alone)."""
     if functions is None:
         return []
-    if not functions:
-        return ["reward.functions is empty: name at least one function, or null for the task's own"]
+    if not functions and not agent:
+        return ["reward.functions is empty: name at least one function, or null for the task's own (an empty list is "
+                "for rollout.agent: the reward its agent returns, alone)"]
     errors = []
     for i, entry in enumerate(functions):
         if isinstance(entry, str):

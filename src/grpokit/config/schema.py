@@ -141,6 +141,11 @@ class RolloutConfig:
         "cache sized once, every step the same shapes, captured as a CUDA graph on a GPU; the same tokens) | auto (the "
         "one measured faster on the device: docs/speed-and-memory.md)"
     )
+    decode_slots: int | None = _f(
+        None, "the most completions rollout.engine=transformers decodes at once (null: all of a step's): the others "
+        "wait and take the places of those that end (continuous batching), so the key/value cache holds at most this "
+        "many rows; decodes dynamically (rollout.decoder=static cannot take it)"
+    )
     is_correction: bool = _f(
         True, "correct for sampling log-probs that come from other kernels than the trainer's (vLLM) by weighting each "
         "token's policy term with the importance ratio exp(old_logp - sampling_logp), bounded as rollout.is_level, "

@@ -121,6 +121,7 @@ VARIANT_SETTINGS: dict[str, Variant] = {
     "rollout.vllm_gpu_memory_utilization": _VLLM,
     "rollout.vllm_sleep": _VLLM,
     "rollout.decoder": _TRANSFORMERS,
+    "rollout.decode_slots": _TRANSFORMERS,
     "rollout.is_level": _CORRECTION,
     "rollout.is_mode": _CORRECTION,
     "rollout.is_cap": _CORRECTION,

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from grpokit.models.logprobs import cache_inputs, position_ids
 from grpokit.models.vision import IMAGE_TOKEN
@@ -88,18 +89,24 @@ class TransformersEngine:
     @classmethod
     def from_config(cls, rollout, model, tokenizer, eos_ids, model_name, lockstep, vision=None) -> TransformersEngine:
         return cls(model, pad_id=tokenizer.pad_token_id, eos_ids=eos_ids, lockstep=lockstep, vision=vision,
-                   decoder=rollout.decoder)
+                   decoder=rollout.decoder, slots=rollout.decode_slots)
 
     def __init__(self, model, pad_id: int, eos_ids: list[int], lockstep: bool = False, vision=None,
-                 decoder: str = "auto"):
+                 decoder: str = "auto", slots: int | None = None):
         """vision: a vision-language model's vision.Vision (prompts come with their images);
-        decoder: rollout.decoder (config.DECODERS)."""
+        decoder: rollout.decoder (config.DECODERS); slots: rollout.decode_slots, the most
+        completions decoded at once (None: all of a generation's)."""
         self.model = model
         self.lockstep = lockstep
         self.pad_id = pad_id
         self.eos_ids = torch.tensor(eos_ids)
         self.vision = vision
         self.decoder = decoder
+        self.slots = slots
+        if slots is not None and slots < 1:
+            raise ValueError(f"rollout.decode_slots={slots}: must be at least 1 (or null: every completion at once)")
+        if slots is not None and decoder == "static":
+            raise ValueError(f"rollout.decode_slots: {SLOTS_NOT_STATIC}")
         # Since the engine was made: token positions decoding ran through the model (padding and
         # ended completions included) and completion tokens it kept; their ratio is decoding's waste.
         self.decoded_positions = self.decoded_tokens = 0
@@ -159,32 +166,31 @@ class TransformersEngine:
 
     def _generate(self, prompts, n, params, seeds, images) -> RolloutBatch:
         """Prefill each prompt once, share its key/value cache among its completions, then decode
-        every completion together, one token a step."""
+        the completions together, one token a step."""
         device = self.device
         counts = _completion_counts(prompts, n)  # (P,)
         uniforms = _random_streams(params, seeds, int(counts.sum()), device)
         cache = DynamicCache()
-        cached = cache_inputs(self.model, cache)
-        prompt_index, prompt_ids, prompt_mask, logits, next_pos = self._prefill(prompts, counts, cache, cached, device,
-                                                                                 images)
+        prompt_ids, prompt_mask, logits, next_pos = self._prefill(prompts, cache, device, images)
+        prompt_index = torch.repeat_interleave(torch.arange(len(prompts)), counts)  # (N,)
+        index = prompt_index.to(device)
         if self._decoder(device) == "static" and params.max_tokens > 1:
-            decoded = StaticDecoder(self.model, self.pad_id, self.eos_ids, self.lockstep, cache, prompt_mask, next_pos,
-                                    params, uniforms).run(logits)
+            cache.batch_select_indices(index)  # index the cache instead of recomputing
+            decoded = StaticDecoder(self.model, self.pad_id, self.eos_ids, self.lockstep, cache, prompt_mask[index],
+                                    next_pos[index], params, uniforms).run(logits[index])
         else:
-            decoded = self._decode(logits, prompt_mask, next_pos, params, uniforms, cache, device)
-        batch = decoded.batch(prompt_index, prompt_ids, prompt_mask)
+            decoded = self._decode(logits, index, prompt_mask, next_pos, params, uniforms, cache, device)
+        batch = decoded.batch(prompt_index, prompt_ids[index], prompt_mask[index])
         self.decoded_positions += decoded.positions
         self.decoded_tokens += int(batch.completion_mask.sum())
         if images is not None:
             batch.images = [images[i] for i in prompt_index.tolist()]
         return batch
 
-    def _prefill(self, prompts, counts, cache, cached, device, images):
+    def _prefill(self, prompts, cache, device, images):
         """Run the prompts, left-padded, through the model once (with their `images`, a vision-
-        language model's), then repeat each prompt's rows of `cache` for its counts[i] completions
-        (the completions of a prompt share its prefill). Returns prompt_index (N,) on the host, the
-        prompt ids and mask (N, Lp), the logits (N, V) of every completion's first token, and its
-        position (N,)."""
+        language model's), into `cache`. Returns the prompt ids and mask (P, Lp), the logits (P, V)
+        of each prompt's first completion token, and its position (P,)."""
         prompt_ids, prompt_mask = _left_padded(prompts, self.pad_id, device)
         if self.vision is None:
             extra, positions, next_pos = {}, position_ids(prompt_mask), prompt_mask.sum(-1)
@@ -196,49 +202,77 @@ class TransformersEngine:
             attention_mask=prompt_mask,
             position_ids=positions,
             **extra,
-            **cached,
+            **cache_inputs(self.model, cache),
             logits_to_keep=1,
         )
-        prompt_index = torch.repeat_interleave(torch.arange(len(prompts)), counts)  # (N,)
-        index = prompt_index.to(device)
-        cache.batch_select_indices(index)  # index the cache instead of recomputing
-        return prompt_index, prompt_ids[index], prompt_mask[index], out.logits[:, -1][index], next_pos[index]
+        return prompt_ids, prompt_mask, out.logits[:, -1], next_pos
 
-    def _decode(self, logits, prompt_mask, next_pos, params, uniforms, cache, device) -> _Decoded:
-        """Sample token t of every completion from `logits` (N, V), then run the tokens through the
-        model at positions next_pos (N,) on over the prompts' `cache`, for the logits of token t + 1,
-        until every completion has ended: an EOS (or a vision-language model's image token), or
+    def _decode(self, first, prompt_index, prompt_mask, next_pos, params, uniforms, cache, device) -> _Decoded:
+        """Decode completion i (of N) of prompt prompt_index[i] (N,) from that prompt's row of the
+        prefilled `cache`, its logits first[p] (P, V), mask prompt_mask[p] (P, Lp) and next position
+        next_pos[p] (P,): sample a token, run it through the model for the logits of the next, until
+        the completion has ended: an EOS (or a vision-language model's image token), or
         params.max_tokens tokens.
 
         A completion that ends leaves the batch at once: its rows of the key/value cache, its
         attention mask and its position are dropped, so each step computes only the completions
-        still going. (With sharded weights every process makes every forward call: one whose
-        completions have all ended keeps one of them going, its outputs unused.)"""
-        N, cached = logits.shape[0], cache_inputs(self.model, cache)
+        still going. At most self.slots completions are in the batch (all N when None); the others
+        wait, and take the places of those that end (continuous batching): a completion joins with
+        its prompt's cache row, padded on the left to the batch's length and masked there, its first
+        token sampled from its prompt's logits. With slots, the cache's leading columns that every
+        row masks are cut off as rows leave, so it stays within the longest prompt plus max_tokens.
+        (With sharded weights every process makes every forward call: one whose completions have
+        all ended keeps one of them going, its outputs unused.)"""
+        N, T, cached = len(prompt_index), params.max_tokens, cache_inputs(self.model, cache)
+        slots = N if self.slots is None else min(self.slots, N)
         stops = None if self.vision is None else torch.tensor([self.vision.image_token_id], device=device)
-        decoded = _Decoded(N, self.pad_id, self.eos_ids.to(device), device, stops)
-        attn, live = prompt_mask, torch.arange(N, device=device)  # (n, L), (n,): the rows in the batch
-        for t in range(params.max_tokens):
-            tok = decoded.add(*sample_next(logits, params, None if uniforms is None else uniforms[live, t]), live)
-            if _all_ended(decoded.finished, self.lockstep) or t == params.max_tokens - 1:  # the last token needs no logits after it
+        decoded = _Decoded(N, T, self.pad_id, self.eos_ids.to(device), device, stops)
+        prompts = [(layer.keys, layer.values) for layer in cache.layers]  # each prompt's (P, H, Lp, D)
+        cache.batch_select_indices(prompt_index[:0])  # an empty batch: completions join it below
+        live = prompt_index[:0]  # (n,) the completions in the batch
+        tok, attn, pos, logits = live, prompt_mask[:0], next_pos[:0], None  # (n,), (n, L), (n,), (n, V)
+        waiting, changed = 0, False  # completions waiting..N - 1 have not joined yet; the batch's rows changed
+        while True:
+            if logits is not None:
+                tok = decoded.add(*sample_next(logits, params, _draws(uniforms, live, decoded.count)), live)
+            while True:  # drop the completions that ended; fill the free places with waiting ones
+                going = ~decoded.done(live)  # (n,)
+                keep = going.nonzero().view(-1)  # (n',)
+                if waiting == N and len(keep) == 0 and self.lockstep:
+                    keep = going.new_zeros(1, dtype=torch.long)  # a row for the forward calls still collective
+                if len(keep) < len(live):
+                    cache.batch_select_indices(keep)
+                    live, tok, attn, pos = live[keep], tok[keep], attn[keep], pos[keep]
+                    changed = True
+                if waiting == N or len(live) >= slots:
+                    break
+                new = torch.arange(waiting, min(N, waiting + slots - len(live)), device=device)  # (k,)
+                waiting += len(new)
+                p = prompt_index[new]
+                attn = _join(cache, attn, prompts, prompt_mask[p], p)
+                live, pos = torch.cat([live, new]), torch.cat([pos, next_pos[p]])
+                tok = torch.cat([tok, decoded.add(*sample_next(first[p], params, _draws(uniforms, new, decoded.count)),
+                                                  new)])
+            if changed and slots < N:
+                attn, changed = _trimmed(cache, attn), False
+            if waiting == N:
+                prompts = None
+            if _all_ended(int((~decoded.done(live)).sum()), self.lockstep, device):
                 break
-            going = ~decoded.finished[live]  # (n,)
-            if not going.all():
-                keep = going.nonzero().view(-1) if going.any() else going.new_zeros(1, dtype=torch.long)  # (n',)
-                cache.batch_select_indices(keep)
-                live, tok, attn, next_pos = live[keep], tok[keep], attn[keep], next_pos[keep]
             attn = torch.cat([attn, torch.ones((len(live), 1), dtype=attn.dtype, device=device)], dim=1)
-            logits = self._next_logits(tok, attn, next_pos, cached)
+            logits = self._next_logits(tok, attn, pos, cached)
             decoded.positions += len(live)
-            next_pos = next_pos + 1
+            pos = pos + 1
+        decoded.width = _longest(decoded.count, self.lockstep)
         return decoded
 
     def _decoder(self, device: torch.device) -> str:
         """The decoder this generation uses: rollout.decoder, "auto" being the one measured faster
-        on the device (DEFAULT_DECODER) where the static decoder can run (static_decoding_problem)."""
+        on the device (DEFAULT_DECODER) where the static decoder can run (static_decoding_problem)
+        and no completion waits for a slot (SLOTS_NOT_STATIC)."""
         if self.decoder != "auto":
             return self.decoder
-        static = DEFAULT_DECODER[device.type == "cuda"] == "static"
+        static = DEFAULT_DECODER[device.type == "cuda"] == "static" and self.slots is None
         return "static" if static and static_decoding_problem(self.model.config, self.vision is not None) is None \
             else "dynamic"
 
@@ -258,13 +292,66 @@ class TransformersEngine:
         return out.logits[:, -1]
 
 
-def _all_ended(finished: torch.Tensor, lockstep: bool) -> bool:
-    """Whether every completion has ended (a host synchronisation); with sharded weights (lockstep),
-    every process's: each decodes until all are done, since every forward call is a collective."""
-    unfinished = (~finished).sum()
+def _all_ended(left: int, lockstep: bool, device: torch.device) -> bool:
+    """Whether no completion is `left` to decode; with sharded weights (lockstep), on every process:
+    each decodes until all are done, since every forward call is a collective."""
     if lockstep:
-        unfinished = distributed.all_reduce(unfinished)
-    return unfinished.item() == 0
+        left = int(distributed.all_reduce(torch.tensor(left, device=device)))
+    return left == 0
+
+
+def _longest(count: torch.Tensor, lockstep: bool) -> int:
+    """The most tokens any completion has (counts (N,)); with sharded weights, any process's."""
+    longest = count.max()
+    if lockstep:
+        longest = distributed.all_reduce(longest, "max")
+    return int(longest)
+
+
+def _draws(uniforms: torch.Tensor | None, rows: torch.Tensor, count: torch.Tensor) -> torch.Tensor | None:
+    """The uniforms (n,) that completions `rows` (n,) draw their next tokens with: the count[row]-th
+    of each one's stream (a completion kept only for the collective forward draws its last again)."""
+    if uniforms is None:
+        return None
+    return uniforms[rows, count[rows].clamp(max=uniforms.shape[1] - 1)]
+
+
+def _join(cache: DynamicCache, attn: torch.Tensor, prompts: list[tuple], mask: torch.Tensor,
+          p: torch.Tensor) -> torch.Tensor:
+    """Append prompts p's rows (k,) of the prefilled `prompts` [(keys, values) (P, H, Lp, D) per
+    layer], with their masks (k, Lp), to the batch in `cache` and its attention mask `attn` (n, L);
+    whichever is shorter is padded with zeros on the left (masked there). Returns the new mask."""
+    for layer, (keys, values) in zip(cache.layers, prompts):
+        if keys is None or keys.numel() == 0:  # a layer that holds no cache of its own
+            continue
+        width = max(layer.keys.shape[-2], keys.shape[-2])
+        layer.keys = torch.cat([_padded_left(layer.keys, width, -2), _padded_left(keys[p], width, -2)])
+        layer.values = torch.cat([_padded_left(layer.values, width, -2), _padded_left(values[p], width, -2)])
+    width = max(attn.shape[1], mask.shape[1])
+    return torch.cat([_padded_left(attn, width), _padded_left(mask, width)])
+
+
+def _padded_left(x: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
+    """`x` with zeros before its entries along `dim`, to `width` of them (`x` itself when it has them)."""
+    if x.shape[dim] == width:
+        return x
+    shape = list(x.shape)
+    shape[dim] = width - x.shape[dim]
+    return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+
+def _trimmed(cache: DynamicCache, attn: torch.Tensor) -> torch.Tensor:
+    """Cut the leading columns that every row of the attention mask `attn` (n, L) masks off it and
+    off the cache (each layer a plain growing one: a sliding window's keeps its own length)."""
+    if len(attn) == 0 or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return attn
+    start = int(attn.argmax(-1).min())  # the first column any row sees
+    if start == 0:
+        return attn
+    for layer in cache.layers:
+        if layer.keys is not None and layer.keys.numel():
+            layer.keys, layer.values = layer.keys[:, :, start:], layer.values[:, :, start:]
+    return attn[:, start:]
 
 
 def _completion_counts(prompts: list[list[int]], n: int | Sequence[int]) -> torch.Tensor:
@@ -300,46 +387,58 @@ def _left_padded(prompts: list[list[int]], pad_id: int, device: torch.device) ->
 
 
 class _Decoded:
-    """The completions being decoded: per step, each one's token, its log-prob and the entropy it
-    was sampled from, and whether the completion was still going (its mask)."""
+    """The completions being decoded: each one's tokens so far, their log-probs and the entropies
+    they were sampled from, and whether it has ended."""
 
-    def __init__(self, N: int, pad_id: int, eos_ids: torch.Tensor, device: torch.device,
+    def __init__(self, N: int, T: int, pad_id: int, eos_ids: torch.Tensor, device: torch.device,
                  image_ids: torch.Tensor | None = None):
-        """image_ids: a vision-language model's image token, which ends a completion too."""
-        self.pad_id, self.eos_ids, self.image_ids = pad_id, eos_ids, image_ids
+        """T: the most tokens a completion has; image_ids: a vision-language model's image token,
+        which ends a completion too."""
+        self.pad_id, self.eos_ids, self.image_ids, self.T = pad_id, eos_ids, image_ids, T
         self.finished = torch.zeros(N, dtype=torch.bool, device=device)  # (N,) an EOS (or image token) was sampled
         self.imaged = torch.zeros(N, dtype=torch.bool, device=device)  # (N,) an image token was sampled
-        self.tokens, self.logps, self.entropies, self.masks = [], [], [], []
+        self.count = torch.zeros(N, dtype=torch.long, device=device)  # (N,) tokens each completion has
+        self.tokens = torch.full((N, T), pad_id, dtype=torch.long, device=device)  # (N, T), padding after the end
+        self.logps = self.entropies = None  # (N, T) each, made with the first tokens (in their dtype)
+        self.masks = torch.zeros((N, T), dtype=torch.bool, device=device)  # (N, T)
         self.positions = N  # token positions run through the model for these completions: the prompts' last, then each step's
+        self.width = T  # the columns of the batch: the most tokens a completion has (the decoder sets it)
 
-    def add(self, tok: torch.Tensor, lp: torch.Tensor, ent: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Record one step's samples (n,) each, of completions `rows` (n,) (default: all N); a
-        completion not among them, or that had ended, gets the pad id, with log-prob and entropy 0
-        and mask 0. Returns the tokens recorded for `rows`."""
-        if rows is not None and len(rows) < len(self.finished):
-            tok, lp, ent = (torch.zeros_like(self.finished, dtype=x.dtype).index_copy_(0, rows, x) for x in (tok, lp, ent))
-        alive = ~self.finished
+    def done(self, rows: torch.Tensor) -> torch.Tensor:
+        """Whether completions `rows` (n,) have ended (n,): an EOS, an image token or T tokens."""
+        return self.finished[rows] | (self.count[rows] >= self.T)
+
+    def add(self, tok: torch.Tensor, lp: torch.Tensor, ent: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Record the next token (n,) of completions `rows` (n,), its log-prob and entropy; a
+        completion that had ended records nothing. Returns the tokens, the pad id for those."""
+        if self.logps is None:
+            self.logps = torch.zeros(self.tokens.shape, dtype=lp.dtype, device=lp.device)
+            self.entropies = torch.zeros(self.tokens.shape, dtype=ent.dtype, device=ent.device)
+        alive = ~self.done(rows)  # (n,)
         tok = torch.where(alive, tok, torch.full_like(tok, self.pad_id))
-        self.tokens.append(tok)
-        self.logps.append(torch.where(alive, lp, torch.zeros_like(lp)))
-        self.entropies.append(torch.where(alive, ent, torch.zeros_like(ent)))
-        self.masks.append(alive)
-        self.finished = self.finished | torch.isin(tok, self.eos_ids)
+        rows, at = rows[alive], self.count[rows][alive]  # (a,)
+        self.tokens[rows, at], self.logps[rows, at], self.entropies[rows, at] = tok[alive], lp[alive], ent[alive]
+        self.masks[rows, at] = True
+        self.count[rows] += 1
+        ended = torch.isin(tok[alive], self.eos_ids)
         if self.image_ids is not None:
-            self.imaged = self.imaged | (alive & torch.isin(tok, self.image_ids))
-            self.finished = self.finished | self.imaged
-        return tok if rows is None else tok[rows]
+            image = torch.isin(tok[alive], self.image_ids)
+            self.imaged[rows] |= image
+            ended |= image
+        self.finished[rows] |= ended
+        return tok
 
     def batch(self, prompt_index: torch.Tensor, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> RolloutBatch:
-        """The completions decoded, (N, T) each, after their prompts."""
+        """The completions decoded, (N, width) each, after their prompts."""
+        w = self.width
         return RolloutBatch(
             prompt_index=prompt_index,
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
-            completion_ids=torch.stack(self.tokens, dim=1),
-            completion_mask=torch.stack(self.masks, dim=1).long(),
-            sampling_logps=torch.stack(self.logps, dim=1),
-            entropies=torch.stack(self.entropies, dim=1),
+            completion_ids=self.tokens[:, :w],
+            completion_mask=self.masks[:, :w].long(),
+            sampling_logps=self.logps[:, :w],
+            entropies=self.entropies[:, :w],
             finish_reasons=[IMAGE_TOKEN if i else "stop" if f else "length"
                             for f, i in zip(self.finished.tolist(), self.imaged.tolist())],
         )
@@ -352,6 +451,8 @@ DEFAULT_DECODER = {False: "dynamic", True: "static"}
 # The static decoder asks whether every completion has ended once per this many tokens (a host
 # synchronisation each time; a GPU's kernels run ahead of the host in between).
 CHECK_EVERY = 8
+SLOTS_NOT_STATIC = ("the static decoder's cache is sized once for the rows it starts with, so no completion can join "
+                    "later; use rollout.decoder=dynamic (auto picks it when decode_slots is set)")
 
 
 def static_decoding_problem(config, vision: bool = False) -> str | None:
@@ -444,7 +545,7 @@ class StaticDecoder:
                 self._step()
             self.positions_run += len(self.rows)
             if (t + 1) % CHECK_EVERY == 0:
-                if _all_ended(self.finished, self.lockstep):
+                if _all_ended(int((~self.finished).sum()), self.lockstep, self.finished.device):
                     break
                 if not self.lockstep and 2 * int(self.finished.sum()) >= len(self.rows):
                     self._compact()
@@ -529,9 +630,8 @@ class StaticDecoder:
         last = int(self.alive.any(0).nonzero().max())  # token 0 is always sampled
         if self.lockstep:
             last = int(distributed.all_reduce(torch.tensor(last), "max"))
-        decoded = _Decoded(self.finished.shape[0], self.pad_id, self.eos_ids, self.finished.device)
-        decoded.tokens, decoded.logps = list(self.tokens[:, :last + 1].T), list(self.logps[:, :last + 1].T)
-        decoded.entropies, decoded.masks = list(self.entropies[:, :last + 1].T), list(self.alive[:, :last + 1].T)
-        decoded.finished = self.finished
-        decoded.positions = self.positions_run
+        N, T = self.tokens.shape
+        decoded = _Decoded(N, T, self.pad_id, self.eos_ids, self.finished.device)
+        decoded.tokens, decoded.logps, decoded.entropies, decoded.masks = self.tokens, self.logps, self.entropies, self.alive
+        decoded.finished, decoded.width, decoded.positions = self.finished, last + 1, self.positions_run
         return decoded

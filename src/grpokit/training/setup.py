@@ -122,10 +122,11 @@ def make_kind(config: Config, prepared: Prepared, model) -> RolloutKind:
 
 
 def served_engine(model_name: str, engine_name: str, dtype: str, tensor_parallel_size: int = 1,
-                  data_parallel_size: int = 1) -> tuple:
+                  data_parallel_size: int = 1, decode_slots: int | None = None) -> tuple:
     """What `grpokit serve` serves: (engine, the model's fingerprint, tokenizer, EOS ids), the
     engine a ServedEngine (rollout/protocols.py) of `model_name` in `dtype`: the transformers
-    engine, or vLLM on tensor_parallel_size x data_parallel_size GPUs."""
+    engine (decode_slots: rollout.decode_slots), or vLLM on tensor_parallel_size x
+    data_parallel_size GPUs."""
     from grpokit.rollout.weights import fingerprint
 
     tokenizer, vision = processing(model_name)
@@ -153,5 +154,6 @@ def served_engine(model_name: str, engine_name: str, dtype: str, tensor_parallel
         # sample exactly as the trainer's own engine would. Generation runs under no_grad anyway.
         model = load_model(model_name, dtype).eval().to("cuda" if torch.cuda.is_available() else "cpu")
         eos = eos_token_ids(model, tokenizer)
-        return TransformersEngine(model, tokenizer.pad_token_id, eos, vision=vision), fingerprint(model), tokenizer, eos
+        engine = TransformersEngine(model, tokenizer.pad_token_id, eos, vision=vision, slots=decode_slots)
+        return engine, fingerprint(model), tokenizer, eos
     raise StartupError(f"grpokit serve has no way to build the {engine_name!r} engine: use transformers or vllm")
