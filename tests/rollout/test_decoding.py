@@ -1,5 +1,5 @@
 """rollout.decoder: the static decoder (a key/value cache sized once, every step the same shapes,
-rollout/transformers_engine.py StaticDecoder) samples what the dynamic decoder samples: the same
+rollout/static_decoder.py) samples what the dynamic decoder samples: the same
 tokens from the same seeds, the same masks and finish reasons, log-probs and entropies to 1e-6, for
 single-turn completions sharing their prompt's prefill, and for conversations (an agent's requests,
 each continuing the one before)."""
@@ -11,7 +11,8 @@ import torch
 
 from grpokit.config.loading import load_config
 from grpokit.rollout.batch import SamplingParams
-from grpokit.rollout.transformers_engine import StaticDecoder, TransformersEngine
+from grpokit.rollout.static_decoder import StaticDecoder
+from grpokit.rollout.transformers_engine import TransformersEngine
 from grpokit.runtime.errors import ConfigError
 from grpokit.tasks.task import Example
 
@@ -134,7 +135,7 @@ def test_a_model_the_static_decoder_cannot_run_decodes_dynamically_or_is_refused
     from transformers import Gemma3TextConfig, Gemma3ForCausalLM, MistralConfig, MistralForCausalLM
 
     from grpokit.config.checks import Facts, check, model_facts
-    from grpokit.rollout.transformers_engine import static_decoding_problem
+    from grpokit.rollout.static_decoder import static_decoding_problem
 
     small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=8)
@@ -152,10 +153,12 @@ def test_a_model_the_static_decoder_cannot_run_decodes_dynamically_or_is_refused
             check(load_config(None, ["rollout.decoder=static"], check=False), facts)
 
 
-@pytest.mark.parametrize("dtype, params", [(torch.float64, p) for p in PARAMS] + [(torch.float32, "sampled")],
-                         ids=[f"float64-{p}" for p in PARAMS] + ["float32-sampled"])
+@pytest.mark.parametrize("dtype, params, slots", [(torch.float64, "sampled", 1), (torch.float64, "sampled", 2),
+                                                  (torch.float64, "greedy", 2), (torch.float64, "filtered", 2),
+                                                  (torch.float32, "sampled", 2)],
+                         ids=["float64-sampled-1", "float64-sampled-2", "float64-greedy-2", "float64-filtered-2",
+                              "float32-sampled-2"])
 @pytest.mark.parametrize("ending", ["one-ends-at-each-step", "all-end-at-once", "none-end"])
-@pytest.mark.parametrize("slots", [1, 2])
 def test_completions_waiting_for_a_slot_sample_what_they_would_all_at_once(tiny, dtype, params, ending, slots,
                                                                            monkeypatch):
     """rollout.decode_slots: with fewer slots than completions (6), the waiting ones join as others
@@ -218,7 +221,7 @@ def test_with_sharded_weights_a_process_whose_completions_ended_keeps_a_row_for_
     decodes. Here another process is made to decode 5 steps longer: this one, its own completions
     all ended, keeps one (already ended) row going, records nothing for it, and its completions
     are what they are alone; the width of its batch is the longest of any process's."""
-    from grpokit.rollout import transformers_engine
+    from grpokit.runtime import distributed
 
     model, tokenizer = tiny
     prompts = [tokenizer(text)["input_ids"] for text in ("What is 2 + 2?", "Hi")]
@@ -234,7 +237,7 @@ def test_with_sharded_weights_a_process_whose_completions_ended_keeps_a_row_for_
     def all_reduce(t, op="sum"):
         return t + next(extra) if op == "sum" else torch.maximum(t, torch.tensor(longest + 5))
 
-    monkeypatch.setattr(transformers_engine.distributed, "all_reduce", all_reduce)
+    monkeypatch.setattr(distributed, "all_reduce", all_reduce)
     engine = TransformersEngine(model, tokenizer.pad_token_id, stops, lockstep=True, slots=3)
     rows, forward = [], engine._next_logits
     monkeypatch.setattr(engine, "_next_logits", lambda tok, attn, *a: rows.append(len(tok)) or forward(tok, attn, *a))

@@ -60,14 +60,20 @@ def test_forced_eos_gives_stop_and_mask_with_eos(tiny):
 def test_lockstep_decoding_goes_on_until_every_process_is_done(tiny, monkeypatch):
     """Sharded weights (sharding.py): a process whose completions all finished keeps making forward
     calls (masked, padding) while another process's are still running, and stops with the last."""
-    from grpokit.rollout import transformers_engine
+    from grpokit.runtime import distributed
 
     model, tokenizer = tiny
     every_token = list(range(model.config.vocab_size))  # every token ends a completion: done at once here
     others_running = [3, 2, 1, 0]  # what the all-reduce reports after each decoding step
     calls = []
-    monkeypatch.setattr(transformers_engine.distributed, "all_reduce",
-                        lambda t: calls.append(t.item()) or torch.tensor(t.item() + others_running[len(calls) - 1]))
+
+    def all_reduce(t, op="sum"):
+        if op == "max":  # the longest completion of any process: the other's, of 4 tokens
+            return torch.maximum(t, torch.tensor(4))
+        calls.append(t.item())
+        return torch.tensor(t.item() + others_running[len(calls) - 1])
+
+    monkeypatch.setattr(distributed, "all_reduce", all_reduce)
     forwards = []
     real_forward = model.forward
     monkeypatch.setattr(model, "forward", lambda *a, **k: forwards.append(1) or real_forward(*a, **k))

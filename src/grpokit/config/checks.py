@@ -61,7 +61,7 @@ def model_facts(name: str, model=None, tokenizer=None, local_only: bool = False)
     folder, a Hub id offline: loading it says why), or with `local_only`, is not on this machine."""
     from grpokit.models.loading import model_config
     from grpokit.models.vision import is_processor
-    from grpokit.rollout.transformers_engine import static_decoding_problem
+    from grpokit.rollout.static_decoder import static_decoding_problem
     from grpokit.runtime.errors import StartupError
 
     try:

@@ -1,6 +1,7 @@
 """Rollout engines, and only them: what they return (batch.py), their protocols and registry
-(protocols.py), prompts as token ids (prompts.py), the engines (transformers_engine.py,
-vllm_engine.py, client.py for `grpokit serve` processes), a generation split among several
+(protocols.py), prompts as token ids (prompts.py), the engines (transformers_engine.py, its
+decoders in decoding.py and static_decoder.py, vllm_engine.py, client.py for `grpokit serve`
+processes), a generation split among several
 (balance.py), what a trainer and a server exchange (wire.py) and weights (weights.py)."""
 
 from grpokit.rollout.batch import RolloutBatch, SamplingParams, from_completions

@@ -3,12 +3,13 @@
 The engine holds the policy module, so it always generates with the current weights. Each prompt
 is run through the model once; its key/value cache is then repeated for its n completions.
 Completion i draws its tokens from its own random stream, seeded by seeds[i]: what it samples does
-not depend on which other completions share its batch (or its process).
+not depend on which other completions share its batch (or its process). It decodes dynamically
+(here: a cache grown token by token, completions leaving as they end and, with rollout.decode_slots,
+joining as places free) or at a static shape (static_decoder.py); decoding.py is what both share.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 
 import torch
@@ -16,67 +17,10 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from grpokit.models.logprobs import cache_inputs, position_ids
-from grpokit.models.vision import IMAGE_TOKEN
 from grpokit.rollout.batch import RolloutBatch, SamplingParams
+from grpokit.rollout.decoding import Decoded, all_ended, longest, sample_next
+from grpokit.rollout.static_decoder import StaticDecoder, static_decoding_problem
 from grpokit.rollout.weights import checksum, named_weights
-from grpokit.runtime import distributed
-
-
-def sample_next(
-    logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Draw one token per row from logits (B, V), by inverse CDF of one uniform (B,) per row.
-
-    The sampling distribution: softmax(logits / temperature), then top-k, top-p and min-p (in
-    transformers' order), renormalised. Returns tokens (B,), their log-probs under it (B,), and the
-    entropy of the tempered, unfiltered distribution (B,) (the policy's, as the trainer sees it).
-    """
-    if params.temperature == 0:
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        tokens = logprobs.argmax(-1)
-        return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1), _entropy_of(logprobs)
-    # Few (B, V) float32 temporaries at a time (in place where the arithmetic is the same): on a
-    # GPU, with a large vocabulary, they are most of a decoding step's memory.
-    logits = logits.float().div_(params.temperature) if logits.dtype != torch.float32 else logits / params.temperature
-    unfiltered = torch.log_softmax(logits, dim=-1)  # (B, V)
-    policy_entropy = _entropy_of(unfiltered)
-    top_k = 0 < params.top_k < logits.shape[-1]
-    if not (top_k or params.top_p < 1.0 or params.min_p > 0):  # no filter: the sampling distribution is the policy's
-        del logits
-        return _inverse_cdf(unfiltered, uniforms) + (policy_entropy,)
-    del unfiltered
-    if top_k:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop_sorted = cum - torch.softmax(sorted_logits, dim=-1) >= params.top_p  # keep the top token
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    if params.min_p > 0:
-        # Last, as transformers' MinPLogitsWarper: drop p < min_p * max p. The bound is relative to
-        # the most likely token, so the renormalisation by top-k/top-p before does not move it.
-        probs = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), float("-inf"))
-    logprobs = torch.log_softmax(logits, dim=-1)  # (B, V)
-    del logits
-    return _inverse_cdf(logprobs, uniforms) + (policy_entropy,)
-
-
-def _entropy_of(logprobs: torch.Tensor) -> torch.Tensor:
-    """Entropy (B,) of the distribution whose log-probs are `logprobs` (B, V)."""
-    return -(logprobs.exp().mul_(logprobs)).sum(-1)
-
-
-def _inverse_cdf(logprobs: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row of `logprobs` (B, V), the first whose CDF exceeds its uniform (B,), and its log-prob."""
-    cdf = logprobs.exp().cumsum_(-1)  # (B, V)
-    total = cdf[:, -1:]  # (B, 1), ~1
-    # Strictly below the total, the first entry of the CDF above x is a token of positive probability.
-    x = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))  # (B, 1)
-    tokens = torch.searchsorted(cdf, x, right=True).squeeze(-1)  # (B,)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
 class TransformersEngine:
@@ -207,7 +151,7 @@ class TransformersEngine:
         )
         return prompt_ids, prompt_mask, out.logits[:, -1], next_pos
 
-    def _decode(self, first, prompt_index, prompt_mask, next_pos, params, uniforms, cache, device) -> _Decoded:
+    def _decode(self, first, prompt_index, prompt_mask, next_pos, params, uniforms, cache, device) -> Decoded:
         """Decode completion i (of N) of prompt prompt_index[i] (N,) from that prompt's row of the
         prefilled `cache`, its logits first[p] (P, V), mask prompt_mask[p] (P, Lp) and next position
         next_pos[p] (P,): sample a token, run it through the model for the logits of the next, until
@@ -226,7 +170,7 @@ class TransformersEngine:
         N, T, cached = len(prompt_index), params.max_tokens, cache_inputs(self.model, cache)
         slots = N if self.slots is None else min(self.slots, N)
         stops = None if self.vision is None else torch.tensor([self.vision.image_token_id], device=device)
-        decoded = _Decoded(N, T, self.pad_id, self.eos_ids.to(device), device, stops)
+        decoded = Decoded(N, T, self.pad_id, self.eos_ids.to(device), device, stops)
         prompts = [(layer.keys, layer.values) for layer in cache.layers]  # each prompt's (P, H, Lp, D)
         cache.batch_select_indices(prompt_index[:0])  # an empty batch: completions join it below
         live = prompt_index[:0]  # (n,) the completions in the batch
@@ -257,13 +201,13 @@ class TransformersEngine:
                 attn, changed = _trimmed(cache, attn), False
             if waiting == N:
                 prompts = None
-            if _all_ended(int((~decoded.done(live)).sum()), self.lockstep, device):
+            if all_ended(int((~decoded.done(live)).sum()), self.lockstep, device):
                 break
             attn = torch.cat([attn, torch.ones((len(live), 1), dtype=attn.dtype, device=device)], dim=1)
             logits = self._next_logits(tok, attn, pos, cached)
             decoded.positions += len(live)
             pos = pos + 1
-        decoded.width = _longest(decoded.count, self.lockstep)
+        decoded.width = longest(decoded.count, self.lockstep)
         return decoded
 
     def _decoder(self, device: torch.device) -> str:
@@ -290,22 +234,6 @@ class TransformersEngine:
             **cached,
         )
         return out.logits[:, -1]
-
-
-def _all_ended(left: int, lockstep: bool, device: torch.device) -> bool:
-    """Whether no completion is `left` to decode; with sharded weights (lockstep), on every process:
-    each decodes until all are done, since every forward call is a collective."""
-    if lockstep:
-        left = int(distributed.all_reduce(torch.tensor(left, device=device)))
-    return left == 0
-
-
-def _longest(count: torch.Tensor, lockstep: bool) -> int:
-    """The most tokens any completion has (counts (N,)); with sharded weights, any process's."""
-    longest = count.max()
-    if lockstep:
-        longest = distributed.all_reduce(longest, "max")
-    return int(longest)
 
 
 def _draws(uniforms: torch.Tensor | None, rows: torch.Tensor, count: torch.Tensor) -> torch.Tensor | None:
@@ -386,252 +314,11 @@ def _left_padded(prompts: list[list[int]], pad_id: int, device: torch.device) ->
     return prompt_ids.to(device), prompt_mask.to(device)
 
 
-class _Decoded:
-    """The completions being decoded: each one's tokens so far, their log-probs and the entropies
-    they were sampled from, and whether it has ended."""
-
-    def __init__(self, N: int, T: int, pad_id: int, eos_ids: torch.Tensor, device: torch.device,
-                 image_ids: torch.Tensor | None = None):
-        """T: the most tokens a completion has; image_ids: a vision-language model's image token,
-        which ends a completion too."""
-        self.pad_id, self.eos_ids, self.image_ids, self.T = pad_id, eos_ids, image_ids, T
-        self.finished = torch.zeros(N, dtype=torch.bool, device=device)  # (N,) an EOS (or image token) was sampled
-        self.imaged = torch.zeros(N, dtype=torch.bool, device=device)  # (N,) an image token was sampled
-        self.count = torch.zeros(N, dtype=torch.long, device=device)  # (N,) tokens each completion has
-        self.tokens = torch.full((N, T), pad_id, dtype=torch.long, device=device)  # (N, T), padding after the end
-        self.logps = self.entropies = None  # (N, T) each, made with the first tokens (in their dtype)
-        self.masks = torch.zeros((N, T), dtype=torch.bool, device=device)  # (N, T)
-        self.positions = N  # token positions run through the model for these completions: the prompts' last, then each step's
-        self.width = T  # the columns of the batch: the most tokens a completion has (the decoder sets it)
-
-    def done(self, rows: torch.Tensor) -> torch.Tensor:
-        """Whether completions `rows` (n,) have ended (n,): an EOS, an image token or T tokens."""
-        return self.finished[rows] | (self.count[rows] >= self.T)
-
-    def add(self, tok: torch.Tensor, lp: torch.Tensor, ent: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Record the next token (n,) of completions `rows` (n,), its log-prob and entropy; a
-        completion that had ended records nothing. Returns the tokens, the pad id for those."""
-        if self.logps is None:
-            self.logps = torch.zeros(self.tokens.shape, dtype=lp.dtype, device=lp.device)
-            self.entropies = torch.zeros(self.tokens.shape, dtype=ent.dtype, device=ent.device)
-        alive = ~self.done(rows)  # (n,)
-        tok = torch.where(alive, tok, torch.full_like(tok, self.pad_id))
-        rows, at = rows[alive], self.count[rows][alive]  # (a,)
-        self.tokens[rows, at], self.logps[rows, at], self.entropies[rows, at] = tok[alive], lp[alive], ent[alive]
-        self.masks[rows, at] = True
-        self.count[rows] += 1
-        ended = torch.isin(tok[alive], self.eos_ids)
-        if self.image_ids is not None:
-            image = torch.isin(tok[alive], self.image_ids)
-            self.imaged[rows] |= image
-            ended |= image
-        self.finished[rows] |= ended
-        return tok
-
-    def batch(self, prompt_index: torch.Tensor, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> RolloutBatch:
-        """The completions decoded, (N, width) each, after their prompts."""
-        w = self.width
-        return RolloutBatch(
-            prompt_index=prompt_index,
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
-            completion_ids=self.tokens[:, :w],
-            completion_mask=self.masks[:, :w].long(),
-            sampling_logps=self.logps[:, :w],
-            entropies=self.entropies[:, :w],
-            finish_reasons=[IMAGE_TOKEN if i else "stop" if f else "length"
-                            for f, i in zip(self.finished.tolist(), self.imaged.tolist())],
-        )
-
-
 # rollout.decoder=auto: the decoder measured faster on each device (docs/speed-and-memory.md),
 # {on CUDA: decoder}. "dynamic" grows the key/value cache token by token (TransformersEngine._decode);
 # "static" decodes at a fixed shape over a cache sized once (StaticDecoder).
 DEFAULT_DECODER = {False: "dynamic", True: "static"}
-# The static decoder asks whether every completion has ended once per this many tokens (a host
-# synchronisation each time; a GPU's kernels run ahead of the host in between).
-CHECK_EVERY = 8
 SLOTS_NOT_STATIC = ("the static decoder's cache is sized once for the rows it starts with, so no completion can join "
                     "later; use rollout.decoder=dynamic (auto picks it when decode_slots is set)")
 
 
-def static_decoding_problem(config, vision: bool = False) -> str | None:
-    """Why the static decoder cannot decode with a model of (transformers) `config`, or None: it
-    needs a text model (not `vision`) whose every layer attends to the whole cache (a sliding
-    window's cache is the window's size) through an attention that takes a 4D mask (sdpa, eager;
-    a model not loaded yet has none set, and loads with sdpa)."""
-    if vision:
-        return "a vision-language model decodes dynamically (its image tokens end a completion)"
-    config = config.get_text_config(decoder=True)
-    layers = getattr(config, "layer_types", None)
-    if layers is not None and any(kind != "full_attention" for kind in layers):
-        return f"this model has layers of other kinds than full attention ({sorted(set(layers))})"
-    if layers is None and getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return f"this model attends through a sliding window of {config.sliding_window} tokens"
-    implementation = getattr(config, "_attn_implementation", None) or "sdpa"
-    if implementation not in ("sdpa", "eager"):
-        return f"attention implementation {implementation!r} takes no 4D attention mask"
-    return None
-
-
-class StaticDecoder:
-    """Decoding at a fixed shape (rollout.decoder=static): the key/value cache sized once, for the
-    batch and the longest sequence (the prompts' width plus max_tokens), and every step the same
-    shapes: the N tokens just sampled, at one cache slot, an attention mask over the whole cache,
-    sampling on the device into preallocated (N, max_tokens) outputs. A completion that has ended
-    goes on being computed, its tokens recorded as padding and masked out, so the batch keeps its
-    shape; the host learns whether all have ended only every CHECK_EVERY tokens. When by then half
-    the rows or more have ended, they are dropped (the cache and every buffer cut to the rows still
-    going), so the shape at least halves each time it changes: at most log2(N) shapes. On CUDA, one
-    step (sampling a token, then the model's forward on it) is captured as a CUDA graph, once per
-    shape, and replayed: one launch a token instead of one a kernel. (With sharded weights every
-    process keeps its rows: every forward is a collective.)
-
-    It samples what the dynamic decoder samples: completion i from its own uniforms, the same
-    tokens, log-probs equal to rounding (the attention runs over the whole cache, masked; in
-    bfloat16 that rounding can move a token drawn at the edge of two). static_decoding_problem
-    says which models it cannot decode."""
-
-    def __init__(self, model, pad_id: int, eos_ids: torch.Tensor, lockstep: bool, prefilled: DynamicCache,
-                 prompt_mask: torch.Tensor, next_pos: torch.Tensor, params: SamplingParams,
-                 uniforms: torch.Tensor | None):
-        """The engine's model, pad id, EOS ids and lockstep (TransformersEngine); prefilled: the
-        prompts' cache, one row per completion (N); prompt_mask (N, Lp); next_pos (N,): each
-        completion's first position; uniforms (N, max_tokens) or None (greedy)."""
-        from transformers import StaticCache
-
-        self.model, self.pad_id, self.lockstep, self.params, self.uniforms = model, pad_id, lockstep, params, uniforms
-        device = prompt_mask.device
-        (N, Lp), T = prompt_mask.shape, params.max_tokens
-        length = Lp + T - 1  # the last token sampled is never fed
-        self.cache = StaticCache(config=self.model.config, max_cache_len=length)
-        for i, layer in enumerate(prefilled.layers):  # the prompts' keys and values in slots 0 .. Lp - 1
-            self.cache.update(layer.keys, layer.values, i, {"cache_position": torch.arange(Lp, device=device)})
-            layer.keys = layer.values = None  # not held twice while decoding
-        self.cached = cache_inputs(self.model, self.cache)
-        # A step's inputs, updated in place: the tokens fed (N, 1), their positions (N, 1), their
-        # cache slot (1,), the slots each completion sees (N, 1, 1, length), the token index (1,).
-        self.ids = torch.full((N, 1), pad_id, dtype=torch.long, device=device)
-        self.positions = next_pos[:, None].clone()
-        self.slot = torch.tensor([Lp], device=device)
-        self.seen = torch.zeros((N, 1, 1, length), dtype=torch.bool, device=device)
-        self.seen[:, 0, 0, :Lp] = prompt_mask.bool()
-        self.step = torch.zeros(1, dtype=torch.long, device=device)
-        self.eos_ids = eos_ids.to(device)
-        # What is sampled, (N, T) each, and which completions have ended (N,).
-        self.tokens = torch.full((N, T), pad_id, dtype=torch.long, device=device)
-        self.logps = torch.zeros((N, T), device=device)
-        self.entropies = torch.zeros((N, T), device=device)
-        self.alive = torch.zeros((N, T), dtype=torch.bool, device=device)
-        self.finished = torch.zeros(N, dtype=torch.bool, device=device)
-        self.logits = None  # (N, V) the logits the next token is sampled from (a graph's output)
-        # Once rows are dropped (_compact): the original index of each row still decoded (n,), and
-        # the (N, ...) outputs of every completion, the dropped ones' final.
-        self.rows = torch.arange(N, device=device)
-        self.whole = None
-
-    def run(self, logits: torch.Tensor) -> _Decoded:
-        """Decode from the prompts' last logits (N, V) until every completion has ended or
-        max_tokens tokens; the outputs as the dynamic decoder gives them."""
-        T, graph, capture_at = self.params.max_tokens, None, 1
-        self.logits = logits.clone()  # read by a step's sampling, written by its forward
-        self.positions_run = self.finished.shape[0]  # the prefill's last position, once per completion
-        for t in range(T - 1):
-            if graph is None and t == capture_at and logits.device.type == "cuda" and not self.lockstep:
-                graph = self._capture()  # a step at this shape ran eagerly: every lazy allocation is made
-            if graph:
-                graph.replay()
-            else:
-                self._step()
-            self.positions_run += len(self.rows)
-            if (t + 1) % CHECK_EVERY == 0:
-                if _all_ended(int((~self.finished).sum()), self.lockstep, self.finished.device):
-                    break
-                if not self.lockstep and 2 * int(self.finished.sum()) >= len(self.rows):
-                    self._compact()
-                    graph, capture_at = (None if graph is not False else False), t + 2
-        else:
-            self._sample()  # the last token: no logits after it
-        return self._outputs()
-
-    OUTPUTS = ("tokens", "logps", "entropies", "alive", "finished")
-
-    def _compact(self) -> None:
-        """Drop the rows whose completions have ended: from the cache, the step's inputs, the
-        uniforms and the outputs (theirs kept, final, in `whole`)."""
-        if self.whole is None:
-            self.whole = {name: getattr(self, name) for name in self.OUTPUTS}  # every row, as written so far
-        else:
-            for name in self.OUTPUTS:
-                self.whole[name].index_copy_(0, self.rows, getattr(self, name))
-        keep = (~self.finished).nonzero().view(-1)  # (n',)
-        self.rows = self.rows[keep]
-        for name in ("ids", "positions", "seen", "logits", *self.OUTPUTS):
-            setattr(self, name, getattr(self, name).index_select(0, keep))
-        if self.uniforms is not None:
-            self.uniforms = self.uniforms.index_select(0, keep)
-        for layer in self.cache.layers:
-            layer.keys, layer.values = layer.keys.index_select(0, keep), layer.values.index_select(0, keep)
-
-    def _capture(self):
-        """One step as a CUDA graph, on the step's buffers (captured, not run); False where the
-        model's forward cannot be captured (one that synchronises with the host): the steps then
-        run eagerly, at the same fixed shapes. Thread-local capture: work that other threads put
-        on the GPU meanwhile (an agent's own) is not caught in it."""
-        graph = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize()
-        try:
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                self._step()
-        except RuntimeError as e:
-            warnings.warn(f"rollout.decoder=static: the decoding step could not be captured as a CUDA graph ({e}); "
-                          "it runs eagerly", stacklevel=2)
-            return False
-        return graph
-
-    def _step(self) -> None:
-        """Sample token `step`, then run it through the model for the logits of the next."""
-        self.logits.copy_(self._forward(self._sample()))
-
-    def _sample(self) -> torch.Tensor:
-        """Token `step` of every completion (N,), recorded; an ended completion's is padding."""
-        uniforms = None if self.uniforms is None else self.uniforms.index_select(1, self.step).squeeze(1)
-        tok, lp, ent = sample_next(self.logits, self.params, uniforms)
-        alive = ~self.finished
-        tok = torch.where(alive, tok, self.pad_id)
-        self.tokens.index_copy_(1, self.step, tok[:, None])
-        self.logps.index_copy_(1, self.step, torch.where(alive, lp, 0.0)[:, None])
-        self.entropies.index_copy_(1, self.step, torch.where(alive, ent, 0.0)[:, None])
-        self.alive.index_copy_(1, self.step, alive[:, None])
-        self.finished.logical_or_(torch.isin(tok, self.eos_ids))
-        return tok
-
-    def _forward(self, tok: torch.Tensor) -> torch.Tensor:
-        """The tokens just sampled (N,) through the model at their slot; the logits (N, V) after them."""
-        from grpokit.models.logprobs import attention_form
-
-        self.ids.copy_(tok[:, None])
-        self.seen.index_fill_(3, self.slot, True)
-        out = self.model(input_ids=self.ids, attention_mask=attention_form(self.model, self.seen),
-                         position_ids=self.positions, cache_position=self.slot, **self.cached)
-        self.positions.add_(1)
-        self.slot.add_(1)
-        self.step.add_(1)
-        return out.logits[:, -1]
-
-    def _outputs(self) -> _Decoded:
-        """The decoded completions, cut after the last token any of them sampled (every process's,
-        with sharded weights: they decode alike)."""
-        if self.whole is not None:  # rows were dropped: the last ones' outputs join the others'
-            for name in self.OUTPUTS:
-                self.whole[name].index_copy_(0, self.rows, getattr(self, name))
-            for name in self.OUTPUTS:
-                setattr(self, name, self.whole[name])
-        last = int(self.alive.any(0).nonzero().max())  # token 0 is always sampled
-        if self.lockstep:
-            last = int(distributed.all_reduce(torch.tensor(last), "max"))
-        N, T = self.tokens.shape
-        decoded = _Decoded(N, T, self.pad_id, self.eos_ids, self.finished.device)
-        decoded.tokens, decoded.logps, decoded.entropies, decoded.masks = self.tokens, self.logps, self.entropies, self.alive
-        decoded.finished, decoded.width, decoded.positions = self.finished, last + 1, self.positions_run
-        return decoded
