@@ -59,6 +59,58 @@ async def with_tools(client, model, row):
                              "content": str(add(**json.loads(call.function.arguments)))})
 
 
+def with_tools_sync(client, model, row):
+    """with_tools as a plain function, on a blocking client."""
+    from transformers.utils import get_json_schema
+
+    messages = list(row["prompt"])
+    for turn in range(5):
+        reply = client.chat.completions.create(model=model, messages=messages, tools=[get_json_schema(add)])
+        message = reply.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls or reply.choices[0].finish_reason == "length" or turn == 4:
+            return 0.0
+        for call in message.tool_calls:
+            messages.append({"role": "tool", "tool_call_id": call.id,
+                             "content": str(add(**json.loads(call.function.arguments)))})
+
+
+async def always_fails(client, model, row):
+    await client.chat.completions.create(model=model, messages=row["prompt"])
+    raise RuntimeError("the agent broke")
+
+
+async def wrong_signature(client, row):
+    return 1.0
+
+
+async def with_tools_streamed(client, model, row):
+    """with_tools, each reply streamed and its chunks joined back into the message."""
+    from transformers.utils import get_json_schema
+
+    messages = list(row["prompt"])
+    for turn in range(5):
+        chunks = await client.chat.completions.create(model=model, messages=messages, tools=[get_json_schema(add)],
+                                                      stream=True)
+        content, calls, finish = "", {}, None
+        async for chunk in chunks:
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                for call in choice.delta.tool_calls or ():
+                    joined = calls.setdefault(call.index, {"id": "", "type": "function",
+                                                           "function": {"name": "", "arguments": ""}})
+                    joined["id"] += call.id or ""
+                    joined["function"]["name"] += call.function.name or ""
+                    joined["function"]["arguments"] += call.function.arguments or ""
+                finish = choice.finish_reason or finish
+        messages.append({"role": "assistant", "content": content, **({"tool_calls": list(calls.values())} if calls else {})})
+        if not calls or finish == "length" or turn == 4:
+            return 0.0
+        for call in calls.values():
+            messages.append({"role": "tool", "tool_call_id": call["id"],
+                             "content": str(add(**json.loads(call["function"]["arguments"])))})
+
+
 async def misbehaving(client, model, row):
     """Row by row: fine, raises, another model, a bad reward, no request, never returns."""
     kind = int(row["kind"])
@@ -89,23 +141,85 @@ def scripted(monkeypatch, tmp_path):
 
 def test_an_agent_trains_as_the_same_conversations_through_grpokit_s_tools(scripted, monkeypatch):
     """The same tool loop, once as rollout.tools (grpokit's multi-turn path) and once as an agent
-    through the endpoint: the same contexts reach the engine, and the runs are the same bit for bit."""
+    through the endpoint: the same contexts reach the engine, and the runs are the same bit for bit.
+    So are the agent's replies streamed (content and tool-call deltas joined by the agent), and the
+    agent as a plain `def` on a blocking client (run in threads, the rollouts together)."""
     monkeypatch.setattr(scripted_engine, "SCRIPT", [tool_call("add", a=1, b=2), "3"])
     common = [*T, "rollout.engine=scripted", f"data.path={scripted}/data.jsonl", "monitor.log_completions=1"]
     assert main(["train", "--no-progress", *common, f"rollout.tools=[{scripted}/agents.py:add]",
                  f"train.output_dir={scripted}/tools"]) == 0
-    assert main(["train", "--no-progress", *common, f"rollout.agent={scripted}/agents.py:with_tools",
-                 f"train.output_dir={scripted}/agent"]) == 0
-    tools, agent = untimed_metrics(scripted / "tools"), untimed_metrics(scripted / "agent")
+    for name in ("with_tools", "with_tools_streamed", "with_tools_sync"):
+        assert main(["train", "--no-progress", *common, f"rollout.agent={scripted}/agents.py:{name}",
+                     f"train.output_dir={scripted}/{name}"]) == 0
+    tools, agent = untimed_metrics(scripted / "tools"), untimed_metrics(scripted / "with_tools")
     for a, b in zip(tools, agent):
         assert a["turns/mean"] == b["turns/mean"] == 2 and b["agents/failed"] == 0
         assert {k: v for k, v in a.items() if not k.startswith(("tools/", "turns/"))} == \
             {k: v for k, v in b.items() if not k.startswith(("agents/", "rewards/agent", "turns/"))}
-    wa, wb = (load_file(scripted / run / "final" / "model.safetensors") for run in ("tools", "agent"))
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    record = completions_log(scripted / "agent")[0]
+    for other in ("with_tools_streamed", "with_tools_sync"):
+        assert agent == [{k.replace(other, "with_tools"): v for k, v in row.items()}
+                         for row in untimed_metrics(scripted / other)]
+        assert completions_log(scripted / other) == completions_log(scripted / "with_tools")
+    weights = [load_file(scripted / run / "final" / "model.safetensors")
+               for run in ("tools", "with_tools", "with_tools_streamed", "with_tools_sync")]
+    assert all(torch.equal(weights[0][k], w[k]) for w in weights[1:] for k in weights[0])
+    record = completions_log(scripted / "with_tools")[0]
     assert [m["role"] for m in record["completion"]] == ["assistant", "tool", "assistant"]
     assert record["completion"][1]["content"] == "3" and record["reward"] == 1.0
+
+
+def test_an_agent_that_cannot_take_client_model_row_is_refused_at_start_up(scripted, capsys):
+    assert main(["train", "--no-progress", *T, "rollout.engine=scripted", f"data.path={scripted}/data.jsonl",
+                 f"rollout.agent={scripted}/agents.py:wrong_signature", f"train.output_dir={scripted}/run"]) == 2
+    assert f"rollout.agent '{scripted}/agents.py:wrong_signature' must take (client, model, row): too many " \
+           "positional arguments" in capsys.readouterr().err
+
+
+def test_an_empty_reward_functions_beside_an_agent_is_the_agent_s_reward_alone(scripted, monkeypatch, capsys):
+    """docs/agents.md's command: reward.functions=[] with an agent trains on what it returns; with
+    no agent, an empty list is refused, naming what it is for."""
+    monkeypatch.setattr(scripted_engine, "SCRIPT", ["3"])
+    run = ["train", "--no-progress", *T, "rollout.engine=scripted", f"data.path={scripted}/data.jsonl",
+           "train.max_steps=1", "reward.functions=[]"]
+    assert main([*run, f"rollout.agent={scripted}/agents.py:with_tools", f"train.output_dir={scripted}/run"]) == 0
+    row = training_rows(scripted / "run")[0]
+    assert [k for k in row if k.startswith("rewards/") and k.endswith("/mean")] == ["rewards/agent/mean"]
+    assert main([*run, f"train.output_dir={scripted}/none"]) == 2
+    assert "reward.functions is empty: name at least one function, or null for the task's own (an empty list is " \
+           "for rollout.agent" in capsys.readouterr().err
+
+
+def test_every_rollout_failing_three_steps_in_a_row_stops_the_run(scripted, monkeypatch, capsys):
+    """Loud: each step's failures raise the `agents` alert on the console, and once every rollout's
+    agent has failed in 3 steps in a row the run stops (exit 1) with the error and the step to
+    resume from (step 2: saved before the failing step), as rewards that are all None do."""
+    monkeypatch.setattr(scripted_engine, "SCRIPT", ["3"])
+    out = scripted / "run"
+    code = main(["train", "--no-progress", *T, "rollout.engine=scripted", f"data.path={scripted}/data.jsonl",
+                 "train.max_steps=6", f"rollout.agent={scripted}/agents.py:always_fails", f"train.output_dir={out}"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert ("every rollout's agent ('" + str(scripted) + "/agents.py:always_fails') failed in 3 steps in a row, the "
+            "last for instance: raised RuntimeError: the agent broke") in err
+    assert "resume from step-2" in err
+    assert [r["step"] for r in metric_rows(out)] == [1, 2]
+    alerts = [json.loads(line) for line in (out / "alerts.jsonl").read_text().splitlines()]
+    assert [a["kind"] for a in alerts] == ["agents"] and "4 of 4 rollouts' agents failed" in alerts[0]["evidence"]
+
+
+def test_a_malformed_tool_call_reaches_the_agent_as_written(scripted, monkeypatch):
+    """The model writes a call that is not JSON: the agent gets the model's whole text as the
+    reply's content (no tool call), and completions.jsonl records the problem."""
+    malformed = '<tool_call>\n{"name": "add", "arguments": {"a": 1,}}\n</tool_call>'
+    monkeypatch.setattr(scripted_engine, "SCRIPT", [malformed, "3"])
+    assert main(["train", "--no-progress", *T, "rollout.engine=scripted", f"data.path={scripted}/data.jsonl",
+                 "monitor.log_completions=1", "train.max_steps=1", f"rollout.agent={scripted}/agents.py:with_tools",
+                 f"train.output_dir={scripted}/run"]) == 0
+    record = completions_log(scripted / "run")[0]
+    assert [m["role"] for m in record["completion"]] == ["assistant"]
+    assert record["completion"][0]["content"].strip() == malformed
+    assert record["tool_call_problems"] == ["error: the tool call is not valid JSON (Expecting property name "
+                                            'enclosed in double quotes): {"name": "add", "arguments": {"a": 1,}}']
 
 
 @pytest.mark.process
@@ -172,6 +286,114 @@ def test_recorded_tokens_are_what_the_engine_sampled(tiny):
         assert batch.trained_mask[r, :n].tolist() == trained and batch.completion_mask[r].sum() == n
         assert batch.conversations[r].environment.reward == 1.0 and batch.conversations[r].turns == 2
     assert len(seen[0]) == 2 and len(seen[1]) == 1
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_a_streamed_reply_is_the_whole_reply_and_records_the_same_tokens(tiny, route):
+    """stream=True (with stream_options.include_usage): the chunks join into the reply a request
+    without it gets (text, finish reason, usage), from the same sampled tokens, recorded alike."""
+    model, tokenizer = tiny
+    eos = tokenizer.eos_token_id
+    engine = TransformersEngine(model, tokenizer.pad_token_id, [eos])
+    prompt = [{"role": "user", "content": "Say something."}]
+
+    def run(stream: bool):
+        got = []
+
+        async def agent(client, model_name, row):
+            create, kwargs = ((client.chat.completions.create, {"messages": row["prompt"]}) if route == "chat" else
+                              (client.completions.create, {"prompt": "Once upon a time"}))
+            kwargs.update(model=model_name, max_tokens=12)
+            if not stream:
+                reply = await create(**kwargs)
+                choice = reply.choices[0]
+                text = choice.message.content if route == "chat" else choice.text
+                got.append((text, choice.finish_reason, reply.usage.completion_tokens, reply.object))
+                return 1.0
+            text, finish, usage, kinds = "", None, None, set()
+            async for chunk in await create(**kwargs, stream=True, stream_options={"include_usage": True}):
+                kinds.add(chunk.object)
+                usage = chunk.usage or usage
+                for choice in chunk.choices:
+                    text += (choice.delta.content or "") if route == "chat" else choice.text
+                    finish = choice.finish_reason or finish
+            got.append((text, finish, usage.completion_tokens, kinds.pop().removesuffix(".chunk")))
+            assert not kinds
+            return 1.0
+
+        agents = Agents(agent, "agent", tokenizer, [eos], timeout=60, encoder=PromptEncoder(tokenizer))
+        try:
+            batch = agents.generate(engine, [Example(prompt, {})], [2], SamplingParams(12, 1.0), seeds=[3, 4])
+            sampled = [t.exchanges[0].sampled for t in agents.endpoint.transcripts.values()]
+        finally:
+            agents.close()
+        assert [c.environment.reward for c in batch.conversations] == [1.0, 1.0]  # no agent failed
+        return sorted(got), sampled
+
+    streamed, whole = run(stream=True), run(stream=False)
+    assert streamed == whole and all(text for text, *_ in streamed[0])
+    assert {kind for *_, kind in whole[0]} == {"chat.completion" if route == "chat" else "text_completion"}
+
+
+def test_a_client_shared_by_the_rollouts_is_refused_and_nothing_of_it_trained(tiny):
+    """A global client (made once, here the first rollout's, used by every rollout): the rollouts'
+    requests all reach one rollout's URL. One is that rollout's; the others are refused, naming
+    the likely cause and the fix, and only the one request is recorded."""
+    import openai
+
+    model, tokenizer = tiny
+    eos = tokenizer.eos_token_id
+    shared, refused = {}, []
+
+    async def agent(client, model_name, row):
+        client = shared.setdefault("client", client)
+        try:
+            await client.chat.completions.create(model=model_name, messages=row["prompt"], max_tokens=3)
+        except openai.BadRequestError as e:
+            refused.append(e.body["message"])
+            raise
+        return 1.0
+
+    agents = Agents(agent, "agent", tokenizer, [eos], timeout=60, encoder=PromptEncoder(tokenizer))
+    try:
+        batch = agents.generate(TransformersEngine(model, tokenizer.pad_token_id, [eos]),
+                                [Example([{"role": "user", "content": "Hi"}], {})], [3], SamplingParams(3, 1.0),
+                                seeds=[0, 1, 2])
+        exchanges = [len(t.exchanges) for t in agents.endpoint.transcripts.values()]
+    finally:
+        agents.close()
+    assert sorted(exchanges) == [0, 0, 1] and len(refused) == 2
+    assert all("set_default_openai_client" in m and "Nothing from this request is trained" in m for m in refused)
+    # Two agents raised the refusal; the third got the one reply. Whose request that was is timing's:
+    # the URL's own rollout (no error), or another (the URL's rollout then failed, and the other
+    # made no request to its own URL): either way no rollout is credited with another's tokens.
+    errors = [c.environment.error or "" for c in batch.conversations]
+    assert sum(e.startswith("raised BadRequestError") for e in errors) == 2
+
+
+def test_stream_settings_that_cannot_be_taken_are_refused(tiny):
+    import openai
+
+    model, tokenizer = tiny
+    eos = tokenizer.eos_token_id
+    refused = []
+
+    async def agent(client, model_name, row):
+        for extra in ({"stream_options": {"include_usage": True}}, {"stream": True, "stream_options": {"x": 1}}):
+            try:
+                await client.chat.completions.create(model=model_name, messages=row["prompt"], **extra)
+            except openai.BadRequestError as e:
+                refused.append(e.body["message"])
+        return 1.0
+
+    agents = Agents(agent, "agent", tokenizer, [eos], timeout=60, encoder=PromptEncoder(tokenizer))
+    try:
+        agents.generate(TransformersEngine(model, tokenizer.pad_token_id, [eos]),
+                        [Example([{"role": "user", "content": "Hi"}], {})], [1], SamplingParams(4, 1.0), seeds=[0])
+    finally:
+        agents.close()
+    assert refused == ["stream_options is only allowed with stream: true",
+                       "stream_options: only include_usage is supported, got {'x': 1}"]
 
 
 # ChatML that drops the content of the assistant turns before the last user turn, as a thinking

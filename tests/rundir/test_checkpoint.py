@@ -418,3 +418,14 @@ def test_rng_states_round_trip_through_a_file(tmp_path):
     random.seed(4), np.random.seed(4), torch.manual_seed(4)
     set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
     assert (random.random(), np.random.rand(), torch.rand(1)) == expected
+
+
+def test_a_default_run_folder_is_one_folder_named_after_the_data():
+    from grpokit.config.loading import load_config
+    from grpokit.rundir.folder import default_output_dir
+
+    for overrides, start in ((["data.task=verifiers:examples/verifiers_arithmetic.py:load_environment"],
+                              "runs/verifiers-examples-verifiers_arithmetic.py-load_environment-"),
+                             ([], "runs/arithmetic-"), (["data.task=textarena:Wordle-v0"], "runs/textarena-Wordle-v0-")):
+        path = default_output_dir(load_config(None, overrides, check=False))
+        assert path.startswith(start) and path.count("/") == 1, path

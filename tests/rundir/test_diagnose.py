@@ -14,7 +14,7 @@ from grpokit.cli import main
 from grpokit.config.schema import Config
 from grpokit.rundir.diagnose import RunFacts, Watch, diagnose
 
-KINDS = ["grad_norm", "clip_ratio", "zero_std", "reward_flat", "truncation", "kl", "waste"]
+KINDS = ["grad_norm", "clip_ratio", "zero_std", "reward_flat", "truncation", "kl", "waste", "agents"]
 
 
 @pytest.mark.parametrize("kind", [None, *KINDS])

@@ -50,3 +50,33 @@ def test_eval_on_a_dataset(trained, tmp_path, capsys):
     assert code == 0
     printed = capsys.readouterr().out
     assert "greedy" in printed and "rewards/math_accuracy/mean" in printed and "rewards/length/mean" in printed
+
+
+LOGGING_REWARD = '''
+def longish(prompts, completions, log_metric, **kwargs):
+    """1 for a prompt and completion of an odd number of characters; logs the share in its call."""
+    values = [float(len(str(p) + str(c)) % 2) for p, c in zip(prompts, completions)]
+    log_metric("longish_share", sum(values) / len(values))
+    return values
+'''
+
+
+def test_a_logged_metric_of_an_evaluation_in_chunks_is_its_mean_over_completions(trained, tmp_path, monkeypatch):
+    """Held-out prompts are scored in chunks (of 64; here of 6, for 10 prompts: 6 and 4): a reward
+    function's log_metric value for the evaluation is the mean over the completions, not the mean
+    of the calls'."""
+    import functools
+
+    from grpokit.api import evaluate
+    from grpokit.config.loading import load_config
+    from grpokit.sampling import evaluation
+
+    monkeypatch.setattr(evaluation, "score", functools.partial(evaluation.score, batch_size=6))
+    (tmp_path / "rewards.py").write_text(LOGGING_REWARD)
+    config = load_config(None, ["data.eval_size=10", "rollout.max_completion_length=4",
+                                f"reward.functions=[{tmp_path}/rewards.py:longish]"])
+    output = tmp_path / "out.jsonl"
+    metrics = evaluate(config, str(trained), output=str(output))
+    values = [json.loads(line)["rewards"]["rewards.py:longish"] for line in output.read_text().splitlines()]
+    assert len(values) == 10 and sum(values[:6]) / 6 != sum(values[6:]) / 4
+    assert metrics["longish_share"] == pytest.approx(sum(values) / 10, abs=1e-12)

@@ -2,7 +2,8 @@
 
     async def agent(client, model, row) -> float | dict[str, float] | None
 
-run once per rollout. `client` is an `openai.AsyncOpenAI` whose base URL is the rollout's own on
+run once per rollout (or a plain `def`, run in a thread of its own with an `openai.OpenAI`, so that
+the rollouts still run together). `client` is an `openai.AsyncOpenAI` whose base URL is the rollout's own on
 the run's OpenAI-compatible endpoint (endpoint.py), `model` the name to put in requests, `row` the
 dataset row (its `prompt` and other columns). The agent runs any code (several requests, its own
 tools and loop) and returns its reward, or a dict of named rewards (their sum is the reward; each
@@ -21,7 +22,8 @@ do. Such requests are counted in `agents/new_sequences`.
 
 A failed rollout (the agent raised, exceeded `rollout.agent_timeout`, made no request, or returned
 something that is not a reward) gets no reward (None: advantage 0, no part in its group's
-statistics). It is counted in `agents/failed` and its error is in completions.jsonl. A request
+statistics). It is counted in `agents/failed` and its error is in completions.jsonl; a step in
+which every rollout failed, FAILED_STEPS times in a row, stops the run before its update. A request
 the endpoint refused (another model's name, messages the template cannot render) is answered with
 HTTP 400, which the `openai` client raises in the agent; it is counted in `agents/refused_requests`.
 The token budget (`rollout.max_completion_length`) covers every token after the prompt, as in
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import inspect
 import math
 import numbers
 import threading
@@ -42,6 +45,7 @@ import torch
 
 from grpokit.multiturn.conversation import Conversation, RolloutTokens, sequences_batch
 from grpokit.multiturn.endpoint import Endpoint, MODEL_NAME, Transcript
+from grpokit.multiturn.tools import EnvironmentFailed
 from grpokit.rollout.batch import RolloutBatch, SamplingParams
 from grpokit.rollout.prompts import PromptEncoder
 from grpokit.rollout.protocols import AgentsEngine
@@ -58,6 +62,7 @@ class AgentOutcome:
     rewards: dict[str, float] = field(default_factory=dict)  # named rewards, as returned (logged as agent/<name>)
     error: str | None = None  # why it failed
     refused: int = 0  # requests the endpoint refused
+    problems: tuple[str, ...] = ()  # malformed tool calls in its replies (endpoint.py)
     new_sequences: int = 0  # requests trained as a sequence of their own (not extending the one before)
 
 
@@ -72,13 +77,26 @@ def import_openai():
     return openai
 
 
+# Steps in a row in which every rollout's agent failed that stop a run.
+FAILED_STEPS = 3
+
+
 class Agents:
     """The rollout kind of agents (kinds.RolloutKind): each rollout one run of the user's agent."""
 
     def __init__(self, agent, name: str, tokenizer, eos_ids: list[int], timeout: float | None, encoder: PromptEncoder):
         """encoder: the run's prompts as token ids (a rollout whose agent sent nothing is its prompt)."""
-        if not user_code.is_async(agent):
-            raise ConfigError(f"rollout.agent {name!r} must be an `async def agent(client, model, row)`")
+        try:
+            inspect.signature(agent).bind(None, None, None)
+        except TypeError as e:
+            raise ConfigError(f"rollout.agent {name!r} must take (client, model, row): {e}") from None
+        except ValueError:  # a callable whose signature cannot be read: called as it is
+            pass
+        # A plain `def` gets a blocking client and a thread of its own, so that the rollouts still
+        # run (and send their requests) together.
+        self.sync = not user_code.is_async(agent)
+        self.threads = concurrent.futures.ThreadPoolExecutor(max_workers=4096, thread_name_prefix="grpokit-agent") \
+            if self.sync else None
         self.openai = import_openai()
         self.agent, self.name, self.tokenizer, self.eos_ids = agent, name, tokenizer, list(eos_ids)
         self.timeout, self.encoder = timeout, encoder
@@ -86,6 +104,7 @@ class Agents:
         # generates the steps ahead while an evaluation generates in the trainer's thread.
         self.endpoints: dict[int, Endpoint] = {}
         self.http = None  # the HTTP client every rollout's openai client shares (made on the user code's loop)
+        self.failed_in_a_row = 0  # steps in a row in which every rollout's agent failed
 
     @classmethod
     def from_config(cls, config, tokenizer, eos_ids, encoder: PromptEncoder) -> Agents:
@@ -103,6 +122,8 @@ class Agents:
                 log_metric(f"agent/{name}", sum(values) / len(values))
             if any(e.error for e in environments):  # completions.jsonl says why a rollout failed
                 log_extra("agent_error", [e.error for e in environments])
+            if any(e.problems for e in environments):  # and what the model wrote that was no tool call
+                log_extra("tool_call_problems", [list(e.problems) for e in environments])
             return [e.reward for e in environments]
 
         return (("agent", agent),)
@@ -121,12 +142,19 @@ class Agents:
         per_rollout = torch.tensor([[c.turns, c.environment.error is not None, c.environment.refused,
                                      c.environment.new_sequences] for c in batch.conversations], dtype=torch.float64)  # (n, 4)
         turns, failed, refused, new_sequences = distributed.gather_rows(per_rollout, num_rows, rows_per_update).T  # (N,) each
+        self.failed_in_a_row = self.failed_in_a_row + 1 if bool(failed.all()) else 0
+        if self.failed_in_a_row >= FAILED_STEPS:  # (the same count on every process: each stops)
+            first = next((c.environment.error for c in batch.conversations if c.environment.error), "")
+            raise EnvironmentFailed(f"every rollout's agent ({self.name!r}) failed in {self.failed_in_a_row} steps in a "
+                                    f"row, the last for instance: {first}. completions.jsonl has every agent_error")
         return {"turns/mean": turns.mean().item(), "agents/failed": failed.sum().item(),
                 "agents/refused_requests": refused.sum().item(), "agents/new_sequences": new_sequences.sum().item()}
 
     def close(self) -> None:
         for endpoint in self.endpoints.values():
             endpoint.close()
+        if self.threads is not None:
+            self.threads.shutdown(wait=False, cancel_futures=True)
         if self.http is not None:
             user_code.submit(self.http.close_shared(), "the agents' HTTP client").result(timeout=10)
 
@@ -172,7 +200,11 @@ class Agents:
         client = self.openai.AsyncOpenAI(base_url=base_url, api_key="grpokit", max_retries=0, http_client=self.http)
         row = {"prompt": example.prompt, **example.columns}
         try:
-            result = await asyncio.wait_for(self.agent(client, MODEL_NAME, row), self.timeout)
+            if self.sync:
+                running = asyncio.get_running_loop().run_in_executor(self.threads, self._run_sync, base_url, row)
+            else:
+                running = self.agent(client, MODEL_NAME, row)
+            result = await asyncio.wait_for(running, self.timeout)
         except asyncio.TimeoutError:
             outcome.error = f"did not return within rollout.agent_timeout={self.timeout:g} s"
         except user_code.UserCodeExit:
@@ -184,6 +216,11 @@ class Agents:
         finally:
             await client.close()
 
+    def _run_sync(self, base_url: str, row: dict):
+        """A plain `def` agent, in a worker thread, with a blocking client on its rollout's URL."""
+        with self.openai.OpenAI(base_url=base_url, api_key="grpokit", max_retries=0) as client:
+            return self.agent(client, MODEL_NAME, row)
+
     def _batch(self, rows: list, transcripts: list[Transcript], outcomes: list[AgentOutcome]) -> RolloutBatch:
         """One row per rollout: its first request's sequence, extended by the requests that extend
         it, and a sequence of its own for each request that does not (module docstring)."""
@@ -191,6 +228,7 @@ class Agents:
         for example, t, outcome in zip(rows, transcripts, outcomes):
             chain = t.exchanges
             outcome.refused, outcome.new_sequences = len(t.errors), sum(not e.extends for e in chain[1:])
+            outcome.problems = tuple(t.problems)
             if not chain and outcome.error is None:
                 outcome.error = "made no request to its endpoint"
             if outcome.error is not None:

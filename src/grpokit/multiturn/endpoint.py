@@ -2,20 +2,23 @@
 client sample from the run's engine through it, and what they sampled is recorded to be trained.
 
 Each rollout has its own base URL, `http://127.0.0.1:<port>/r/<rollout>/v1`, with
-`/chat/completions`, `/completions` and `/models`. A request is not generated when it arrives: it
+`/chat/completions`, `/completions` (each answered whole, or streamed as server-sent events with
+`stream: true`) and `/models`. A request is not generated when it arrives: it
 waits until every running agent has one waiting (or has ended), and the trainer's thread then
 generates all that wait in one engine call (`Endpoint.take`, agents.py), in rollout order, each from
 its own seed (rollout r's request k samples from turn_seed(seeds[r], k), as multi-turn rollouts
 do). Which requests share an engine call thus depends on what the agents do, not on timing, and a
-run is reproducible bit for bit. Two things leave it to timing: an agent that spends over GATHER_S
+run is reproducible bit for bit. One thing leaves it to timing: an agent that spends over GATHER_S
 seconds between requests (its tools, say), since the requests waiting are then generated without
-it (in float32 a different batch can move a sampled token by rounding), and an agent that keeps
-two requests in flight at once (their order, so their seeds).
+it (in float32 a different batch can move a sampled token by rounding). A rollout's requests go one
+at a time: a second while one is pending, or one after the rollout's agent returned, is refused
+(what a client shared by several rollouts sends: MISROUTED).
 
 The run's sampling settings apply whatever a request says (its temperature, top_p, n are not
 honoured); its `max_tokens` / `max_completion_tokens` can only shorten a reply. Tool calls come
 back in OpenAI's `tool_calls` shape, parsed from the model's text by the chat template's format
-(tools.parse_calls).
+(tools.parse_calls); a reply with a malformed call has the model's whole text as its content (the
+well-formed calls still as `tool_calls`), and the problem is recorded with the rollout.
 
 Token in, token out (`Transcript`): a chat request whose messages are the previous request's, then
 the reply it got, then new messages (tool results, a user turn), is that exchange's ids as they
@@ -46,6 +49,13 @@ MODEL_NAME = "grpokit"
 # Requests that have waited this long are generated without waiting for the agents still working
 # (on their own tools, say): see the module docstring.
 GATHER_S = 2.0
+
+
+# Why requests reach a rollout's URL that are not its agent's, and the fix.
+MISROUTED = ("a client made once and shared by several rollouts (a module-level client, the Agents SDK's "
+             "set_default_openai_client) sends every rollout's requests to one rollout's URL. Make each rollout's "
+             "requests with the client its agent is given (the Agents SDK: OpenAIChatCompletionsModel(model=model, "
+             "openai_client=client) in the agent). Nothing from this request is trained")
 
 
 class RequestError(ValueError):
@@ -84,11 +94,13 @@ class Transcript:
         self.exchanges: list[Exchange] = []
         self.start = 0  # the exchange that begins the current sequence (the token budget counts from its prompt)
         self.errors: list[str] = []  # requests refused (messages the template cannot render, ...)
+        self.problems: list[str] = []  # the replies' malformed tool calls (tools.parse_calls)
         self.first_messages: list[dict] | None = None
         self.last_messages: list[dict] | None = None  # the last chat request's
         self._tools: list[dict] | None = None
         self._rendered: str | None = None  # its rendering, with the generation prompt
         self.last_reply: dict | None = None  # the assistant message it got
+        self.pending = False  # a request of it is waiting or being generated
         self._text: str | None = None  # the last completions request's prompt and reply, as text
 
     def render(self, messages: list[dict], tools: list[dict] | None) -> str:
@@ -149,7 +161,7 @@ class Transcript:
 
     def record(self) -> dict:
         """What the trainer builds the rollout's row from, as JSON (a rollout server's answer)."""
-        return {"exchanges": [asdict(e) for e in self.exchanges], "errors": self.errors,
+        return {"exchanges": [asdict(e) for e in self.exchanges], "errors": self.errors, "problems": self.problems,
                 "first_messages": self.first_messages, "last_messages": self.last_messages,
                 "last_reply": self.last_reply}
 
@@ -157,7 +169,7 @@ class Transcript:
     def from_record(cls, record: dict, tokenizer, eos_ids) -> "Transcript":
         t = cls(tokenizer, set(eos_ids))
         t.exchanges = [Exchange(**e) for e in record["exchanges"]]
-        t.errors, t.first_messages = record["errors"], record["first_messages"]
+        t.errors, t.problems, t.first_messages = record["errors"], record["problems"], record["first_messages"]
         t.last_messages, t.last_reply = record["last_messages"], record["last_reply"]
         return t
 
@@ -211,6 +223,7 @@ class Endpoint:
         self.waiting: list[Waiting] = []
         self.changed = threading.Condition()
         self.session = 0  # rollout ids of an earlier generate are refused
+        self.running: Callable[[], set[int]] | None = None  # the rollouts whose agents have not returned
         self.url, self.server = None, None
         if listen:
             self._listen()
@@ -239,6 +252,7 @@ class Endpoint:
         """Transcripts for a generation's `rollouts` agents (those of the last one are dropped)."""
         with self.changed:
             self.session += 1
+            self.running = None  # until generate_rounds says
             self.transcripts = {r: Transcript(self.tokenizer, self.eos_ids) for r in range(rollouts)}
             for w in self.waiting:  # of agents that gave up on them: their handlers end
                 w.answer.cancel()
@@ -274,6 +288,7 @@ class Endpoint:
     def generate_rounds(self, engine, params, seeds: list[int] | None, running: Callable[[], set[int]]) -> None:
         """Generate the rollouts' requests with `engine` in rounds (`take`) until none runs
         (`running()`: those whose agent has not returned); seeds[r]: rollout r's."""
+        self.running = running
         while running():
             taken = self.take(running)
             if taken:
@@ -338,13 +353,26 @@ class Endpoint:
         if body.get("n", 1) != 1:
             raise RequestError("n must be 1: each request is one sample of a rollout")
 
+    def admit(self, r: int, t: Transcript) -> None:
+        """Refuse a request that cannot be rollout r's own: a second one while one is pending, or
+        one after its agent returned (what a client shared by several rollouts sends)."""
+        if self.running is not None and r not in self.running():
+            raise RequestError(f"rollout {r}'s agent has returned, and a request reached its URL: {MISROUTED}")
+        if t.pending:
+            raise RequestError(f"rollout {r} has a request pending already, and another reached its URL (a rollout's "
+                               f"requests go one at a time): {MISROUTED}")
+
     async def _generate(self, r: int, t: Transcript, ids: list[int], extends: bool, body: dict) -> Exchange:
         limit = body.get("max_completion_tokens") or body.get("max_tokens")
         with self.changed:
             waiting = Waiting(r, ids, extends, int(limit) if limit else None, Future())
             self.waiting.append(waiting)
             self.changed.notify_all()
-        return await asyncio.wrap_future(waiting.answer)
+        t.pending = True
+        try:
+            return await asyncio.wrap_future(waiting.answer)
+        finally:
+            t.pending = False
 
     def add_routes(self, app) -> None:
         """The OpenAI routes of every rollout, on FastAPI `app`."""
@@ -368,12 +396,17 @@ class Endpoint:
             body = await request.json()
             r, t = self._transcript(rollout)
             self._check_model(body)
+            self.admit(r, t)
+            stream = _streaming(body)
             messages = _text_content(body.get("messages"))
             tools = body.get("tools") or None
             ids, extends = t.chat(messages, tools)  # handlers run on one event loop: no other request interleaves
             exchange = await self._generate(r, t, ids, extends, body)
             text = self.tokenizer.decode(exchange.sampled, skip_special_tokens=True)
-            content, calls, _ = parse_calls(self.tokenizer, text)
+            content, calls, problems = parse_calls(self.tokenizer, text)
+            if problems:  # nothing the model wrote vanishes: the agent reads the malformed call as written
+                content = text
+                t.problems += problems
             message = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = [{"id": f"call_{len(t.exchanges)}_{i}", "type": "function",
@@ -381,25 +414,80 @@ class Endpoint:
                                          for i, c in enumerate(calls)]
             t.replied(message, text)
             finish = "length" if exchange.finish == "length" else "tool_calls" if calls else "stop"
-            return self._response(rollout, t, exchange, "chat.completion",
-                                  {"index": 0, "message": message, "finish_reason": finish, "logprobs": None})
+            response = self._response(rollout, t, exchange, "chat.completion",
+                                      {"index": 0, "message": message, "finish_reason": finish, "logprobs": None})
+            return response if stream is None else _streamed(response, _chat_deltas(message, finish), stream)
 
         @app.post("/r/{rollout}/v1/completions")
         async def completions(rollout: str, request: Request):
             body = await request.json()
             r, t = self._transcript(rollout)
             self._check_model(body)
+            self.admit(r, t)
+            stream = _streaming(body)
             if not isinstance(body.get("prompt"), str):
                 raise RequestError("prompt must be one string")
             ids, extends = t.completion(body["prompt"])
             exchange = await self._generate(r, t, ids, extends, body)
             text = self.tokenizer.decode(exchange.sampled, skip_special_tokens=True)
             t.replied(None, text)
-            return self._response(rollout, t, exchange, "text_completion",
-                                  {"index": 0, "text": text, "finish_reason": exchange.finish, "logprobs": None})
+            response = self._response(rollout, t, exchange, "text_completion",
+                                      {"index": 0, "text": text, "finish_reason": exchange.finish, "logprobs": None})
+            return response if stream is None else _streamed(response, _text_deltas(text, exchange.finish), stream)
 
     def _response(self, rollout: str, t: Transcript, exchange: Exchange, kind: str, choice: dict) -> dict:
         return {"id": f"grpokit-{rollout}-{len(t.exchanges)}", "object": kind, "created": int(time.time()),
                 "model": MODEL_NAME, "choices": [choice],
                 "usage": {"prompt_tokens": len(exchange.prompt), "completion_tokens": len(exchange.sampled),
                           "total_tokens": len(exchange.prompt) + len(exchange.sampled)}}
+
+
+# ---------------------------------------------------------------------- streaming
+
+
+def _streaming(body: dict) -> dict | None:
+    """A request's `stream` and `stream_options`: None when not streamed, else the options."""
+    stream, options = body.get("stream") or False, body.get("stream_options")
+    if not isinstance(stream, bool):
+        raise RequestError(f"stream must be true or false, got {stream!r}")
+    if options is not None and not stream:
+        raise RequestError("stream_options is only allowed with stream: true")
+    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
+        raise RequestError(f"stream_options: only include_usage is supported, got {options!r}")
+    return (options or {}) if stream else None
+
+
+def _chat_deltas(message: dict, finish: str) -> list[dict]:
+    """A chat reply as the choices of its stream's chunks: the role, the content, each tool call
+    whole (a client joins the deltas back into `message`), and the finish reason."""
+    deltas = [{"role": "assistant", "content": ""}]
+    if message["content"]:
+        deltas.append({"content": message["content"]})
+    for i, call in enumerate(message.get("tool_calls") or ()):
+        deltas.append({"tool_calls": [{"index": i, **call}]})
+    choices = [{"index": 0, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+    return choices + [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}]
+
+
+def _text_deltas(text: str, finish: str) -> list[dict]:
+    """A completion's text as the choices of its stream's chunks, then its finish reason."""
+    return [{"index": 0, "text": text, "logprobs": None, "finish_reason": None},
+            {"index": 0, "text": "", "logprobs": None, "finish_reason": finish}]
+
+
+def _streamed(response: dict, choices: list[dict], options: dict):
+    """The reply `response` as server-sent events, one chunk per choice of `choices`, then the
+    usage (`options` include_usage: every chunk carries `usage`, null but in the last) and
+    [DONE]. The reply is whole before the first chunk: a rollout's request is generated in a round
+    with the others' (module docstring), and its tokens are recorded as sampled whatever the client
+    does with the chunks."""
+    from fastapi.responses import StreamingResponse
+
+    usage = response.pop("usage")
+    kind = response["object"] + (".chunk" if response["object"] == "chat.completion" else "")
+    head = {k: v for k, v in response.items() if k not in ("choices", "object")}
+    chunks = [{**head, "object": kind, "choices": [choice]} for choice in choices]
+    if options.get("include_usage"):
+        chunks = [{**c, "usage": None} for c in chunks] + [{**head, "object": kind, "choices": [], "usage": usage}]
+    events = [f"data: {json.dumps(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
+    return StreamingResponse(iter(events), media_type="text/event-stream")

@@ -82,7 +82,10 @@ class RewardLog:
 
     def __init__(self, n: int):
         self.n = n  # completions scored
-        self.metrics: dict[str, list[float]] = {}
+        # Each value with the completions of the call that logged it: a metric's value over several
+        # calls (an evaluation's chunks, processes, dynamic sampling's rounds) is their mean weighted
+        # so, as if one call had scored them all (distributed.means).
+        self.metrics: dict[str, list[tuple[float, int]]] = {}
         self.columns: dict[str, list] = {}
 
     def log_metric(self, name: str, value: float) -> None:
@@ -93,7 +96,7 @@ class RewardLog:
             value = value.item()
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise ValueError(f"log_metric({name!r}, {value!r}): the value must be a number")
-        self.metrics.setdefault(name, []).append(float(value))
+        self.metrics.setdefault(name, []).append((float(value), self.n))
 
     def log_extra(self, column: str, values: list) -> None:
         if not isinstance(column, str) or column in RECORD_KEYS or column.startswith("rewards/"):
@@ -123,7 +126,7 @@ def trainer_state(config, step: int, epoch: float = 0.0, tokens: int = 0, main: 
                         num_input_tokens_seen=tokens, is_local_process_zero=main, is_world_process_zero=main)
 
 
-def merge_metrics(into: dict[str, list[float]], more: dict[str, list[float]]) -> dict[str, list[float]]:
+def merge_metrics(into: dict[str, list[tuple]], more: dict[str, list[tuple]]) -> dict[str, list[tuple]]:
     """Logged metric values of two batches as one."""
     return {name: [*into.get(name, ()), *more.get(name, ())] for name in {**into, **more}}
 

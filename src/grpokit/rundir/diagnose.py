@@ -30,6 +30,8 @@ compares windows of WINDOW steps (medians or means, robust to a single odd step)
 - `waste`: over the last WASTE_STEPS steps (it shows from the first), the mean waste/passes or
   waste/decode (token positions computed / tokens kept, training/metrics.py `Waste`) is above
   2: more than half of that compute went to padding or to completions that had ended.
+- `agents`: in the last step, rollouts' agents failed (agents/failed) or requests of theirs were
+  refused (agents/refused_requests): a failed rollout gets no reward.
 """
 
 from __future__ import annotations
@@ -243,7 +245,20 @@ def waste(rows, evals, facts) -> Finding | None:
     return None
 
 
-RULES = (grad_norm, clip_ratio, zero_std, reward_flat, truncation, kl, waste)
+def agents(rows, evals, facts) -> Finding | None:
+    last = rows[-1] if rows else {}
+    failed, refused = last.get("agents/failed") or 0, last.get("agents/refused_requests") or 0
+    if not failed and not refused:
+        return None
+    total = facts.num_generations * facts.prompts_per_step if facts.num_generations and facts.prompts_per_step else None
+    return Finding("agents", last["step"],
+                   f"{failed:g}{'' if total is None else f' of {total}'} rollouts' agents failed and {refused:g} of "
+                   f"their requests were refused at step {last['step']}",
+                   "completions.jsonl says why (agent_error, and each refused request's message in the agent's "
+                   "error); a failed rollout gets no reward (docs/agents.md, When an agent fails)")
+
+
+RULES = (grad_norm, clip_ratio, zero_std, reward_flat, truncation, kl, waste, agents)
 
 
 class Watch:

@@ -19,6 +19,7 @@ import datetime
 import fcntl
 import json
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -50,10 +51,11 @@ STOP_FILE = "stop.json"
 
 
 def default_output_dir(config: Config, name: str | None = None) -> str:
-    """runs/<name>-<date>-<time>, named after the data unless `name` is given."""
+    """runs/<name>-<date>-<time>, named after the data unless `name` is given: one folder, the
+    name's characters other than letters, digits, '.', '_' and '-' made '-' (a task's ':' and '/')."""
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    name = name or (Path(config.data.path).stem if config.data.path else config.data.task.replace(":", "-"))
-    return f"runs/{name}-{stamp}"
+    name = name or (Path(config.data.path).stem if config.data.path else config.data.task)
+    return f"runs/{re.sub(r'[^A-Za-z0-9._-]+', '-', name).strip('-.') or 'run'}-{stamp}"
 
 
 def open_run_dir(config: Config) -> tuple[Path, Path | None, list[str]]:

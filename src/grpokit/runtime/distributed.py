@@ -118,13 +118,18 @@ def gather_lists(local: list) -> list:
     return [x for part in parts for x in part]
 
 
-def means(values: dict[str, list[float]]) -> dict[str, float]:
-    """For each name any process holds values of, the mean of all processes' values, by name in
-    sorted order (a collective; a process may hold no value of a name)."""
+def means(values: dict[str, list[tuple[float, float]]]) -> dict[str, float]:
+    """For each name any process holds (value, weight) pairs of, the weighted mean of all
+    processes' values, by name in sorted order (a collective; a process may hold no value of a
+    name). Weights are taken relative to the largest, so that equal weights give the plain mean,
+    bit for bit."""
     names = sorted({name for held in gather_lists([list(values)]) for name in held})
     if not names:
         return {}
-    totals = all_reduce(torch.tensor([[math.fsum(values.get(n, ())), len(values.get(n, ()))] for n in names],
+    top = all_reduce(torch.tensor(max((w for held in values.values() for _, w in held), default=1.0),
+                                  dtype=torch.float64), "max").item()
+    totals = all_reduce(torch.tensor([[math.fsum(v * (w / top) for v, w in values.get(n, ())),
+                                       math.fsum(w / top for _, w in values.get(n, ()))] for n in names],
                                      dtype=torch.float64))  # (names, 2)
     return {n: total / count for n, (total, count) in zip(names, totals.tolist()) if count}
 

@@ -30,7 +30,7 @@ class Scored:
     advantages: torch.Tensor  # (n,) this process's completions', on the training device
     active: torch.Tensor  # (n,) bool: the completions that need a forward/backward pass
     samples: list[dict] = field(repr=False)  # this process's completions, as monitor.log_completions records them
-    logged: dict[str, list[float]] = field(default_factory=dict)  # this process's log_metric values (rewards.RewardLog)
+    logged: dict[str, list[tuple]] = field(default_factory=dict)  # this process's log_metric (value, completions) pairs (rewards.RewardLog)
 
     @property
     def any_scored(self) -> bool:
@@ -45,7 +45,7 @@ class Rewarded:
     rewards: torch.Tensor  # (N,) the whole step's, gathered from every process, in global order
     per_function: dict[str, torch.Tensor]  # name -> (N,)
     samples: list[dict]  # this process's records of them, with the columns the functions log_extra'ed
-    logged: dict[str, list[float]]  # the values they log_metric'ed
+    logged: dict[str, list[tuple]]  # the (value, completions) pairs they log_metric'ed
 
 
 class Scorer:

@@ -284,6 +284,9 @@ class Trainer:
             self.monitor.write(sampled.note)
         t_generate = time.perf_counter() - start  # with the reward functions' time
         self.check_scored(step, scored)
+        # Before the update: what the rollouts did can stop the run (every agent failing), and a
+        # stop before the update saves the step before (FailureSave).
+        rollout, tokens = step_metrics(self.config, batch, scored, self.rollouts.kind)
 
         t0 = time.perf_counter()
         ref_logps = self.logprobs.ref(batch, scored.active) if a.beta > 0 else None  # (n, T)
@@ -295,7 +298,6 @@ class Trainer:
         stats = self.optimize(batch, scored, old_logps, ref_logps)
         t_update = time.perf_counter() - t0 - stats.time_optimizer  # forward and backward passes
 
-        rollout, tokens = step_metrics(self.config, batch, scored, self.rollouts.kind)
         every = self.config.monitor.log_completions
         if every and step % every == 0:
             self.monitor.completions(step, distributed.gather_lists(scored.samples))
