@@ -130,7 +130,8 @@ def test_completions_waiting_for_a_slot_sample_what_they_would_all_at_once_with_
     _, whole = sampled(model, processor, vision)
     _, slotted = sampled(model, processor, vision, slots=2)
     assert torch.equal(whole.completion_ids, slotted.completion_ids) and whole.finish_reasons == slotted.finish_reasons
-    torch.testing.assert_close(slotted.sampling_logps, whole.sampling_logps, rtol=0, atol=1e-12)
+    # (sampling computes in float32: equal with one thread, to its rounding with several)
+    torch.testing.assert_close(slotted.sampling_logps, whole.sampling_logps, rtol=0, atol=1e-6)
 
 
 # ---------------------------------------------------------------------- training
