@@ -37,6 +37,21 @@ def assert_same_samples(a, b, dtype):
     torch.testing.assert_close(b.entropies, a.entropies, atol=tol, rtol=tol)
 
 
+def ragged(tiny, dtype, params):
+    """The tiny model in `dtype`, its tokenizer, three prompts of different lengths (left padding),
+    generate(engine): their 3, 1 and 2 completions (sharing their prompt's prefill) from seeds 0-5,
+    and that generation with padding the only stop (to choose stop tokens from)."""
+    model, tokenizer = tiny
+    model = copy.deepcopy(model).to(dtype)
+    prompts = [tokenizer(text)["input_ids"] for text in ("What is 2 + 2?", "Hi", "A longer prompt than the two others")]
+
+    def generate(engine):
+        return engine.generate(prompts, [3, 1, 2], PARAMS[params], list(range(6)))
+
+    first = generate(TransformersEngine(model, tokenizer.pad_token_id, [tokenizer.pad_token_id]))
+    return model, tokenizer, prompts, generate, first
+
+
 @pytest.mark.parametrize("dtype, params", [(torch.float64, p) for p in PARAMS] + [(torch.float32, "sampled")],
                          ids=[f"float64-{p}" for p in PARAMS] + ["float32-sampled"])
 @pytest.mark.parametrize("ending", ["one-ends-early", "all-end-early", "one-ends-at-each-step"])
@@ -46,14 +61,7 @@ def test_the_static_decoder_samples_what_the_dynamic_one_does(tiny, dtype, param
     before max_tokens: the outputs are cut where the last one ended, as the dynamic decoder stops).
     The dynamic decoder drops a completion from its batch when it ends; the static one computes it
     on, masked: the same samples either way."""
-    model, tokenizer = tiny
-    model = copy.deepcopy(model).to(dtype)
-    prompts = [tokenizer(text)["input_ids"] for text in ("What is 2 + 2?", "Hi", "A longer prompt than the two others")]
-
-    def generate(engine):
-        return engine.generate(prompts, [3, 1, 2], PARAMS[params], list(range(6)))
-
-    first = generate(TransformersEngine(model, tokenizer.pad_token_id, [tokenizer.pad_token_id]))
+    model, tokenizer, _, generate, first = ragged(tiny, dtype, params)
     stops = {"one-ends-early": first.completion_ids[:1, 4], "all-end-early": first.completion_ids[:, 3],
              "one-ends-at-each-step": first.completion_ids.diagonal()}[ending]  # completion i by token i
     a, b = both(model, tokenizer, stops.unique().tolist(), generate)
@@ -166,17 +174,11 @@ def test_completions_waiting_for_a_slot_sample_what_they_would_all_at_once(tiny,
                                                                            monkeypatch):
     """rollout.decode_slots: with fewer slots than completions (6), the waiting ones join as others
     end (continuous batching), and every completion samples what it samples when all are decoded
-    at once: the same tokens, masks and finish reasons, log-probs and entropies to 1e-12 in float64.
-    The batch never holds more than `slots` rows, and its key/value cache never more columns than
-    the longest prompt plus max_tokens (the columns every row masks are cut off)."""
-    model, tokenizer = tiny
-    model = copy.deepcopy(model).to(dtype)
-    prompts = [tokenizer(text)["input_ids"] for text in ("What is 2 + 2?", "Hi", "A longer prompt than the two others")]
-
-    def generate(engine):
-        return engine.generate(prompts, [3, 1, 2], PARAMS[params], list(range(6)))
-
-    first = generate(TransformersEngine(model, tokenizer.pad_token_id, [tokenizer.pad_token_id]))
+    at once: the same tokens, masks and finish reasons, sampling log-probs and entropies to float32's
+    rounding (assert_same_samples). The batch never holds more than `slots` rows, and its key/value
+    cache never more columns than the longest prompt plus max_tokens (the columns every row masks
+    are cut off)."""
+    model, tokenizer, prompts, generate, first = ragged(tiny, dtype, params)
     stops = {"one-ends-at-each-step": first.completion_ids.diagonal(), "all-end-at-once": first.completion_ids[:, 3],
              "none-end": torch.tensor([tokenizer.pad_token_id])}[ending]
     stops = stops.unique().tolist()

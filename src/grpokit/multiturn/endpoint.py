@@ -346,21 +346,23 @@ class Endpoint:
             raise RequestError(f"no rollout {rollout!r} is running: its agent's generation has ended")
         return int(index), self.transcripts[int(index)]
 
-    def _check_model(self, body: dict) -> None:
+    def _accepted(self, rollout: str, body: dict) -> tuple[int, Transcript, dict | None]:
+        """A request to `rollout`'s URL, checked as every route takes it: its rollout index and
+        transcript, and its stream options (None: not streamed). Refused (RequestError): another
+        model, n other than 1, and what cannot be the rollout's own request: a second one while one
+        is pending, or one after its agent returned (what a client shared by several rollouts sends)."""
+        r, t = self._transcript(rollout)
         if body.get("model") not in (None, MODEL_NAME):
             raise RequestError(f"model {body.get('model')!r}: this endpoint serves the model being trained, "
                                f"named {MODEL_NAME!r} (the `model` argument an agent is given)")
         if body.get("n", 1) != 1:
             raise RequestError("n must be 1: each request is one sample of a rollout")
-
-    def admit(self, r: int, t: Transcript) -> None:
-        """Refuse a request that cannot be rollout r's own: a second one while one is pending, or
-        one after its agent returned (what a client shared by several rollouts sends)."""
         if self.running is not None and r not in self.running():
             raise RequestError(f"rollout {r}'s agent has returned, and a request reached its URL: {MISROUTED}")
         if t.pending:
             raise RequestError(f"rollout {r} has a request pending already, and another reached its URL (a rollout's "
                                f"requests go one at a time): {MISROUTED}")
+        return r, t, _streaming(body)
 
     async def _generate(self, r: int, t: Transcript, ids: list[int], extends: bool, body: dict) -> Exchange:
         limit = body.get("max_completion_tokens") or body.get("max_tokens")
@@ -394,10 +396,7 @@ class Endpoint:
         @app.post("/r/{rollout}/v1/chat/completions")
         async def chat(rollout: str, request: Request):
             body = await request.json()
-            r, t = self._transcript(rollout)
-            self._check_model(body)
-            self.admit(r, t)
-            stream = _streaming(body)
+            r, t, stream = self._accepted(rollout, body)
             messages = _text_content(body.get("messages"))
             tools = body.get("tools") or None
             ids, extends = t.chat(messages, tools)  # handlers run on one event loop: no other request interleaves
@@ -421,10 +420,7 @@ class Endpoint:
         @app.post("/r/{rollout}/v1/completions")
         async def completions(rollout: str, request: Request):
             body = await request.json()
-            r, t = self._transcript(rollout)
-            self._check_model(body)
-            self.admit(r, t)
-            stream = _streaming(body)
+            r, t, stream = self._accepted(rollout, body)
             if not isinstance(body.get("prompt"), str):
                 raise RequestError("prompt must be one string")
             ids, extends = t.completion(body["prompt"])
