@@ -21,8 +21,8 @@ HTTP (FastAPI) carries control; tensors go over a torch.distributed group (weigh
 - `POST /weights/update`: receive every tensor over the group, load them, and answer the new
   version and checksum. Generation waits while weights change.
 - Agents (`rollout.agent` with `rollout.engine=server`, multiturn/agents.py): the OpenAI-compatible
-  routes of multiturn/endpoint.py, `/r/<generation>-<rollout>/v1/chat/completions`, `/completions`
-  and `/models`, so that the agents' requests reach the server itself. `POST /agents/open` starts
+  routes of multiturn/endpoint.py, `/r/<generation>-<rollout>/v1/chat/completions`, `/completions`,
+  `/responses` and `/models`, so that the agents' requests reach the server itself. `POST /agents/open` starts
   a generation of that many rollouts (sampling parameters, one seed per rollout, the weights it
   expects, as /generate): the server generates their requests in rounds, as the trainer's own
   endpoint does; `POST /agents/finished` says which rollouts' agents have returned (a round waits
@@ -242,7 +242,7 @@ class RolloutService:
             raise Refused(422, f"sampling needs one seed per rollout ({request.rollouts})")
         with self.lock:
             self._check_weights(request.session, request.weights_version)
-            self.endpoint.open(request.rollouts)  # an earlier generation's requests are refused from now
+            self.endpoint.open(request.rollouts, params)  # an earlier generation's requests are refused from now
             self.endpoint.tokenizer.chat_template = request.chat_template or self.chat_template
             self.agents = _Agents(self, request.rollouts, params, request.seeds)
             return {"generation": self.agents.generation, "weights_step": self.weights_step}

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpokit.models.logprobs import LogProbs, completion_logprobs, packed_logprobs
-from grpokit.models.packing import pack, plan
+from grpokit.models.packing import pack, plan, split_to
 from grpokit.rollout.batch import RolloutBatch
 
 
@@ -124,6 +124,18 @@ def test_the_plan_fills_each_micro_batch_up_to_the_budget():
             assert cost <= budget or len(part) == 1
 
 
+def test_sharded_weights_split_a_plan_into_as_many_micro_batches_as_another_process_makes():
+    """Under sharded weights each forward call is a collective: a process whose plan is shorter
+    splits its fullest micro-batches (order kept, each still under its budget) to the longest count."""
+    parts = [[0, 1, 2], [3, 4], [5]]
+    assert split_to(parts, 3) == parts
+    assert split_to(parts, 4) == [[0], [1, 2], [3, 4], [5]]
+    assert split_to(parts, 5) == [[0], [1], [2], [3, 4], [5]]
+    assert split_to(parts, 6) == [[i] for i in range(6)]
+    with pytest.raises(ValueError, match="6 completions cannot make 7 micro-batches"):
+        split_to(parts, 7)
+
+
 def test_log_probs_split_by_tokens_and_count_their_padding(tiny):
     prompt_ids, prompt_mask, completion_ids, completion_mask, index = _batch()
     batch = RolloutBatch(index, prompt_ids[index], prompt_mask[index], completion_ids, completion_mask,
@@ -143,20 +155,16 @@ def test_log_probs_split_by_tokens_and_count_their_padding(tiny):
     assert padded.computed == 3 * 3 + 6 * 5
 
 
-@pytest.mark.parametrize("case", ["vision", "sharded", "both-sizes"])
+@pytest.mark.parametrize("case", ["vision", "both-sizes"])
 def test_what_packing_does_not_run_with_is_refused_at_start_up(case):
-    """Images (their features are not in a packed row), sharded weights (the processes' micro-batch
-    counts would differ, and every forward there is a collective), and train.micro_batch_size set too."""
+    """Images (their features are not in a packed row), and train.micro_batch_size set too."""
     from grpokit.config.checks import Facts, ModelFacts, check
     from grpokit.config.loading import load_config
     from grpokit.runtime.errors import ConfigError
-    from grpokit.runtime.launch import Launch
 
     overrides = ["train.micro_batch_tokens=2048", *(["train.micro_batch_size=4"] if case == "both-sizes" else [])]
-    facts = {"vision": Facts(model=ModelFacts(vision=True)),
-             "sharded": Facts(Launch(2, sharding="FSDP", fsdp_version="2")), "both-sizes": Facts()}[case]
+    facts = {"vision": Facts(model=ModelFacts(vision=True)), "both-sizes": Facts()}[case]
     message = {"vision": "train.micro_batch_tokens with a vision-language model is not supported",
-               "sharded": r"train.micro_batch_tokens with sharded weights \(FSDP2, ZeRO-3\) is not supported",
                "both-sizes": "each set the micro-batches .*: set one of them"}[case]
     with pytest.raises(ConfigError, match=message):
         check(load_config(None, overrides), facts)

@@ -75,6 +75,41 @@ def with_tools_sync(client, model, row):
                              "content": str(add(**json.loads(call.function.arguments)))})
 
 
+async def with_tools_responses(client, model, row):
+    """with_tools on the Responses API: the output items go back as input items."""
+    from transformers.utils import get_json_schema
+
+    items = list(row["prompt"])
+    for turn in range(5):
+        reply = await client.responses.create(model=model, input=items,
+                                              tools=[{"type": "function", **get_json_schema(add)["function"]}])
+        items += [item.model_dump(exclude_none=True) for item in reply.output]
+        calls = [item for item in reply.output if item.type == "function_call"]
+        if not calls or reply.status == "incomplete" or turn == 4:
+            return 0.0
+        for call in calls:
+            items.append({"type": "function_call_output", "call_id": call.call_id,
+                          "output": str(add(**json.loads(call.arguments)))})
+
+
+async def with_tools_responses_streamed(client, model, row):
+    """with_tools_responses, each reply streamed: the completed event's response."""
+    from transformers.utils import get_json_schema
+
+    items = list(row["prompt"])
+    for turn in range(5):
+        stream = await client.responses.create(model=model, input=items, stream=True,
+                                               tools=[{"type": "function", **get_json_schema(add)["function"]}])
+        reply = [event async for event in stream][-1].response
+        items += [item.model_dump(exclude_none=True) for item in reply.output]
+        calls = [item for item in reply.output if item.type == "function_call"]
+        if not calls or reply.status == "incomplete" or turn == 4:
+            return 0.0
+        for call in calls:
+            items.append({"type": "function_call_output", "call_id": call.call_id,
+                          "output": str(add(**json.loads(call.arguments)))})
+
+
 async def always_fails(client, model, row):
     await client.chat.completions.create(model=model, messages=row["prompt"])
     raise RuntimeError("the agent broke")
@@ -148,7 +183,8 @@ def test_an_agent_trains_as_the_same_conversations_through_grpokit_s_tools(scrip
     common = [*T, "rollout.engine=scripted", f"data.path={scripted}/data.jsonl", "monitor.log_completions=1"]
     assert main(["train", "--no-progress", *common, f"rollout.tools=[{scripted}/agents.py:add]",
                  f"train.output_dir={scripted}/tools"]) == 0
-    for name in ("with_tools", "with_tools_streamed", "with_tools_sync"):
+    others = ("with_tools_streamed", "with_tools_sync", "with_tools_responses", "with_tools_responses_streamed")
+    for name in ("with_tools", *others):
         assert main(["train", "--no-progress", *common, f"rollout.agent={scripted}/agents.py:{name}",
                      f"train.output_dir={scripted}/{name}"]) == 0
     tools, agent = untimed_metrics(scripted / "tools"), untimed_metrics(scripted / "with_tools")
@@ -156,16 +192,44 @@ def test_an_agent_trains_as_the_same_conversations_through_grpokit_s_tools(scrip
         assert a["turns/mean"] == b["turns/mean"] == 2 and b["agents/failed"] == 0
         assert {k: v for k, v in a.items() if not k.startswith(("tools/", "turns/"))} == \
             {k: v for k, v in b.items() if not k.startswith(("agents/", "rewards/agent", "turns/"))}
-    for other in ("with_tools_streamed", "with_tools_sync"):
+    for other in others:
         assert agent == [{k.replace(other, "with_tools"): v for k, v in row.items()}
                          for row in untimed_metrics(scripted / other)]
         assert completions_log(scripted / other) == completions_log(scripted / "with_tools")
-    weights = [load_file(scripted / run / "final" / "model.safetensors")
-               for run in ("tools", "with_tools", "with_tools_streamed", "with_tools_sync")]
+    weights = [load_file(scripted / run / "final" / "model.safetensors") for run in ("tools", "with_tools", *others)]
     assert all(torch.equal(weights[0][k], w[k]) for w in weights[1:] for k in weights[0])
     record = completions_log(scripted / "with_tools")[0]
     assert [m["role"] for m in record["completion"]] == ["assistant", "tool", "assistant"]
     assert record["completion"][1]["content"] == "3" and record["reward"] == 1.0
+
+
+def test_the_agents_sdk_example_trains_alike_on_either_api_streamed_or_not(scripted, monkeypatch):
+    """examples/agents/openai_agents_sdk.py as shipped: the SDK's tool loop on its default Responses
+    API, on chat completions, and streamed, through the endpoint, on the calculator task: the tool
+    called and answered, and the three runs the same bit for bit."""
+    pytest.importorskip("agents", reason="the Agents SDK example needs: pip install openai-agents")
+    # The prompt's two worked examples hold two tool results already: the reply to a context with
+    # two is a call, to one with three the answer.
+    call = tool_call("calculator", expression="2 * 3")
+    monkeypatch.setattr(scripted_engine, "SCRIPT", [call, call, call, "6"])
+    example = Path(__file__).parents[2] / "examples" / "agents" / "openai_agents_sdk.py"
+    names = ("agent", "agent_chat", "agent_streamed")
+    for name in names:
+        assert main(["train", "--no-progress", "model.name=tiny-random", "train.max_steps=1",
+                     "rollout.num_generations=2", "train.prompts_per_step=2", "rollout.max_completion_length=400",
+                     "data.eval_size=0", "data.task=calculator", "rollout.tools=[]", "rollout.engine=scripted",
+                     "monitor.log_completions=1", f"rollout.agent={example}:{name}",
+                     f"train.output_dir={scripted / name}"]) == 0
+        row = training_rows(scripted / name)[0]
+        assert row["agents/failed"] == 0 and row["agents/refused_requests"] == 0 and row["turns/mean"] == 2
+        record = completions_log(scripted / name)[0]
+        assert [m["role"] for m in record["completion"]] == ["assistant", "tool", "assistant"]
+        assert record["completion"][1]["content"] == "6" and record["completion"][2]["content"] == "6"
+    first = untimed_metrics(scripted / "agent")
+    weights = [load_file(scripted / name / "final" / "model.safetensors") for name in names]
+    for name, w in zip(names[1:], weights[1:]):
+        assert first == [{k.replace(name, "agent"): v for k, v in r.items()} for r in untimed_metrics(scripted / name)]
+        assert all(torch.equal(weights[0][k], w[k]) for k in w)
 
 
 def test_an_agent_that_cannot_take_client_model_row_is_refused_at_start_up(scripted, capsys):
@@ -333,6 +397,130 @@ def test_a_streamed_reply_is_the_whole_reply_and_records_the_same_tokens(tiny, r
     streamed, whole = run(stream=True), run(stream=False)
     assert streamed == whole and all(text for text, *_ in streamed[0])
     assert {kind for *_, kind in whole[0]} == {"chat.completion" if route == "chat" else "text_completion"}
+
+
+def one_rollout(tiny, agent, max_tokens: int = 12, error: str | None = None):
+    """`agent` as the one rollout of a generation on tiny-random (temperature 1, seed 3): its
+    transcript's exchanges; error: the rollout's outcome."""
+    model, tokenizer = tiny
+    eos = tokenizer.eos_token_id
+    agents = Agents(agent, "agent", tokenizer, [eos], timeout=60, encoder=PromptEncoder(tokenizer))
+    try:
+        batch = agents.generate(TransformersEngine(model, tokenizer.pad_token_id, [eos]),
+                                [Example([{"role": "user", "content": "Say something."}], {})], [1],
+                                SamplingParams(max_tokens, 1.0), seeds=[3])
+        exchanges = agents.endpoint.transcripts[0].exchanges
+    finally:
+        agents.close()
+    assert batch.conversations[0].environment.error == error
+    return exchanges
+
+
+def test_a_stop_string_ends_the_reply_and_the_conversation_goes_on_from_its_tokens(tiny):
+    """`stop`: the text returned ends before the stop string, the tokens recorded end with the one
+    that completes it (a prefix of what was sampled without it), and the agent's next request,
+    the reply as returned then a user turn, continues that sequence token in, token out."""
+    _, tokenizer = tiny
+    got = {}
+
+    async def agent(client, model_name, row):
+        messages = list(row["prompt"])
+        reply = await client.chat.completions.create(model=model_name, messages=messages, logprobs=True,
+                                                     **got.get("stop", {}))
+        got.setdefault("replies", []).append(reply)
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": "And?"}]
+        await client.chat.completions.create(model=model_name, messages=messages, max_tokens=2)
+        return 1.0
+
+    whole = one_rollout(tiny, agent)
+    text = tokenizer.decode(whole[0].sampled, skip_special_tokens=True)
+    stop = text[5:8]
+    assert len(text) > 10 and stop.strip() and text.find(stop) == 5
+    got["stop"] = {"stop": ["never written", stop]}
+    cut = one_rollout(tiny, agent)
+    plain, stopped = (r.choices[0] for r in got["replies"])
+    assert plain.finish_reason == "length" and plain.message.content == text
+    assert stopped.finish_reason == "stop" and stopped.message.content == text[:5]
+    n = len(cut[0].sampled)
+    assert cut[0].sampled == whole[0].sampled[:n] and cut[0].logps == whole[0].logps[:n]
+    assert stop in tokenizer.decode(cut[0].sampled) and stop not in tokenizer.decode(cut[0].sampled[:-1])
+    assert cut[1].extends and cut[1].prompt[:len(cut[0].prompt) + n] == cut[0].prompt + cut[0].sampled
+    # logprobs: each token's, under the distribution it was sampled from
+    assert [t.logprob for t in plain.logprobs.content] == whole[0].logps
+    assert "".join(t.token for t in plain.logprobs.content) == text
+    assert [t.logprob for t in stopped.logprobs.content] == cut[0].logps
+
+
+@pytest.mark.parametrize("route,fields,message", [
+    ("chat", {"temperature": 0.5}, "temperature=0.5: this generation samples at temperature=1.0 (rollout.temperature "
+                                   "in training, 0 in evaluation)"),
+    ("chat", {"tool_choice": "required"}, "tool_choice='required': not supported: forcing or forbidding a tool call"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format {'type': 'json_object'}: not supported"),
+    ("chat", {"logit_bias": {"5": 10}}, "logit_bias={'5': 10}: not supported: a bias changes the distribution"),
+    ("chat", {"seed": 1}, "seed=1: not supported: each rollout samples from its own seed"),
+    ("chat", {"top_logprobs": 2, "logprobs": True}, "top_logprobs=2: not supported"),
+    ("chat", {"n": 2}, "n must be 1"),
+    ("chat", {"extra_body": {"guided_json": {}}}, "unknown field guided_json for /chat/completions"),
+    ("completions", {"logprobs": 2}, "logprobs=2: only 0 is supported"),
+    ("completions", {"echo": True}, "echo=True: not supported: the prompt is not returned"),
+    ("responses", {"previous_response_id": "resp_1"}, "previous_response_id: not supported: this endpoint stores no "
+                                                      "responses"),
+    ("responses", {"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}},
+     "text.format {'type': 'json_schema', 'name': 'x', 'schema': {}}: not supported: decoding constrained"),
+    ("responses", {"tools": [{"type": "web_search"}]}, "tools: only function tools are supported, got ['web_search']"),
+], ids=lambda x: x if isinstance(x, str) else None)
+def test_a_field_that_would_change_what_is_sampled_is_refused_by_name(tiny, route, fields, message):
+    import openai
+
+    refused = []
+
+    async def agent(client, model_name, row):
+        create, kwargs = {"chat": (client.chat.completions.create, {"messages": row["prompt"]}),
+                          "completions": (client.completions.create, {"prompt": "Once"}),
+                          "responses": (client.responses.create, {"input": "Hi"})}[route]
+        try:
+            await create(model=model_name, max_tokens=2, **kwargs, **fields) if route != "responses" else \
+                await create(model=model_name, max_output_tokens=2, **kwargs, **fields)
+        except openai.BadRequestError as e:
+            refused.append(e.body["message"])
+        return 1.0
+
+    assert one_rollout(tiny, agent, error="made no request to its endpoint") == []  # nothing generated or recorded
+    assert len(refused) == 1 and message in refused[0], refused
+
+
+def test_the_docs_table_of_request_fields_is_the_one_the_endpoint_applies():
+    from grpokit.multiturn.request_fields import table
+
+    docs = (Path(__file__).parents[2] / "docs" / "agents.md").read_text()
+    assert table() in docs, "docs/agents.md's request-field table is stale: paste request_fields.table()"
+
+
+def test_a_responses_reply_streamed_is_the_reply_whole(tiny):
+    """stream=True on /responses: the events' deltas join into the text, and the completed event
+    carries the response a request without it gets, from the same tokens."""
+    got = []
+
+    async def agent(client, model_name, row):
+        whole = await client.responses.create(model=model_name, input=row["prompt"], max_output_tokens=6,
+                                              include=["message.output_text.logprobs"])
+        events = [e async for e in await client.responses.create(model=model_name, input=row["prompt"],
+                                                                 max_output_tokens=6, stream=True)]
+        got.append((whole, events))
+        return 1.0
+
+    first, second = one_rollout(tiny, agent, max_tokens=40)
+    whole, events = got[0]
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert [t.logprob for t in whole.output[0].content[0].logprobs] == first.logps
+    assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    streamed = events[-1].response
+    assert text == streamed.output_text and streamed.usage.output_tokens == whole.usage.output_tokens == 6
+    # Two requests of one rollout: the second is a new sequence from the same context, its own turn seed.
+    assert first.prompt == second.prompt and not second.extends
 
 
 def test_a_client_shared_by_the_rollouts_is_refused_and_nothing_of_it_trained(tiny):

@@ -85,7 +85,9 @@ VARIANTS = {
     # Parameters, gradients and AdamW state offloaded; the output layer applied in chunks.
     "fsdp2-offload-chunked": ("cpu-2-processes-fsdp2.yaml", {"fsdp_offload_params": "true"},
                               ["train.logprob_chunk_size=3", "model.gradient_checkpointing=true"], "CPU offload on"),
-    "zero3": ("cpu-2-processes-zero3.yaml", {}, [], "DeepSpeed ZeRO-3 over 2 processes: process 0 holds 5"),
+    # Packed micro-batches: the processes' plans differ in length, and the shorter is split to match.
+    "zero3-packed": ("cpu-2-processes-zero3.yaml", {}, ["train.micro_batch_size=null", "train.micro_batch_tokens=64"],
+                     "DeepSpeed ZeRO-3 over 2 processes: process 0 holds 5"),
     # ZeRO-2 and ZeRO-3 with offload: test_a_run_resumes_across_engines.
 }
 

@@ -279,7 +279,8 @@ def _check_rollout(c: Config) -> list[str]:
     p.need(r.tool_timeout is None or r.tool_timeout > 0, f"rollout.tool_timeout={r.tool_timeout}: must be > 0, or null")
     p.need(r.agent_timeout is None or r.agent_timeout > 0, f"rollout.agent_timeout={r.agent_timeout}: must be > 0, or null")
     p.need(r.agent is None or not has_tools(c), f"rollout.agent={r.agent} runs its own tools and loop, and the run "
-           "also has tools or an environment (rollout.tools, rollout.environment, or the task's own): keep one")
+           "also has tools or an environment (rollout.tools, rollout.environment, or the task's own): keep one "
+           "(rollout.tools=[] drops the task's own)")
     p.need(r.tools is None or all(isinstance(n, str) for n in r.tools),
            "rollout.tools: a list of names, each 'package.module:function' or 'path/to/file.py:function'")
     return p
@@ -474,9 +475,6 @@ def _check_rollout_kind(c: Config, facts: Facts) -> list[str]:
     if c.train.micro_batch_tokens is not None:
         p.need(not vision, "train.micro_batch_tokens with a vision-language model is not supported: its prompts run "
                "with their images' features, which packed rows do not carry; use train.micro_batch_size")
-        p.need(not lockstep, "train.micro_batch_tokens with sharded weights (FSDP2, ZeRO-3) is not supported: each "
-               "process's count of packed micro-batches follows its completions' lengths, and every forward call is "
-               "a collective there; use train.micro_batch_size")
     p.need(not (tools and lockstep), "multi-turn rollouts (rollout.tools, rollout.environment) with sharded weights "
            "(FSDP2, ZeRO-3) are not supported: the processes would take different numbers of turns")
     if r.environment is not None and several:

@@ -33,7 +33,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
-from grpokit.models.packing import Packed, pack, plan
+from grpokit.models.packing import Packed, pack, plan, split_to
+from grpokit.runtime import distributed
 from grpokit.runtime.errors import ConfigError
 
 
@@ -359,17 +360,18 @@ class LogProbs:
 
     def __init__(self, policy, reference, temperature: float, chunk_size: int | None, checkpointing: bool,
                  whole_model: bool, micro_batch: int, device: torch.device, vision=None,
-                 micro_batch_tokens: int | None = None):
+                 micro_batch_tokens: int | None = None, lockstep: bool = False):
         """reference: the frozen reference model, or None (with LoRA, the policy without its
         adapters is the reference); checkpointing: the policy recomputes its activations in the
         backward pass; whole_model: see completion_logprobs; micro_batch: completions per micro-batch
         (train.micro_batch_size); micro_batch_tokens: packed micro-batches of at most that many
         tokens instead (train.micro_batch_tokens, models/packing.py); vision: a vision-language
-        model's vision.Vision (the batches carry their prompts' images)."""
+        model's vision.Vision (the batches carry their prompts' images); lockstep: every process
+        makes every forward call (sharded weights), so packed micro-batches are as many on each."""
         self.policy, self.reference, self.vision = policy, reference, vision
         self.temperature, self.chunk_size, self.checkpointing = temperature, chunk_size, checkpointing
         self.whole_model, self.micro_batch, self.device = whole_model, micro_batch, device
-        self.micro_batch_tokens = micro_batch_tokens
+        self.micro_batch_tokens, self.lockstep = micro_batch_tokens, lockstep
         # Token positions the passes ran through the model, and those they needed (each
         # micro-batch's prompts once, each completion's tokens but its last): their ratio is the
         # passes' waste (padding). Counts since the start, read by training/metrics.py Waste.
@@ -383,7 +385,10 @@ class LogProbs:
         if self.micro_batch_tokens is None:
             return list(rows.split(self.micro_batch))
         lengths, prompt_lengths, groups = _sizes(batch, rows)
-        return [rows[part] for part in plan(lengths, prompt_lengths, groups, self.micro_batch_tokens)]
+        parts = plan(lengths, prompt_lengths, groups, self.micro_batch_tokens)
+        if self.lockstep:  # every process holds as many rows, so the most micro-batches can be made everywhere
+            parts = split_to(parts, int(distributed.all_reduce(torch.tensor(len(parts)), "max")))
+        return [rows[part] for part in parts]
 
     def of(self, model, batch, rows: torch.Tensor) -> torch.Tensor:
         """Log-probs (len(rows), T) under `model` of the completions `rows` of `batch` (a

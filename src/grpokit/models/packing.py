@@ -46,6 +46,21 @@ def plan(lengths: list[int], prompt_lengths: list[int], groups: list[int], budge
     return parts
 
 
+def split_to(parts: list[list[int]], count: int) -> list[list[int]]:
+    """`parts` (a plan) split until there are `count` micro-batches, order kept: the one with the
+    most completions (the first of equals) halved each time. Under sharded weights every process
+    must make as many forward calls as the others (each is a collective); splitting only makes
+    micro-batches smaller, so each stays under its budget. Needs count <= the completions in parts."""
+    parts = list(parts)
+    while len(parts) < count:
+        i = max(range(len(parts)), key=lambda j: len(parts[j]))
+        if len(parts[i]) < 2:
+            raise ValueError(f"{sum(map(len, parts))} completions cannot make {count} micro-batches")
+        half = len(parts[i]) // 2
+        parts[i:i + 1] = [parts[i][:half], parts[i][half:]]
+    return parts
+
+
 @dataclass
 class Packed:
     """One packed row: what the model takes, and where each completion token's log-prob comes from."""

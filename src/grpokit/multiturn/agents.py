@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 import torch
 
 from grpokit.multiturn.conversation import Conversation, RolloutTokens, sequences_batch
-from grpokit.multiturn.endpoint import Endpoint, MODEL_NAME, Transcript
+from grpokit.multiturn.endpoint import Endpoint, MODEL_NAME
+from grpokit.multiturn.transcript import Transcript
 from grpokit.multiturn.tools import EnvironmentFailed
 from grpokit.rollout.batch import RolloutBatch, SamplingParams
 from grpokit.rollout.prompts import PromptEncoder
@@ -180,7 +181,7 @@ class Agents:
             transcripts = [Transcript.from_record(t, self.tokenizer, self.eos_ids) for t in engine.close_agents()]
         else:
             endpoint = self.endpoint
-            transcripts = endpoint.open(len(rows))
+            transcripts = endpoint.open(len(rows), params)
             runs = self._start([endpoint.base_url(r) for r in range(len(rows))], rows, outcomes)
             for run in runs:
                 run.add_done_callback(lambda _: endpoint.notify())

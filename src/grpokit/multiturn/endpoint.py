@@ -2,30 +2,29 @@
 client sample from the run's engine through it, and what they sampled is recorded to be trained.
 
 Each rollout has its own base URL, `http://127.0.0.1:<port>/r/<rollout>/v1`, with
-`/chat/completions`, `/completions` (each answered whole, or streamed as server-sent events with
-`stream: true`) and `/models`. A request is not generated when it arrives: it
-waits until every running agent has one waiting (or has ended), and the trainer's thread then
-generates all that wait in one engine call (`Endpoint.take`, agents.py), in rollout order, each from
-its own seed (rollout r's request k samples from turn_seed(seeds[r], k), as multi-turn rollouts
-do). Which requests share an engine call thus depends on what the agents do, not on timing, and a
+`/chat/completions`, `/completions`, `/responses` (responses_api.py; each answered whole, or
+streamed as server-sent events with `stream: true`) and `/models`. A request is not generated
+when it arrives: it waits until every running agent has one waiting (or has ended), and the
+trainer's thread then generates all that wait in one engine call (`Endpoint.take`, agents.py), in
+rollout order, each from its own seed (rollout r's request k samples from turn_seed(seeds[r], k),
+as multi-turn rollouts do). Which requests share an engine call thus depends on what the agents do, not on timing, and a
 run is reproducible bit for bit. One thing leaves it to timing: an agent that spends over GATHER_S
 seconds between requests (its tools, say), since the requests waiting are then generated without
 it (in float32 a different batch can move a sampled token by rounding). A rollout's requests go one
 at a time: a second while one is pending, or one after the rollout's agent returned, is refused
 (what a client shared by several rollouts sends: MISROUTED).
 
-The run's sampling settings apply whatever a request says (its temperature, top_p, n are not
-honoured); its `max_tokens` / `max_completion_tokens` can only shorten a reply. Tool calls come
+Every field of a request is honoured or refused by name (request_fields.py): the run samples from
+its own distribution, which is what is trained, so `temperature` is taken only when it is the
+run's, and a forced tool call or a JSON schema is refused; `max_tokens` can only shorten a reply;
+`stop` cuts it after the token that completes a stop string (the text returned stops before it, as
+OpenAI's does, and a conversation the agent continues from that text goes on token in, token out
+from the tokens kept, stop string included); `logprobs` gives the sampled tokens'. Tool calls come
 back in OpenAI's `tool_calls` shape, parsed from the model's text by the chat template's format
 (tools.parse_calls); a reply with a malformed call has the model's whole text as its content (the
 well-formed calls still as `tool_calls`), and the problem is recorded with the rollout.
 
-Token in, token out (`Transcript`): a chat request whose messages are the previous request's, then
-the reply it got, then new messages (tool results, a user turn), is that exchange's ids as they
-were (prompt and sampled tokens, never decoded and encoded again) and the new messages as the chat
-template renders them after an assistant turn (conversation.turn_segment). A request that does not
-extend the previous exchange so, or whose history the template renders otherwise than before (a
-thinking model dropping earlier reasoning), starts a new sequence.
+Token in, token out: transcript.py.
 """
 
 
@@ -36,12 +35,14 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
-from grpokit.multiturn.conversation import turn_seed, turn_segment
+from grpokit.multiturn import request_fields, responses_api
+from grpokit.multiturn.conversation import turn_seed
+from grpokit.multiturn.request_fields import Asked, RequestError
+from grpokit.multiturn.transcript import Exchange, Transcript
 from grpokit.multiturn.tools import parse_calls
 from grpokit.rollout.batch import consecutive_groups
-from grpokit.runtime.errors import ConfigError
 
 
 # The model's name in requests and answers (the `model` argument an agent is given).
@@ -58,22 +59,6 @@ MISROUTED = ("a client made once and shared by several rollouts (a module-level 
              "openai_client=client) in the agent). Nothing from this request is trained")
 
 
-class RequestError(ValueError):
-    """A request the endpoint cannot take: answered with HTTP 400 and its message, and recorded."""
-
-
-@dataclass
-class Exchange:
-    """One generated request of a rollout."""
-
-    prompt: list[int]  # the context's ids
-    extends: bool  # prompt = the previous exchange's prompt + sampled + a segment of new messages
-    sampled: list[int] = field(default_factory=list)
-    logps: list[float] = field(default_factory=list)
-    entropies: list[float] | None = None
-    finish: str = "stop"
-
-
 @dataclass
 class Waiting:
     """A request waiting for its generation."""
@@ -83,115 +68,8 @@ class Waiting:
     extends: bool
     max_tokens: int | None  # what the request allows (None: no limit of its own)
     answer: Future  # set to the Exchange once generated
+    stop: list[str] = field(default_factory=list)  # the request's stop strings
     since: float = field(default_factory=time.monotonic)
-
-
-class Transcript:
-    """What one rollout's agent sent and got (token in, token out: module docstring)."""
-
-    def __init__(self, tokenizer, eos_ids: set[int]):
-        self.tokenizer, self.eos_ids = tokenizer, eos_ids
-        self.exchanges: list[Exchange] = []
-        self.start = 0  # the exchange that begins the current sequence (the token budget counts from its prompt)
-        self.errors: list[str] = []  # requests refused (messages the template cannot render, ...)
-        self.problems: list[str] = []  # the replies' malformed tool calls (tools.parse_calls)
-        self.first_messages: list[dict] | None = None
-        self.last_messages: list[dict] | None = None  # the last chat request's
-        self._tools: list[dict] | None = None
-        self._rendered: str | None = None  # its rendering, with the generation prompt
-        self.last_reply: dict | None = None  # the assistant message it got
-        self.pending = False  # a request of it is waiting or being generated
-        self._text: str | None = None  # the last completions request's prompt and reply, as text
-
-    def render(self, messages: list[dict], tools: list[dict] | None) -> str:
-        try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-        except Exception as e:  # noqa: BLE001 - the template's error, told to the agent and counted
-            raise RequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from None
-
-    def chat(self, messages: list[dict], tools: list[dict] | None) -> tuple[list[int], bool]:
-        """A chat request's context ids, and whether it extends the previous exchange."""
-        rendered = self.render(messages, tools)
-        last = self.exchanges[-1] if self.exchanges else None
-        n = len(self.last_messages or ())
-        extends = (last is not None and self.last_messages is not None and tools == self._tools and len(messages) > n + 1
-                   and messages[:n] == self.last_messages and same_reply(messages[n], self.last_reply)
-                   and self._renders_as_before(rendered, messages[:n + 1], tools))
-        if extends:
-            after_eos = last.sampled[-1] if last.sampled and last.sampled[-1] in self.eos_ids else None
-            try:
-                ids = last.prompt + last.sampled + turn_segment(self.tokenizer, messages[n + 1:], tools, after_eos)
-            except ConfigError:  # the template tells no turn apart from the history before it
-                extends = False
-        if not extends:
-            ids = self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
-        if self.first_messages is None:
-            self.first_messages = messages
-        self.last_messages, self._tools, self._rendered, self._text = messages, tools, rendered, None
-        return ids, extends
-
-    def _renders_as_before(self, rendered: str, history: list[dict], tools: list[dict] | None) -> bool:
-        """Whether `rendered` (a request's messages) begins with the last request's context and the
-        reply it got as the template renders them as the last turn: a template that renders
-        history otherwise once a turn follows (a thinking model's dropping earlier reasoning)
-        does not."""
-        try:
-            before = self.tokenizer.apply_chat_template(history, tools=tools, tokenize=False)
-        except Exception:  # noqa: BLE001 - a template that cannot end on an assistant turn: no telling
-            return False
-        return rendered.startswith(self._rendered) and rendered.startswith(before)
-
-    def completion(self, prompt: str) -> tuple[list[int], bool]:
-        """A completions request's context ids: the previous exchange's ids and the new text's when
-        its prompt is the previous prompt and reply followed by more text."""
-        last = self.exchanges[-1] if self.exchanges else None
-        extends = last is not None and self._text is not None and prompt.startswith(self._text) and prompt != self._text
-        if extends:
-            ids = last.prompt + last.sampled + self.tokenizer(prompt[len(self._text):], add_special_tokens=False)["input_ids"]
-        else:
-            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        self.last_messages, self._text = None, prompt
-        return ids, extends
-
-    def replied(self, reply: dict | None, text: str) -> None:
-        """What the last request was answered (the trainer's thread recorded its Exchange)."""
-        self.last_reply = reply
-        if self._text is not None:
-            self._text += text
-
-    def record(self) -> dict:
-        """What the trainer builds the rollout's row from, as JSON (a rollout server's answer)."""
-        return {"exchanges": [asdict(e) for e in self.exchanges], "errors": self.errors, "problems": self.problems,
-                "first_messages": self.first_messages, "last_messages": self.last_messages,
-                "last_reply": self.last_reply}
-
-    @classmethod
-    def from_record(cls, record: dict, tokenizer, eos_ids) -> "Transcript":
-        t = cls(tokenizer, set(eos_ids))
-        t.exchanges = [Exchange(**e) for e in record["exchanges"]]
-        t.errors, t.problems, t.first_messages = record["errors"], record["problems"], record["first_messages"]
-        t.last_messages, t.last_reply = record["last_messages"], record["last_reply"]
-        return t
-
-
-def same_reply(message: dict, reply: dict | None) -> bool:
-    """Whether `message` (sent back by an agent) is the assistant `reply` it was given."""
-    if reply is None or message.get("role") != "assistant" or (message.get("content") or "") != (reply["content"] or ""):
-        return False
-    return _calls(message.get("tool_calls")) == _calls(reply.get("tool_calls"))
-
-
-def _calls(calls) -> list:
-    out = []
-    for call in calls or ():
-        function = call.get("function", call)
-        arguments = function.get("arguments")
-        try:
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except ValueError:
-            pass
-        out.append((function.get("name"), arguments))
-    return out
 
 
 def _text_content(messages) -> list[dict]:
@@ -224,6 +102,7 @@ class Endpoint:
         self.changed = threading.Condition()
         self.session = 0  # rollout ids of an earlier generate are refused
         self.running: Callable[[], set[int]] | None = None  # the rollouts whose agents have not returned
+        self.params = None  # the generation's sampling (rollout.SamplingParams)
         self.url, self.server = None, None
         if listen:
             self._listen()
@@ -248,10 +127,12 @@ class Endpoint:
         """Rollout `rollout`'s base URL, on this endpoint's server or on `url`'s."""
         return f"{url or self.url}/r/{self.session}-{rollout}/v1"
 
-    def open(self, rollouts: int) -> list[Transcript]:
-        """Transcripts for a generation's `rollouts` agents (those of the last one are dropped)."""
+    def open(self, rollouts: int, params=None) -> list[Transcript]:
+        """Transcripts for a generation's `rollouts` agents sampling with `params` (those of the last
+        one are dropped)."""
         with self.changed:
             self.session += 1
+            self.params = params
             self.running = None  # until generate_rounds says
             self.transcripts = {r: Transcript(self.tokenizer, self.eos_ids) for r in range(rollouts)}
             for w in self.waiting:  # of agents that gave up on them: their handlers end
@@ -332,11 +213,34 @@ class Endpoint:
                 exchange.sampled = batch.completion_ids[row, :n].tolist()
                 exchange.logps = batch.sampling_logps[row, :n].tolist()
                 exchange.entropies = None if batch.entropies is None else batch.entropies[row, :n].tolist()
+                if w.stop:
+                    self._stopped(exchange, w.stop)
                 row += 1
             if not w.extends:
                 t.start = len(t.exchanges)
             t.exchanges.append(exchange)
             w.answer.set_result(exchange)
+
+    def _stopped(self, exchange: Exchange, stops: list[str]) -> None:
+        """`exchange` cut after the token that completes the first of `stops` in its text: the
+        tokens kept are a prefix of what was sampled (their log-probs are still the sampled ones)."""
+        def text(n: int) -> str:
+            return self.tokenizer.decode(exchange.sampled[:n], skip_special_tokens=True)
+
+        def found(n: int) -> int | None:
+            at = [i for i in (text(n).find(s) for s in stops) if i >= 0]
+            return min(at) if at else None
+
+        if found(len(exchange.sampled)) is None:
+            return
+        low, high = 1, len(exchange.sampled)  # the fewest tokens whose text holds a stop string
+        while low < high:
+            middle = (low + high) // 2
+            low, high = (low, middle) if found(middle) is not None else (middle + 1, high)
+        exchange.sampled, exchange.logps = exchange.sampled[:low], exchange.logps[:low]
+        if exchange.entropies is not None:
+            exchange.entropies = exchange.entropies[:low]
+        exchange.finish, exchange.text_end = "stop", found(low)
 
     # ------------------------------------------------------------------ HTTP
 
@@ -346,28 +250,29 @@ class Endpoint:
             raise RequestError(f"no rollout {rollout!r} is running: its agent's generation has ended")
         return int(index), self.transcripts[int(index)]
 
-    def _accepted(self, rollout: str, body: dict) -> tuple[int, Transcript, dict | None]:
-        """A request to `rollout`'s URL, checked as every route takes it: its rollout index and
-        transcript, and its stream options (None: not streamed). Refused (RequestError): another
-        model, n other than 1, and what cannot be the rollout's own request: a second one while one
-        is pending, or one after its agent returned (what a client shared by several rollouts sends)."""
+    def _accepted(self, rollout: str, body: dict, api: str) -> tuple[int, Transcript, Asked]:
+        """A request to `rollout`'s URL on route `api` (request_fields.FIELDS), checked as every
+        route takes it: its rollout index and transcript, and what it asks. Refused (RequestError):
+        another model, a field refused by request_fields, and what cannot be the rollout's own
+        request: a second one while one is pending, or one after its agent returned (what a client
+        shared by several rollouts sends)."""
         r, t = self._transcript(rollout)
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object")
         if body.get("model") not in (None, MODEL_NAME):
             raise RequestError(f"model {body.get('model')!r}: this endpoint serves the model being trained, "
                                f"named {MODEL_NAME!r} (the `model` argument an agent is given)")
-        if body.get("n", 1) != 1:
-            raise RequestError("n must be 1: each request is one sample of a rollout")
+        request = request_fields.asked(api, body, self.params)
         if self.running is not None and r not in self.running():
             raise RequestError(f"rollout {r}'s agent has returned, and a request reached its URL: {MISROUTED}")
         if t.pending:
             raise RequestError(f"rollout {r} has a request pending already, and another reached its URL (a rollout's "
                                f"requests go one at a time): {MISROUTED}")
-        return r, t, _streaming(body)
+        return r, t, request
 
-    async def _generate(self, r: int, t: Transcript, ids: list[int], extends: bool, body: dict) -> Exchange:
-        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+    async def _generate(self, r: int, t: Transcript, ids: list[int], extends: bool, request: Asked) -> Exchange:
         with self.changed:
-            waiting = Waiting(r, ids, extends, int(limit) if limit else None, Future())
+            waiting = Waiting(r, ids, extends, request.max_tokens, Future(), request.stop)
             self.waiting.append(waiting)
             self.changed.notify_all()
         t.pending = True
@@ -393,75 +298,117 @@ class Endpoint:
         async def models(rollout: str):
             return {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "grpokit"}]}
 
-        @app.post("/r/{rollout}/v1/chat/completions")
-        async def chat(rollout: str, request: Request):
-            body = await request.json()
-            r, t, stream = self._accepted(rollout, body)
-            messages = _text_content(body.get("messages"))
-            tools = body.get("tools") or None
-            ids, extends = t.chat(messages, tools)  # handlers run on one event loop: no other request interleaves
-            exchange = await self._generate(r, t, ids, extends, body)
-            text = self.tokenizer.decode(exchange.sampled, skip_special_tokens=True)
-            content, calls, problems = parse_calls(self.tokenizer, text)
-            if problems:  # nothing the model wrote vanishes: the agent reads the malformed call as written
-                content = text
-                t.problems += problems
-            message = {"role": "assistant", "content": content}
-            if calls:
-                message["tool_calls"] = [{"id": f"call_{len(t.exchanges)}_{i}", "type": "function",
-                                          "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
-                                         for i, c in enumerate(calls)]
-            t.replied(message, text)
-            finish = "length" if exchange.finish == "length" else "tool_calls" if calls else "stop"
-            response = self._response(rollout, t, exchange, "chat.completion",
-                                      {"index": 0, "message": message, "finish_reason": finish, "logprobs": None})
-            return response if stream is None else _streamed(response, _chat_deltas(message, finish), stream)
+        def route(answer):
+            async def handler(rollout: str, request: Request):
+                return await answer(rollout, await request.json())
+            return handler
 
-        @app.post("/r/{rollout}/v1/completions")
-        async def completions(rollout: str, request: Request):
-            body = await request.json()
-            r, t, stream = self._accepted(rollout, body)
-            if not isinstance(body.get("prompt"), str):
-                raise RequestError("prompt must be one string")
-            ids, extends = t.completion(body["prompt"])
-            exchange = await self._generate(r, t, ids, extends, body)
-            text = self.tokenizer.decode(exchange.sampled, skip_special_tokens=True)
-            t.replied(None, text)
-            response = self._response(rollout, t, exchange, "text_completion",
-                                      {"index": 0, "text": text, "finish_reason": exchange.finish, "logprobs": None})
-            return response if stream is None else _streamed(response, _text_deltas(text, exchange.finish), stream)
+        for path, answer in (("chat/completions", self._chat), ("completions", self._completions),
+                             ("responses", self._responses)):
+            app.post(f"/r/{{rollout}}/v1/{path}")(route(answer))
+
+    async def _chat(self, rollout: str, body: dict):
+        r, t, asked = self._accepted(rollout, body, "chat")
+        exchange = await self._chat_turn(r, t, _text_content(body.get("messages")), body.get("tools") or None,
+                                         asked)
+        message, finish = t.last_reply, _chat_finish(exchange, t.last_reply)
+        logprobs = {"content": self._logprobs(exchange), "refusal": None} if asked.logprobs else None
+        response = self._response(rollout, t, exchange, "chat.completion",
+                                  {"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs})
+        return response if asked.stream is None else _streamed(response, _chat_deltas(message, finish, logprobs),
+                                                                asked.stream)
+
+    async def _completions(self, rollout: str, body: dict):
+        r, t, asked = self._accepted(rollout, body, "completions")
+        if not isinstance(body.get("prompt"), str):
+            raise RequestError("prompt must be one string")
+        ids, extends = t.completion(body["prompt"])
+        exchange = await self._generate(r, t, ids, extends, asked)
+        whole = self.tokenizer.decode(exchange.sampled, skip_special_tokens=True)
+        t.replied(None, whole)  # a continuation holds the stop string, as the tokens do
+        text = whole[:exchange.text_end]
+        logprobs = None
+        if asked.logprobs:
+            tokens = self._logprobs(exchange)
+            offsets = [sum(len(x["token"]) for x in tokens[:i]) for i in range(len(tokens))]
+            logprobs = {"tokens": [x["token"] for x in tokens], "token_logprobs": [x["logprob"] for x in tokens],
+                        "top_logprobs": None, "text_offset": [len(body["prompt"]) + o for o in offsets]}
+        response = self._response(rollout, t, exchange, "text_completion",
+                                  {"index": 0, "text": text, "finish_reason": exchange.finish, "logprobs": logprobs})
+        return response if asked.stream is None else _streamed(response, _text_deltas(text, exchange.finish),
+                                                                asked.stream)
+
+    async def _responses(self, rollout: str, body: dict):
+        r, t, asked = self._accepted(rollout, body, "responses")
+        messages, tools = responses_api.chat_form(body)
+        exchange = await self._chat_turn(r, t, messages, tools, asked)
+        whole = responses_api.response(f"{rollout}_{len(t.exchanges)}", t.last_reply,
+                                       _chat_finish(exchange, t.last_reply), _usage(exchange), body,
+                                       self._logprobs(exchange) if asked.logprobs else None)
+        if asked.stream is None:
+            return whole
+        from fastapi.responses import StreamingResponse
+
+        return StreamingResponse(iter(responses_api.events(whole)), media_type="text/event-stream")
+
+    async def _chat_turn(self, r: int, t: Transcript, messages: list[dict], tools: list[dict] | None,
+                         asked: Asked) -> Exchange:
+        """A chat request's generation; its reply (the assistant message: content, tool calls)
+        becomes t.last_reply. A malformed tool call leaves the model's whole text as the content, and
+        is recorded."""
+        ids, extends = t.chat(messages, tools)  # handlers run on one event loop: no other request interleaves
+        exchange = await self._generate(r, t, ids, extends, asked)
+        text = self.tokenizer.decode(exchange.sampled, skip_special_tokens=True)[:exchange.text_end]
+        content, calls, problems = parse_calls(self.tokenizer, text)
+        if problems:  # nothing the model wrote vanishes: the agent reads the malformed call as written
+            content = text
+            t.problems += problems
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [{"id": f"call_{len(t.exchanges)}_{i}", "type": "function",
+                                      "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                                     for i, c in enumerate(calls)]
+        t.replied(message, text)
+        return exchange
+
+    def _logprobs(self, exchange: Exchange) -> list[dict]:
+        """The reply's tokens (its EOS left out, as OpenAI's API does) with the log-probs they were
+        sampled with, in the chat form (token, logprob, bytes, no alternatives)."""
+        out = []
+        for token, logp in zip(exchange.sampled, exchange.logps):
+            if token in self.eos_ids:
+                continue
+            text = self.tokenizer.decode([token])
+            out.append({"token": text, "logprob": logp, "bytes": list(text.encode()), "top_logprobs": []})
+        return out
 
     def _response(self, rollout: str, t: Transcript, exchange: Exchange, kind: str, choice: dict) -> dict:
         return {"id": f"grpokit-{rollout}-{len(t.exchanges)}", "object": kind, "created": int(time.time()),
-                "model": MODEL_NAME, "choices": [choice],
-                "usage": {"prompt_tokens": len(exchange.prompt), "completion_tokens": len(exchange.sampled),
-                          "total_tokens": len(exchange.prompt) + len(exchange.sampled)}}
+                "model": MODEL_NAME, "choices": [choice], "usage": _usage(exchange)}
+
+
+def _usage(exchange: Exchange) -> dict:
+    return {"prompt_tokens": len(exchange.prompt), "completion_tokens": len(exchange.sampled),
+            "total_tokens": len(exchange.prompt) + len(exchange.sampled)}
+
+
+def _chat_finish(exchange: Exchange, message: dict) -> str:
+    return "length" if exchange.finish == "length" else "tool_calls" if message.get("tool_calls") else "stop"
 
 
 # ---------------------------------------------------------------------- streaming
 
 
-def _streaming(body: dict) -> dict | None:
-    """A request's `stream` and `stream_options`: None when not streamed, else the options."""
-    stream, options = body.get("stream") or False, body.get("stream_options")
-    if not isinstance(stream, bool):
-        raise RequestError(f"stream must be true or false, got {stream!r}")
-    if options is not None and not stream:
-        raise RequestError("stream_options is only allowed with stream: true")
-    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
-        raise RequestError(f"stream_options: only include_usage is supported, got {options!r}")
-    return (options or {}) if stream else None
-
-
-def _chat_deltas(message: dict, finish: str) -> list[dict]:
-    """A chat reply as the choices of its stream's chunks: the role, the content, each tool call
-    whole (a client joins the deltas back into `message`), and the finish reason."""
+def _chat_deltas(message: dict, finish: str, logprobs: dict | None = None) -> list[dict]:
+    """A chat reply as the choices of its stream's chunks: the role, the content (with `logprobs`),
+    each tool call whole (a client joins the deltas back into `message`), and the finish reason."""
     deltas = [{"role": "assistant", "content": ""}]
     if message["content"]:
         deltas.append({"content": message["content"]})
     for i, call in enumerate(message.get("tool_calls") or ()):
         deltas.append({"tool_calls": [{"index": i, **call}]})
-    choices = [{"index": 0, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+    choices = [{"index": 0, "delta": d, "logprobs": logprobs if "content" in d and d["content"] else None,
+                "finish_reason": None} for d in deltas]
     return choices + [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}]
 
 

@@ -378,7 +378,7 @@ class ServerEngine:
                 server._request("/agents/finished", {"generation": generation, "rollouts": mine}, retry=False)
 
     def close_agents(self) -> list[dict]:
-        """What each rollout's agent sent and got (endpoint.Transcript.record), in rollout order."""
+        """What each rollout's agent sent and got (transcript.Transcript.record), in rollout order."""
         return [t for server, generation, _ in self.agents
                 for t in server._request("/agents/close", {"generation": generation}, retry=False)["transcripts"]]
 

@@ -133,7 +133,7 @@ class AgentsEngine(RolloutEngine, Protocol):
         ...
 
     def close_agents(self) -> list[dict]:
-        """Every rollout's record of what its agent sent and got (endpoint.Transcript.record), in
+        """Every rollout's record of what its agent sent and got (transcript.Transcript.record), in
         rollout order, once all have finished."""
         ...
 

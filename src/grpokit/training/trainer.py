@@ -160,7 +160,7 @@ class Trainer:
             self.logprobs = LogProbs(self.policy, self.reference, config.rollout.temperature,
                                      chunk, config.model.gradient_checkpointing, whole_model,
                                      config.micro_batch_size(distributed.world_size()), self.device, self.vision,
-                                     config.train.micro_batch_tokens)
+                                     config.train.micro_batch_tokens, self.parallel.lockstep)
             self.loss_settings = setup.loss_settings(config)
             self.waste = Waste(self.rollouts, self.logprobs)
             # The metrics.jsonl rows kept from before the checkpoint, and what to tell the user about them.
