@@ -1,6 +1,7 @@
 """Agents as they are (multiturn/agents.py) through the run's OpenAI-compatible endpoint
 (multiturn/endpoint.py): real `openai` clients against a real HTTP endpoint on 127.0.0.1."""
 
+import asyncio
 import copy
 import json
 import os
@@ -523,6 +524,71 @@ def test_a_responses_reply_streamed_is_the_reply_whole(tiny):
     assert first.prompt == second.prompt and not second.extends
 
 
+class SlowEngine(TransformersEngine):
+    """Generation that takes a second a round."""
+
+    def generate(self, *args, **kwargs):
+        time.sleep(1.0)
+        return super().generate(*args, **kwargs)
+
+
+def test_the_agent_timeout_counts_the_agent_s_own_time_not_the_wait_for_generation(tiny):
+    """rollout.agent_timeout=0.5: an agent whose request waits a second for generation is in time;
+    one that spends 0.8 s itself is not, and says so."""
+    model, tokenizer = tiny
+    eos = tokenizer.eos_token_id
+
+    async def agent(client, model_name, row):
+        if row["slow"]:
+            await asyncio.sleep(0.8)
+        await client.chat.completions.create(model=model_name, messages=row["prompt"], max_tokens=2)
+        return 1.0
+
+    agents = Agents(agent, "agent", tokenizer, [eos], timeout=0.5, encoder=PromptEncoder(tokenizer))
+    prompt = [{"role": "user", "content": "Hi"}]
+    try:
+        batch = agents.generate(SlowEngine(model, tokenizer.pad_token_id, [eos]),
+                                [Example(prompt, {"slow": False}), Example(prompt, {"slow": True})], [1, 1],
+                                SamplingParams(2, 1.0), seeds=[0, 1])
+    finally:
+        agents.close()
+    quick, slow = (c.environment for c in batch.conversations)
+    assert quick.error is None and quick.reward == 1.0
+    assert slow.error == ("did not return within rollout.agent_timeout=0.5 s of its own time (its requests' wait for "
+                          "generation not counted)")
+
+
+def test_an_async_agent_that_blocks_the_loop_and_a_failed_rollout_are_said_on_the_console(tiny):
+    """A blocking call inside an async def holds the loop every agent runs on: named once a run. A
+    generation with failed rollouts says how many and the first error."""
+    from grpokit.multiturn.agents import AgentWarning
+
+    model, tokenizer = tiny
+    eos = tokenizer.eos_token_id
+
+    async def agent(client, model_name, row):
+        time.sleep(1.5)  # a framework's synchronous run() inside the async def
+        if row["fails"]:
+            raise RuntimeError("the agent broke")
+        await client.chat.completions.create(model=model_name, messages=row["prompt"], max_tokens=2)
+        return 1.0
+
+    agents = Agents(agent, "agent", tokenizer, [eos], timeout=60, encoder=PromptEncoder(tokenizer))
+    prompt = [{"role": "user", "content": "Hi"}]
+    try:
+        with pytest.warns(AgentWarning) as said:
+            agents.generate(TransformersEngine(model, tokenizer.pad_token_id, [eos]),
+                            [Example(prompt, {"fails": False}), Example(prompt, {"fails": True})], [1, 1],
+                            SamplingParams(2, 1.0), seeds=[0, 1])
+    finally:
+        agents.close()
+    messages = [str(w.message) for w in said]
+    assert messages[0] == "1 of 2 rollouts' agents ('agent') failed, the first: raised RuntimeError: the agent broke " \
+                          "(every agent_error is in completions.jsonl)"
+    assert messages[1].startswith("rollout.agent 'agent' held the event loop every rollout's agent runs on for ")
+    assert "asyncio.to_thread" in messages[1] and len(messages) == 2
+
+
 def test_a_client_shared_by_the_rollouts_is_refused_and_nothing_of_it_trained(tiny):
     """A global client (made once, here the first rollout's, used by every rollout): the rollouts'
     requests all reach one rollout's URL. One is that rollout's; the others are refused, naming
@@ -671,7 +737,8 @@ def test_agents_that_fail_are_counted_and_the_run_goes_on(scripted, monkeypatch)
     assert "this endpoint serves the model being trained, named 'grpokit'" in errors["What is 2 + 1?"]
     assert errors["What is 3 + 1?"].startswith("returned 'great': an agent returns its reward")
     assert errors["What is 4 + 1?"] == "made no request to its endpoint"
-    assert errors["What is 5 + 1?"] == "did not return within rollout.agent_timeout=3 s"
+    assert errors["What is 5 + 1?"] == ("did not return within rollout.agent_timeout=3 s of its own time (its requests' "
+                                        "wait for generation not counted)")
     assert row["agent/tidy"] == 1.0 and row["agent/short"] == pytest.approx(-0.01)
 
 

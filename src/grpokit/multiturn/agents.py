@@ -35,10 +35,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import inspect
 import math
 import numbers
 import threading
+import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -80,6 +83,13 @@ def import_openai():
 
 # Steps in a row in which every rollout's agent failed that stop a run.
 FAILED_STEPS = 3
+# An async agent that holds the event loop this long at once (a blocking call inside it) is named.
+BLOCKED_S = 1.0
+
+
+class AgentWarning(UserWarning):
+    """What the console says about the agents: a step's failed rollouts (the first error), an async
+    agent that blocks the loop the others run on."""
 
 
 class Agents:
@@ -105,6 +115,9 @@ class Agents:
         # generates the steps ahead while an evaluation generates in the trainer's thread.
         self.endpoints: dict[int, Endpoint] = {}
         self.http = None  # the HTTP client every rollout's openai client shares (made on the user code's loop)
+        self.waits = _Waits()  # each rollout's time in requests (rollout.agent_timeout does not count it)
+        self.watch: _LoopWatch | None = None  # of the generation under way, for async agents
+        self.warned_blocking = False
         self.failed_in_a_row = 0  # steps in a row in which every rollout's agent failed
 
     @classmethod
@@ -188,16 +201,38 @@ class Agents:
             endpoint.generate_rounds(engine, params, seeds, lambda: {r for r, run in enumerate(runs) if not run.done()})
         for run in runs:
             run.result()  # an exit of the user's code (UserCodeExit) stops the run; other errors are outcomes
-        return self._batch(rows, transcripts, outcomes)
+        batch = self._batch(rows, transcripts, outcomes)
+        self._say(outcomes)
+        return batch
+
+    def _say(self, outcomes: list[AgentOutcome]) -> None:
+        """On the console: a generation's failed rollouts (the first error), and, once a run, an
+        async agent that held the loop every rollout's agent runs on."""
+        failed = [o.error for o in outcomes if o.error is not None]
+        if failed:
+            warnings.warn(AgentWarning(f"{len(failed)} of {len(outcomes)} rollouts' agents ({self.name!r}) failed, the "
+                                       f"first: {failed[0]} (every agent_error is in completions.jsonl)"), stacklevel=2)
+        longest = self.watch.finish() if self.watch is not None else 0.0
+        if longest > BLOCKED_S and not self.warned_blocking:
+            self.warned_blocking = True
+            warnings.warn(AgentWarning(
+                f"rollout.agent {self.name!r} held the event loop every rollout's agent runs on for {longest:.1f} s at "
+                "once: a blocking call inside an async def (a framework's synchronous run(), time.sleep, requests), "
+                "so the other rollouts and their requests waited for it. Await the framework's async call, wrap the "
+                "blocking one in asyncio.to_thread, or make the agent a plain def (each then runs in a thread of its "
+                "own)"), stacklevel=2)
 
     def _start(self, urls: list[str], rows: list, outcomes: list[AgentOutcome]) -> list[concurrent.futures.Future]:
         """Each rollout's agent, running on the user code's loop, its client on its base URL."""
-        return [user_code.submit(self._run(url, e, outcome), f"rollout.agent {self.name!r}")
+        self.waits.clear()
+        runs = [user_code.submit(self._run(url, e, outcome), f"rollout.agent {self.name!r}")
                 for url, e, outcome in zip(urls, rows, outcomes)]
+        self.watch = None if self.sync else _LoopWatch()
+        return runs
 
     async def _run(self, base_url: str, example, outcome: AgentOutcome) -> None:
         if self.http is None:  # an openai client making its own HTTP client takes ~25 ms: a second a step
-            self.http = _shared_http(self.openai)
+            self.http = _shared_http(self.openai, self.waits)
         client = self.openai.AsyncOpenAI(base_url=base_url, api_key="grpokit", max_retries=0, http_client=self.http)
         row = {"prompt": example.prompt, **example.columns}
         try:
@@ -205,9 +240,10 @@ class Agents:
                 running = asyncio.get_running_loop().run_in_executor(self.threads, self._run_sync, base_url, row)
             else:
                 running = self.agent(client, MODEL_NAME, row)
-            result = await asyncio.wait_for(running, self.timeout)
+            result = await _within(running, self.timeout, lambda: self.waits.of(base_url))
         except asyncio.TimeoutError:
-            outcome.error = f"did not return within rollout.agent_timeout={self.timeout:g} s"
+            outcome.error = (f"did not return within rollout.agent_timeout={self.timeout:g} s of its own time (its "
+                             "requests' wait for generation not counted)")
         except user_code.UserCodeExit:
             raise
         except Exception as e:  # noqa: BLE001 - the user's code: counted and recorded, the step goes on
@@ -219,7 +255,8 @@ class Agents:
 
     def _run_sync(self, base_url: str, row: dict):
         """A plain `def` agent, in a worker thread, with a blocking client on its rollout's URL."""
-        with self.openai.OpenAI(base_url=base_url, api_key="grpokit", max_retries=0) as client:
+        with self.openai.OpenAI(base_url=base_url, api_key="grpokit", max_retries=0,
+                                http_client=_timed(self.openai.DefaultHttpxClient, self.waits)()) as client:
             return self.agent(client, MODEL_NAME, row)
 
     def _batch(self, rows: list, transcripts: list[Transcript], outcomes: list[AgentOutcome]) -> RolloutBatch:
@@ -253,10 +290,11 @@ class Agents:
         return sequences_batch(sequences, self.tokenizer.pad_token_id)
 
 
-def _shared_http(openai):
+def _shared_http(openai, waits: _Waits):
     """The openai client's default HTTP client, which an agent's `client.close()` (or `async with
-    client`) leaves open for the other rollouts; closed with the Agents."""
-    class Shared(openai.DefaultAsyncHttpxClient):
+    client`) leaves open for the other rollouts; closed with the Agents. Its requests are timed
+    (`waits`)."""
+    class Shared(_timed(openai.DefaultAsyncHttpxClient, waits)):
         async def aclose(self) -> None:
             pass
 
@@ -268,6 +306,98 @@ def _shared_http(openai):
         return Shared(limits=type(limits)(max_connections=None, max_keepalive_connections=limits.max_keepalive_connections))
     except (ImportError, AttributeError, TypeError):
         return Shared()
+
+
+class _Waits:
+    """Seconds each rollout (its URL's `/r/<id>/`) spent in requests to its endpoint, one under
+    way included: rollout.agent_timeout counts an agent's own time, not the wait for generation
+    (a round of every rollout's requests, or a long reply)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.done: dict[str, float] = {}
+        self.since: dict[str, list[float]] = {}
+
+    def clear(self) -> None:
+        with self.lock:
+            self.done, self.since = {}, {}
+
+    @staticmethod
+    def _key(url) -> str:
+        _, _, after = str(url).partition("/r/")
+        return after.partition("/")[0]
+
+    @contextlib.contextmanager
+    def timing(self, url):
+        key, start = self._key(url), time.monotonic()
+        with self.lock:
+            self.since.setdefault(key, []).append(start)
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.since[key].remove(start)
+                self.done[key] = self.done.get(key, 0.0) + time.monotonic() - start
+
+    def of(self, url) -> float:
+        key, now = self._key(url), time.monotonic()
+        with self.lock:
+            return self.done.get(key, 0.0) + sum(now - t for t in self.since.get(key, ()))
+
+
+def _timed(client_class, waits: _Waits):
+    """An httpx client class (sync or async, as `client_class`) whose requests `waits` times."""
+    if asyncio.iscoroutinefunction(client_class.send):
+        class Timed(client_class):
+            async def send(self, request, *args, **kwargs):
+                with waits.timing(request.url):
+                    return await super().send(request, *args, **kwargs)
+    else:
+        class Timed(client_class):
+            def send(self, request, *args, **kwargs):
+                with waits.timing(request.url):
+                    return super().send(request, *args, **kwargs)
+    return Timed
+
+
+async def _within(running, timeout: float | None, waited):
+    """`running`'s result, or asyncio.TimeoutError once it has run `timeout` seconds beside
+    `waited()` (the seconds its requests spent waiting)."""
+    task = asyncio.ensure_future(running)
+    if timeout is None:
+        return await task
+    start = time.monotonic()
+    while True:
+        left = timeout + waited() - (time.monotonic() - start)
+        if left <= 0:
+            task.cancel()
+            raise asyncio.TimeoutError
+        done, _ = await asyncio.wait({task}, timeout=left)
+        if done:
+            return task.result()
+
+
+class _LoopWatch:
+    """The longest the user code's event loop was held at once while async agents ran: a no-op
+    submitted to it every 0.2 s runs late by that much (a blocking call inside an agent holds it)."""
+
+    def __init__(self):
+        self.longest, self.stop = 0.0, threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True, name="grpokit-agents-watch")
+        self.thread.start()
+
+    def _watch(self) -> None:
+        while not self.stop.wait(0.2):
+            start = time.monotonic()
+            probe = user_code.submit(asyncio.sleep(0), "the agents' loop probe")
+            while not self.stop.is_set() and not concurrent.futures.wait([probe], timeout=0.2).done:
+                self.longest = max(self.longest, time.monotonic() - start)
+            self.longest = max(self.longest, time.monotonic() - start if probe.done() else 0.0)
+
+    def finish(self) -> float:
+        self.stop.set()
+        self.thread.join(timeout=1)
+        return self.longest
 
 
 def _messages(t: Transcript) -> list[dict]:
