@@ -17,8 +17,8 @@ which would send every rollout's requests to one rollout's URL.
 
 import json
 
-from agents import (Agent, MaxTurnsExceeded, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner,
-                    function_tool, set_tracing_disabled)
+from agents import (Agent, MaxTurnsExceeded, ModelBehaviorError, OpenAIChatCompletionsModel, OpenAIResponsesModel,
+                    Runner, function_tool, set_tracing_disabled)
 
 from grpokit.tasks.calculator import calculator as evaluate
 
@@ -63,8 +63,8 @@ async def agent(client, model, row):
     try:
         await Runner.run(calculator_agent(OpenAIResponsesModel(model=model, openai_client=client)),
                          as_items(row["prompt"]), max_turns=3)
-    except MaxTurnsExceeded:  # a model still calling the tool at the third turn: its last reply is scored
-        pass
+    except (MaxTurnsExceeded, ModelBehaviorError):  # still calling the tool at the third turn, or out of tokens
+        pass  # (the SDK raises on an incomplete reply): the last reply is scored, as grpokit's own tool loop does
     return 0.0
 
 
@@ -73,7 +73,7 @@ async def agent_chat(client, model, row):
     try:
         await Runner.run(calculator_agent(OpenAIChatCompletionsModel(model=model, openai_client=client)),
                          as_items(row["prompt"]), max_turns=3)
-    except MaxTurnsExceeded:
+    except (MaxTurnsExceeded, ModelBehaviorError):
         pass
     return 0.0
 
@@ -85,6 +85,6 @@ async def agent_streamed(client, model, row):
     try:
         async for _ in result.stream_events():
             pass
-    except MaxTurnsExceeded:
+    except (MaxTurnsExceeded, ModelBehaviorError):
         pass
     return 0.0

@@ -116,7 +116,7 @@ class Agents:
         self.endpoints: dict[int, Endpoint] = {}
         self.http = None  # the HTTP client every rollout's openai client shares (made on the user code's loop)
         self.waits = _Waits()  # each rollout's time in requests (rollout.agent_timeout does not count it)
-        self.watch: _LoopWatch | None = None  # of the generation under way, for async agents
+        self.longest_step = 0.0  # the longest an async agent held the loop at once, in this generation
         self.warned_blocking = False
         self.failed_in_a_row = 0  # steps in a row in which every rollout's agent failed
 
@@ -212,7 +212,7 @@ class Agents:
         if failed:
             warnings.warn(AgentWarning(f"{len(failed)} of {len(outcomes)} rollouts' agents ({self.name!r}) failed, the "
                                        f"first: {failed[0]} (every agent_error is in completions.jsonl)"), stacklevel=2)
-        longest = self.watch.finish() if self.watch is not None else 0.0
+        longest = self.longest_step
         if longest > BLOCKED_S and not self.warned_blocking:
             self.warned_blocking = True
             warnings.warn(AgentWarning(
@@ -225,10 +225,9 @@ class Agents:
     def _start(self, urls: list[str], rows: list, outcomes: list[AgentOutcome]) -> list[concurrent.futures.Future]:
         """Each rollout's agent, running on the user code's loop, its client on its base URL."""
         self.waits.clear()
-        runs = [user_code.submit(self._run(url, e, outcome), f"rollout.agent {self.name!r}")
+        self.longest_step = 0.0
+        return [user_code.submit(self._run(url, e, outcome), f"rollout.agent {self.name!r}")
                 for url, e, outcome in zip(urls, rows, outcomes)]
-        self.watch = None if self.sync else _LoopWatch()
-        return runs
 
     async def _run(self, base_url: str, example, outcome: AgentOutcome) -> None:
         if self.http is None:  # an openai client making its own HTTP client takes ~25 ms: a second a step
@@ -239,8 +238,12 @@ class Agents:
             if self.sync:
                 running = asyncio.get_running_loop().run_in_executor(self.threads, self._run_sync, base_url, row)
             else:
-                running = self.agent(client, MODEL_NAME, row)
-            result = await _within(running, self.timeout, lambda: self.waits.of(base_url))
+                running = _Stepped(self.agent(client, MODEL_NAME, row))
+            try:
+                result = await _within(running, self.timeout, lambda: self.waits.of(base_url))
+            finally:
+                if not self.sync:
+                    self.longest_step = max(self.longest_step, running.longest)
         except asyncio.TimeoutError:
             outcome.error = (f"did not return within rollout.agent_timeout={self.timeout:g} s of its own time (its "
                              "requests' wait for generation not counted)")
@@ -377,27 +380,28 @@ async def _within(running, timeout: float | None, waited):
             return task.result()
 
 
-class _LoopWatch:
-    """The longest the user code's event loop was held at once while async agents ran: a no-op
-    submitted to it every 0.2 s runs late by that much (a blocking call inside an agent holds it)."""
+class _Stepped:
+    """An agent's coroutine, each of its steps (its code between two awaits, which holds the loop
+    every agent runs on) timed: `longest`, in seconds. Awaited in its place, it passes through what
+    the coroutine awaits, the values and exceptions sent back, and cancellation."""
 
-    def __init__(self):
-        self.longest, self.stop = 0.0, threading.Event()
-        self.thread = threading.Thread(target=self._watch, daemon=True, name="grpokit-agents-watch")
-        self.thread.start()
+    def __init__(self, coroutine):
+        self.coroutine, self.longest = coroutine, 0.0
 
-    def _watch(self) -> None:
-        while not self.stop.wait(0.2):
+    def __await__(self):
+        value, error = None, None
+        while True:
             start = time.monotonic()
-            probe = user_code.submit(asyncio.sleep(0), "the agents' loop probe")
-            while not self.stop.is_set() and not concurrent.futures.wait([probe], timeout=0.2).done:
+            try:
+                awaited = self.coroutine.send(value) if error is None else self.coroutine.throw(error)
+            except StopIteration as stop:
+                return stop.value
+            finally:
                 self.longest = max(self.longest, time.monotonic() - start)
-            self.longest = max(self.longest, time.monotonic() - start if probe.done() else 0.0)
-
-    def finish(self) -> float:
-        self.stop.set()
-        self.thread.join(timeout=1)
-        return self.longest
+            try:
+                value, error = (yield awaited), None
+            except BaseException as e:  # noqa: BLE001 - cancellation and the like, handed to the agent
+                value, error = None, e
 
 
 def _messages(t: Transcript) -> list[dict]:
