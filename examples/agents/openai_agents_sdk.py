@@ -16,6 +16,7 @@ which would send every rollout's requests to one rollout's URL.
 """
 
 import json
+import logging
 
 from agents import (Agent, MaxTurnsExceeded, ModelBehaviorError, OpenAIChatCompletionsModel, OpenAIResponsesModel,
                     Runner, function_tool, set_tracing_disabled)
@@ -23,6 +24,7 @@ from agents import (Agent, MaxTurnsExceeded, ModelBehaviorError, OpenAIChatCompl
 from grpokit.tasks.calculator import calculator as evaluate
 
 set_tracing_disabled(True)  # the SDK would send each run's trace to OpenAI's servers
+logging.getLogger("openai.agents").setLevel(logging.CRITICAL)  # it logs each truncated reply (caught below) as an error
 
 
 @function_tool

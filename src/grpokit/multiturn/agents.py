@@ -36,12 +36,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import inspect
 import math
 import numbers
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -183,7 +185,8 @@ class Agents:
         outcomes = [AgentOutcome() for _ in rows]
         if isinstance(engine, AgentsEngine):
             urls = engine.open_agents(counts, params, seeds, self.tokenizer.chat_template)
-            runs = self._start(urls, rows, outcomes)
+            # The servers' endpoints are remote: the wait is timed on the agents' client.
+            runs = self._start(urls, rows, outcomes, [functools.partial(self.waits.of, url) for url in urls])
             reported = set()
             while len(reported) < len(runs):
                 concurrent.futures.wait([runs[r] for r in range(len(runs)) if r not in reported],
@@ -195,7 +198,9 @@ class Agents:
         else:
             endpoint = self.endpoint
             transcripts = endpoint.open(len(rows), params)
-            runs = self._start([endpoint.base_url(r) for r in range(len(rows))], rows, outcomes)
+            # Timed by the endpoint, whatever client the agent's framework makes from its URL.
+            runs = self._start([endpoint.base_url(r) for r in range(len(rows))], rows, outcomes,
+                               [t.waited for t in transcripts])
             for run in runs:
                 run.add_done_callback(lambda _: endpoint.notify())
             endpoint.generate_rounds(engine, params, seeds, lambda: {r for r, run in enumerate(runs) if not run.done()})
@@ -222,14 +227,16 @@ class Agents:
                 "blocking one in asyncio.to_thread, or make the agent a plain def (each then runs in a thread of its "
                 "own)"), stacklevel=2)
 
-    def _start(self, urls: list[str], rows: list, outcomes: list[AgentOutcome]) -> list[concurrent.futures.Future]:
-        """Each rollout's agent, running on the user code's loop, its client on its base URL."""
+    def _start(self, urls: list[str], rows: list, outcomes: list[AgentOutcome],
+               waited: list[Callable[[], float]]) -> list[concurrent.futures.Future]:
+        """Each rollout's agent, running on the user code's loop, its client on its base URL;
+        waited[r]: the seconds rollout r's requests have waited for generation so far."""
         self.waits.clear()
         self.longest_step = 0.0
-        return [user_code.submit(self._run(url, e, outcome), f"rollout.agent {self.name!r}")
-                for url, e, outcome in zip(urls, rows, outcomes)]
+        return [user_code.submit(self._run(url, e, outcome, wait), f"rollout.agent {self.name!r}")
+                for url, e, outcome, wait in zip(urls, rows, outcomes, waited)]
 
-    async def _run(self, base_url: str, example, outcome: AgentOutcome) -> None:
+    async def _run(self, base_url: str, example, outcome: AgentOutcome, waited: Callable[[], float]) -> None:
         if self.http is None:  # an openai client making its own HTTP client takes ~25 ms: a second a step
             self.http = _shared_http(self.openai, self.waits)
         client = self.openai.AsyncOpenAI(base_url=base_url, api_key="grpokit", max_retries=0, http_client=self.http)
@@ -240,7 +247,7 @@ class Agents:
             else:
                 running = _Stepped(self.agent(client, MODEL_NAME, row))
             try:
-                result = await _within(running, self.timeout, lambda: self.waits.of(base_url))
+                result = await _within(running, self.timeout, waited)
             finally:
                 if not self.sync:
                     self.longest_step = max(self.longest_step, running.longest)

@@ -275,11 +275,11 @@ class Endpoint:
             waiting = Waiting(r, ids, extends, request.max_tokens, Future(), request.stop)
             self.waiting.append(waiting)
             self.changed.notify_all()
-        t.pending = True
+        t.pending, t.waiting_since = True, time.monotonic()
         try:
             return await asyncio.wrap_future(waiting.answer)
         finally:
-            t.pending = False
+            t.pending, t.wait_s, t.waiting_since = False, t.waited(), None
 
     def add_routes(self, app) -> None:
         """The OpenAI routes of every rollout, on FastAPI `app`."""

@@ -11,6 +11,7 @@ more text.
 """
 
 import json
+import time
 from dataclasses import asdict, dataclass, field
 
 from grpokit.multiturn.conversation import turn_segment
@@ -49,7 +50,14 @@ class Transcript:
         self._rendered: str | None = None  # its rendering, with the generation prompt
         self.last_reply: dict | None = None  # the assistant message it got
         self.pending = False  # a request of it is waiting or being generated
+        self.wait_s = 0.0  # seconds its requests have waited for generation (rollout.agent_timeout leaves them out)
+        self.waiting_since: float | None = None  # when the one pending began waiting
         self._text: str | None = None  # the last completions request's prompt and reply, as text
+
+    def waited(self) -> float:
+        """Seconds its requests have waited for generation, the one pending included."""
+        since = self.waiting_since
+        return self.wait_s + (0.0 if since is None else time.monotonic() - since)
 
     def render(self, messages: list[dict], tools: list[dict] | None) -> str:
         try:
