@@ -93,24 +93,6 @@ async def with_tools_responses(client, model, row):
                           "output": str(add(**json.loads(call.arguments)))})
 
 
-async def with_tools_responses_streamed(client, model, row):
-    """with_tools_responses, each reply streamed: the completed event's response."""
-    from transformers.utils import get_json_schema
-
-    items = list(row["prompt"])
-    for turn in range(5):
-        stream = await client.responses.create(model=model, input=items, stream=True,
-                                               tools=[{"type": "function", **get_json_schema(add)["function"]}])
-        reply = [event async for event in stream][-1].response
-        items += [item.model_dump(exclude_none=True) for item in reply.output]
-        calls = [item for item in reply.output if item.type == "function_call"]
-        if not calls or reply.status == "incomplete" or turn == 4:
-            return 0.0
-        for call in calls:
-            items.append({"type": "function_call_output", "call_id": call.call_id,
-                          "output": str(add(**json.loads(call.arguments)))})
-
-
 async def always_fails(client, model, row):
     await client.chat.completions.create(model=model, messages=row["prompt"])
     raise RuntimeError("the agent broke")
@@ -184,7 +166,7 @@ def test_an_agent_trains_as_the_same_conversations_through_grpokit_s_tools(scrip
     common = [*T, "rollout.engine=scripted", f"data.path={scripted}/data.jsonl", "monitor.log_completions=1"]
     assert main(["train", "--no-progress", *common, f"rollout.tools=[{scripted}/agents.py:add]",
                  f"train.output_dir={scripted}/tools"]) == 0
-    others = ("with_tools_streamed", "with_tools_sync", "with_tools_responses", "with_tools_responses_streamed")
+    others = ("with_tools_streamed", "with_tools_sync", "with_tools_responses")
     for name in ("with_tools", *others):
         assert main(["train", "--no-progress", *common, f"rollout.agent={scripted}/agents.py:{name}",
                      f"train.output_dir={scripted}/{name}"]) == 0
@@ -480,7 +462,7 @@ def test_a_stop_string_ends_the_reply_and_the_conversation_goes_on_from_its_toke
     assert [t.logprob for t in stopped.logprobs.content] == cut[0].logps
 
 
-@pytest.mark.parametrize("route,fields,message", [
+REFUSED = [
     ("chat", {"temperature": 0.5}, "temperature=0.5: this generation samples at temperature=1.0 (rollout.temperature "
                                    "in training, 0 in evaluation)"),
     ("chat", {"tool_choice": "required"}, "tool_choice='required': not supported: forcing or forbidding a tool call"),
@@ -497,25 +479,33 @@ def test_a_stop_string_ends_the_reply_and_the_conversation_goes_on_from_its_toke
     ("responses", {"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}},
      "text.format {'type': 'json_schema', 'name': 'x', 'schema': {}}: not supported: decoding constrained"),
     ("responses", {"tools": [{"type": "web_search"}]}, "tools: only function tools are supported, got ['web_search']"),
-], ids=lambda x: x if isinstance(x, str) else None)
-def test_a_field_that_would_change_what_is_sampled_is_refused_by_name(tiny, route, fields, message):
+    ("chat", {"stream": True, "stream_options": {"x": 1}}, "stream_options: only include_usage is supported, got {'x': 1}"),
+    ("chat", {"stream_options": {"include_usage": True}}, "stream_options is only allowed with stream: true"),
+]
+
+
+def test_a_field_that_would_change_what_is_sampled_is_refused_by_name(tiny):
+    """Each of REFUSED's requests, one after the other in one rollout: answered 400 with its
+    message, and nothing generated or recorded."""
     import openai
 
     refused = []
 
     async def agent(client, model_name, row):
-        create, kwargs = {"chat": (client.chat.completions.create, {"messages": row["prompt"]}),
-                          "completions": (client.completions.create, {"prompt": "Once"}),
-                          "responses": (client.responses.create, {"input": "Hi"})}[route]
-        try:
-            await create(model=model_name, max_tokens=2, **kwargs, **fields) if route != "responses" else \
-                await create(model=model_name, max_output_tokens=2, **kwargs, **fields)
-        except openai.BadRequestError as e:
-            refused.append(e.body["message"])
+        for route, fields, _ in REFUSED:
+            create, kwargs = {"chat": (client.chat.completions.create, {"messages": row["prompt"], "max_tokens": 2}),
+                              "completions": (client.completions.create, {"prompt": "Once", "max_tokens": 2}),
+                              "responses": (client.responses.create, {"input": "Hi", "max_output_tokens": 2})}[route]
+            try:
+                await create(model=model_name, **kwargs, **fields)
+            except openai.BadRequestError as e:
+                refused.append(e.body["message"])
         return 1.0
 
     assert one_rollout(tiny, agent, error="made no request to its endpoint") == []  # nothing generated or recorded
-    assert len(refused) == 1 and message in refused[0], refused
+    assert len(refused) == len(REFUSED)
+    for (_, _, message), got in zip(REFUSED, refused):
+        assert message in got, (message, got)
 
 
 def test_the_docs_table_of_request_fields_is_the_one_the_endpoint_applies():
@@ -650,31 +640,6 @@ def test_a_client_shared_by_the_rollouts_is_refused_and_nothing_of_it_trained(ti
     # made no request to its own URL): either way no rollout is credited with another's tokens.
     errors = [c.environment.error or "" for c in batch.conversations]
     assert sum(e.startswith("raised BadRequestError") for e in errors) == 2
-
-
-def test_stream_settings_that_cannot_be_taken_are_refused(tiny):
-    import openai
-
-    model, tokenizer = tiny
-    eos = tokenizer.eos_token_id
-    refused = []
-
-    async def agent(client, model_name, row):
-        for extra in ({"stream_options": {"include_usage": True}}, {"stream": True, "stream_options": {"x": 1}}):
-            try:
-                await client.chat.completions.create(model=model_name, messages=row["prompt"], **extra)
-            except openai.BadRequestError as e:
-                refused.append(e.body["message"])
-        return 1.0
-
-    agents = Agents(agent, "agent", tokenizer, [eos], timeout=60, encoder=PromptEncoder(tokenizer))
-    try:
-        agents.generate(TransformersEngine(model, tokenizer.pad_token_id, [eos]),
-                        [Example([{"role": "user", "content": "Hi"}], {})], [1], SamplingParams(4, 1.0), seeds=[0])
-    finally:
-        agents.close()
-    assert refused == ["stream_options is only allowed with stream: true",
-                       "stream_options: only include_usage is supported, got {'x': 1}"]
 
 
 # ChatML that drops the content of the assistant turns before the last user turn, as a thinking

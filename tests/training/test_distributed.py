@@ -268,11 +268,11 @@ def test_two_processes_compute_the_one_process_update(tmp_path, overrides):
 
 @pytest.mark.process
 def test_two_processes_compute_the_one_process_update_of_every_variant(tmp_path):
-    """Each variant of VARIANTS, groups split across the two processes (2 completions each per
-    update, in one micro-batch; micro-batches accumulated on each of two processes are
-    test_two_processes_compute_the_one_process_update's)."""
-    cases = [["train.prompts_per_step=2", "rollout.num_generations=4", "train.updates_per_step=2",
-              "train.micro_batch_size=2", "ragged", *VARIANT_KNOBS, *VARIANTS[v]] for v in VARIANTS]
+    """Each variant of VARIANTS, its one group split across the two processes (2 completions each,
+    in one micro-batch; several updates a step, several groups, and micro-batches accumulated on
+    each of two processes are test_two_processes_compute_the_one_process_update's)."""
+    cases = [["train.prompts_per_step=1", "rollout.num_generations=4", "train.micro_batch_size=2", "ragged",
+              *VARIANT_KNOBS, *VARIANTS[v]] for v in VARIANTS]
     one, two = run_worker(tmp_path, "learn-each", cases)
     for variant, a, b0, b1 in zip(VARIANTS, one, *two):
         assert update_difference(a["start"], a["params"], b0["params"]) < EXACT, variant
