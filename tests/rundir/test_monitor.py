@@ -4,6 +4,7 @@ a real run's offline W&B file holds the same numbers as metrics.jsonl."""
 import json
 import socket
 import struct
+import time
 
 import pytest
 
@@ -75,6 +76,19 @@ def _history(path) -> list[dict]:
     return rows
 
 
+def _written_history(path, rows: int, wait_s: float = 60) -> list[dict]:
+    """_history(path) once it holds `rows` rows, or what it holds after wait_s seconds."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            logged = _history(path)
+        except Exception:  # noqa: BLE001 - a record still being written
+            logged = []
+        if len(logged) >= rows or time.monotonic() > deadline:
+            return logged
+        time.sleep(0.5)
+
+
 def test_a_run_without_network_logs_to_wandb_offline(wandb_env, tmp_path, capsys):
     pytest.importorskip("wandb", reason="wandb is in the test extra: pip install -e '.[test]'")
     wandb_env(listening=False)
@@ -85,7 +99,9 @@ def test_a_run_without_network_logs_to_wandb_offline(wandb_env, tmp_path, capsys
     printed = capsys.readouterr()
     assert "W&B: offline (127.0.0.1 cannot be reached)" in printed.out + printed.err
     (offline,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
-    logged = _history(offline)
+    # wandb's service process may still be writing the file after finish() returned (seen on a busy
+    # machine: the history there a moment later).
+    logged = _written_history(offline, rows=4)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = {r["step"]: r for r in metrics if "loss" in r}
     evals = {r["step"]: r for r in metrics if "eval/reward" in r}

@@ -132,6 +132,7 @@ def test_async_conversations_killed_and_resumed_are_the_uninterrupted_run(server
     rows = [r for r in untimed_metrics(killed) if "loss" in r]
     assert [r["staleness"] for r in rows] == [0, 1, 1, 1]
     assert all(r["turns/mean"] == (2 if "agent" in rollout else 1) for r in rows)
+    assert all(r.get("agents/failed", 0) == 0 and r.get("eval/agents/failed", 0) == 0 for r in untimed_metrics(killed))
 
 
 def test_a_step_whose_environments_cannot_be_saved_is_generated_again_on_resume():

@@ -118,7 +118,7 @@ class Agents:
         self.endpoints: dict[int, Endpoint] = {}
         self.http = None  # the HTTP client every rollout's openai client shares (made on the user code's loop)
         self.waits = _Waits()  # each rollout's time in requests (rollout.agent_timeout does not count it)
-        self.longest_step = 0.0  # the longest an async agent held the loop at once, in this generation
+        self.longest_step = 0.0  # the longest an async agent held the loop at once (named once a run)
         self.warned_blocking = False
         self.failed_in_a_row = 0  # steps in a row in which every rollout's agent failed
 
@@ -198,14 +198,15 @@ class Agents:
         else:
             endpoint = self.endpoint
             transcripts = endpoint.open(len(rows), params)
+            urls = [endpoint.base_url(r) for r in range(len(rows))]
             # Timed by the endpoint, whatever client the agent's framework makes from its URL.
-            runs = self._start([endpoint.base_url(r) for r in range(len(rows))], rows, outcomes,
-                               [t.waited for t in transcripts])
+            runs = self._start(urls, rows, outcomes, [t.waited for t in transcripts])
             for run in runs:
                 run.add_done_callback(lambda _: endpoint.notify())
             endpoint.generate_rounds(engine, params, seeds, lambda: {r for r, run in enumerate(runs) if not run.done()})
         for run in runs:
             run.result()  # an exit of the user's code (UserCodeExit) stops the run; other errors are outcomes
+        self.waits.forget(urls)
         batch = self._batch(rows, transcripts, outcomes)
         self._say(outcomes)
         return batch
@@ -231,8 +232,6 @@ class Agents:
                waited: list[Callable[[], float]]) -> list[concurrent.futures.Future]:
         """Each rollout's agent, running on the user code's loop, its client on its base URL;
         waited[r]: the seconds rollout r's requests have waited for generation so far."""
-        self.waits.clear()
-        self.longest_step = 0.0
         return [user_code.submit(self._run(url, e, outcome, wait), f"rollout.agent {self.name!r}")
                 for url, e, outcome, wait in zip(urls, rows, outcomes, waited)]
 
@@ -328,9 +327,11 @@ class _Waits:
         self.done: dict[str, float] = {}
         self.since: dict[str, list[float]] = {}
 
-    def clear(self) -> None:
+    def forget(self, urls: list[str]) -> None:
+        """Drop the times of these rollouts (their generation is over; another may be under way)."""
         with self.lock:
-            self.done, self.since = {}, {}
+            for key in map(self._key, urls):
+                self.done.pop(key, None)
 
     @staticmethod
     def _key(url) -> str:
@@ -347,6 +348,8 @@ class _Waits:
         finally:
             with self.lock:
                 self.since[key].remove(start)
+                if not self.since[key]:
+                    del self.since[key]
                 self.done[key] = self.done.get(key, 0.0) + time.monotonic() - start
 
     def of(self, url) -> float:
