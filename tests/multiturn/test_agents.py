@@ -463,8 +463,7 @@ def test_a_stop_string_ends_the_reply_and_the_conversation_goes_on_from_its_toke
 
 
 REFUSED = [
-    ("chat", {"temperature": 0.5}, "temperature=0.5: this generation samples at temperature=1.0 (rollout.temperature "
-                                   "in training, 0 in evaluation)"),
+    ("chat", {"temperature": 0.5}, "temperature=0.5: the run samples at temperature=1.0 (rollout.temperature)"),
     ("chat", {"tool_choice": "required"}, "tool_choice='required': not supported: forcing or forbidding a tool call"),
     ("chat", {"response_format": {"type": "json_object"}}, "response_format {'type': 'json_object'}: not supported"),
     ("chat", {"logit_bias": {"5": 10}}, "logit_bias={'5': 10}: not supported: a bias changes the distribution"),
@@ -481,6 +480,7 @@ REFUSED = [
     ("responses", {"tools": [{"type": "web_search"}]}, "tools: only function tools are supported, got ['web_search']"),
     ("chat", {"stream": True, "stream_options": {"x": 1}}, "stream_options: only include_usage is supported, got {'x': 1}"),
     ("chat", {"stream_options": {"include_usage": True}}, "stream_options is only allowed with stream: true"),
+    ("responses", {"reasoning": "high"}, "reasoning='high': must be an object"),
 ]
 
 

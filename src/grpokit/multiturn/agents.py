@@ -335,8 +335,10 @@ class _Waits:
 
     @staticmethod
     def _key(url) -> str:
-        _, _, after = str(url).partition("/r/")
-        return after.partition("/")[0]
+        """The rollout's URL up to its id (`http://host:port/r/<generation>-<rollout>`): servers
+        number their generations each on its own."""
+        before, _, after = str(url).partition("/r/")
+        return f"{before}/r/{after.partition('/')[0]}"
 
     @contextlib.contextmanager
     def timing(self, url):
@@ -380,14 +382,18 @@ async def _within(running, timeout: float | None, waited):
     if timeout is None:
         return await task
     start = time.monotonic()
-    while True:
-        left = timeout + waited() - (time.monotonic() - start)
-        if left <= 0:
-            task.cancel()
-            raise asyncio.TimeoutError
-        done, _ = await asyncio.wait({task}, timeout=left)
-        if done:
-            return task.result()
+    try:
+        while not task.done():
+            left = timeout + waited() - (time.monotonic() - start)
+            if left <= 0:
+                task.cancel()
+                await asyncio.wait({task})  # its cleanup runs before the rollout counts as ended
+                raise asyncio.TimeoutError
+            await asyncio.wait({task}, timeout=left)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    return task.result()
 
 
 class _Stepped:

@@ -82,6 +82,8 @@ def _text_content(messages) -> list[dict]:
         if not isinstance(m, dict) or "role" not in m:
             raise RequestError(f"every message needs a role: {str(m)[:80]}")
         m = {k: v for k, v in m.items() if v is not None or k == "content"}
+        if m["role"] == "developer":  # OpenAI's newer name for system, which chat templates know
+            m["role"] = "system"
         if isinstance(m.get("content"), list):
             if any(not isinstance(p, dict) or p.get("type") != "text" for p in m["content"]):
                 raise RequestError("only text content parts are supported")
@@ -237,6 +239,8 @@ class Endpoint:
         while low < high:
             middle = (low + high) // 2
             low, high = (low, middle) if found(middle) is not None else (middle + 1, high)
+        if found(low) is None:  # a decoding whose prefixes do not grow as the tokens do: left whole
+            return
         exchange.sampled, exchange.logps = exchange.sampled[:low], exchange.logps[:low]
         if exchange.entropies is not None:
             exchange.entropies = exchange.entropies[:low]
@@ -272,6 +276,8 @@ class Endpoint:
 
     async def _generate(self, r: int, t: Transcript, ids: list[int], extends: bool, request: Asked) -> Exchange:
         with self.changed:
+            if self.transcripts.get(r) is not t:  # a generation opened since the request was checked
+                raise RequestError(f"rollout {r}'s generation has ended: nothing from this request is trained")
             waiting = Waiting(r, ids, extends, request.max_tokens, Future(), request.stop)
             self.waiting.append(waiting)
             self.changed.notify_all()

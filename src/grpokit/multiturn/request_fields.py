@@ -100,17 +100,18 @@ def _top_logprobs(value, asked: Asked, params: SamplingParams) -> None:
                            "not of the alternatives; use logprobs: true (each token's own log-prob)")
 
 
-def _sampling(setting: str, run_setting: str, evaluation: str) -> Rule:
+def _sampling(setting: str, run_setting: str) -> Rule:
     """temperature / top_p: accepted when the generation samples at that value, else refused."""
     def rule(value, asked: Asked, params: SamplingParams) -> None:
-        if value is None:
+        if value is None or params.temperature == 0:  # evaluation samples greedily, whatever a request says
             return
         current = getattr(params, setting)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or float(value) != float(current):
-            raise RequestError(f"{{name}}={value!r}: this generation samples at {setting}={current} ({run_setting} "
-                               f"in training, {evaluation} in evaluation), and the trained log-probs are of that "
-                               f"distribution: leave {{name}} out, or set {run_setting}")
-    rule.doc = f"accepted when it is the generation's ({run_setting}; {evaluation} in evaluation), refused otherwise"
+            raise RequestError(f"{{name}}={value!r}: the run samples at {setting}={current} ({run_setting}), and "
+                               f"the trained log-probs are of that distribution: leave {{name}} out, or set "
+                               f"{run_setting}")
+    rule.doc = (f"accepted when it is the run's ({run_setting}), refused otherwise; in evaluation accepted, no effect "
+                "(greedy)")
     return rule
 
 
@@ -154,6 +155,8 @@ def _include(value, asked: Asked, params: SamplingParams) -> None:
 
 
 def _reasoning(value, asked: Asked, params: SamplingParams) -> None:
+    if value is not None and not isinstance(value, dict):
+        raise RequestError(f"{{name}}={value!r}: must be an object")
     if value and any(v is not None for v in value.values()):
         raise RequestError(f"{{name}}={value!r}: not supported: the model being trained has no reasoning setting; a "
                            "thinking template's switch belongs in model.chat_template")
@@ -197,8 +200,8 @@ _COMMON = {
     "stream": (_stream, "honoured: server-sent events of the whole reply, generated first"),
     "stream_options": (_stream_options, "honoured: include_usage"),
     "n": (_n, "1 only: each request is one sample of its rollout"),
-    "temperature": (_sampling("temperature", "rollout.temperature", "0"), None),
-    "top_p": (_sampling("top_p", "rollout.top_p", "1"), None),
+    "temperature": (_sampling("temperature", "rollout.temperature"), None),
+    "top_p": (_sampling("top_p", "rollout.top_p"), None),
     "user": (_accepted, "accepted, no effect"),
     "metadata": (_accepted, "accepted, no effect"),
     "store": (_accepted, "accepted, no effect (nothing is stored; the run records every exchange)"),
