@@ -186,60 +186,43 @@ def test_an_agent_trains_as_the_same_conversations_through_grpokit_s_tools(scrip
     assert record["completion"][1]["content"] == "3" and record["reward"] == 1.0
 
 
-def test_the_agents_sdk_example_trains_alike_on_either_api_streamed_or_not(scripted, monkeypatch):
-    """examples/agents/openai_agents_sdk.py as shipped: the SDK's tool loop on its default Responses
-    API, on chat completions, and streamed, through the endpoint, on the calculator task: the tool
-    called and answered, and the three runs the same bit for bit."""
-    pytest.importorskip("agents", reason="the Agents SDK example needs: pip install openai-agents")
+def assert_example_trains_alike(scripted, monkeypatch, example: str, names: tuple[str, ...]) -> None:
+    """examples/agents/<example> as shipped, each agent of `names` for a step on the calculator
+    task through the endpoint: the tool called and answered, and the runs the same bit for bit."""
     # The prompt's two worked examples hold two tool results already: the reply to a context with
     # two is a call, to one with three the answer.
     call = tool_call("calculator", expression="2 * 3")
     monkeypatch.setattr(scripted_engine, "SCRIPT", [call, call, call, "6"])
-    example = Path(__file__).parents[2] / "examples" / "agents" / "openai_agents_sdk.py"
-    names = ("agent", "agent_chat", "agent_streamed")
+    path = Path(__file__).parents[2] / "examples" / "agents" / example
     for name in names:
         assert main(["train", "--no-progress", "model.name=tiny-random", "train.max_steps=1",
                      "rollout.num_generations=2", "train.prompts_per_step=2", "rollout.max_completion_length=400",
                      "data.eval_size=0", "data.task=calculator", "rollout.tools=[]", "rollout.engine=scripted",
-                     "monitor.log_completions=1", f"rollout.agent={example}:{name}",
+                     "monitor.log_completions=1", f"rollout.agent={path}:{name}",
                      f"train.output_dir={scripted / name}"]) == 0
         row = training_rows(scripted / name)[0]
         assert row["agents/failed"] == 0 and row["agents/refused_requests"] == 0 and row["turns/mean"] == 2
         record = completions_log(scripted / name)[0]
         assert [m["role"] for m in record["completion"]] == ["assistant", "tool", "assistant"]
         assert record["completion"][1]["content"] == "6" and record["completion"][2]["content"] == "6"
-    first = untimed_metrics(scripted / "agent")
+    first = untimed_metrics(scripted / names[0])
     weights = [load_file(scripted / name / "final" / "model.safetensors") for name in names]
     for name, w in zip(names[1:], weights[1:]):
-        assert first == [{k.replace(name, "agent"): v for k, v in r.items()} for r in untimed_metrics(scripted / name)]
+        assert first == [{k.replace(name, names[0]): v for k, v in r.items()} for r in untimed_metrics(scripted / name)]
         assert all(torch.equal(weights[0][k], w[k]) for k in w)
 
 
+def test_the_agents_sdk_example_trains_alike_on_either_api_streamed_or_not(scripted, monkeypatch):
+    """The SDK's tool loop on its default Responses API, on chat completions, and streamed."""
+    pytest.importorskip("agents", reason="the Agents SDK example needs: pip install openai-agents")
+    assert_example_trains_alike(scripted, monkeypatch, "openai_agents_sdk.py", ("agent", "agent_chat", "agent_streamed"))
+
+
 def test_the_langgraph_example_trains_alike_streamed_or_not(scripted, monkeypatch):
-    """examples/agents/langgraph_react.py as shipped: a LangGraph ReAct agent (LangChain's
-    create_agent) on ChatOpenAI, invoked and streamed, through the endpoint, on the calculator task:
-    the tool called and answered, and the two runs the same bit for bit."""
+    """A LangGraph ReAct agent (LangChain's create_agent) on ChatOpenAI, invoked and streamed."""
     for module in ("langchain", "langgraph", "langchain_openai"):
         pytest.importorskip(module, reason="the LangGraph example needs: pip install langchain langgraph langchain-openai")
-    call = tool_call("calculator", expression="2 * 3")  # two worked examples' tool results in every prompt
-    monkeypatch.setattr(scripted_engine, "SCRIPT", [call, call, call, "6"])
-    example = Path(__file__).parents[2] / "examples" / "agents" / "langgraph_react.py"
-    names = ("agent", "agent_streamed")
-    for name in names:
-        assert main(["train", "--no-progress", "model.name=tiny-random", "train.max_steps=1",
-                     "rollout.num_generations=2", "train.prompts_per_step=2", "rollout.max_completion_length=400",
-                     "data.eval_size=0", "data.task=calculator", "rollout.tools=[]", "rollout.engine=scripted",
-                     "monitor.log_completions=1", f"rollout.agent={example}:{name}",
-                     f"train.output_dir={scripted / name}"]) == 0
-        row = training_rows(scripted / name)[0]
-        assert row["agents/failed"] == 0 and row["agents/refused_requests"] == 0 and row["turns/mean"] == 2
-        record = completions_log(scripted / name)[0]
-        assert [m["role"] for m in record["completion"]] == ["assistant", "tool", "assistant"]
-        assert record["completion"][1]["content"] == "6" and record["completion"][2]["content"] == "6"
-    first, streamed = (untimed_metrics(scripted / name) for name in names)
-    assert first == [{k.replace("agent_streamed", "agent"): v for k, v in r.items()} for r in streamed]
-    w, v = (load_file(scripted / name / "final" / "model.safetensors") for name in names)
-    assert all(torch.equal(w[k], v[k]) for k in w)
+    assert_example_trains_alike(scripted, monkeypatch, "langgraph_react.py", ("agent", "agent_streamed"))
 
 
 def test_an_agent_that_cannot_take_client_model_row_is_refused_at_start_up(scripted, capsys):

@@ -218,11 +218,10 @@ class Agents:
         if failed:
             warnings.warn(AgentWarning(f"{len(failed)} of {len(outcomes)} rollouts' agents ({self.name!r}) failed, the "
                                        f"first: {failed[0]} (every agent_error is in completions.jsonl)"), stacklevel=2)
-        longest = self.longest_step
-        if longest > BLOCKED_S and not self.warned_blocking:
+        if self.longest_step > BLOCKED_S and not self.warned_blocking:
             self.warned_blocking = True
             warnings.warn(AgentWarning(
-                f"rollout.agent {self.name!r} held the event loop every rollout's agent runs on for {longest:.1f} s at "
+                f"rollout.agent {self.name!r} held the event loop every rollout's agent runs on for {self.longest_step:.1f} s at "
                 "once: a blocking call inside an async def (a framework's synchronous run(), time.sleep, requests), "
                 "so the other rollouts and their requests waited for it. Await the framework's async call, wrap the "
                 "blocking one in asyncio.to_thread, or make the agent a plain def (each then runs in a thread of its "

@@ -239,12 +239,13 @@ class Endpoint:
         while low < high:
             middle = (low + high) // 2
             low, high = (low, middle) if found(middle) is not None else (middle + 1, high)
-        if found(low) is None:  # a decoding whose prefixes do not grow as the tokens do: left whole
+        at = found(low)
+        if at is None:  # a decoding whose prefixes do not grow as the tokens do: left whole
             return
         exchange.sampled, exchange.logps = exchange.sampled[:low], exchange.logps[:low]
         if exchange.entropies is not None:
             exchange.entropies = exchange.entropies[:low]
-        exchange.finish, exchange.text_end = "stop", found(low)
+        exchange.finish, exchange.text_end = "stop", at
 
     # ------------------------------------------------------------------ HTTP
 
