@@ -12,6 +12,9 @@ cores:
 - packed: this checkout, train.micro_batch_tokens=--budget (packed passes), decoding that drops a
   completion from the batch when it ends (the transformers engine's dynamic decoder);
 - padded: this checkout, train.micro_batch_size=--micro-batch (padded passes), the same decoding;
+- default: this checkout with neither micro-batch setting, where each step picks by its lengths
+  (packed in rows of 1024 tokens where one padded pass would compute more than twice the
+  positions it needs, one padded pass otherwise; models/packing.py);
 - baseline: another checkout's src/ folder (--baseline), with train.micro_batch_size=--micro-batch
   too: say, a worktree of 997ce89, whose decoder ran every completion until the longest ended
   (`git worktree add /tmp/grpokit-997ce89 997ce89`, then --baseline /tmp/grpokit-997ce89/src);
@@ -22,6 +25,7 @@ run three at a time at most, and TRL beside one other:
     python benchmarks/ragged.py                                         # packed and padded, 3 steps
     python benchmarks/ragged.py --runs packed padded baseline --baseline /tmp/grpokit-997ce89/src
     python benchmarks/ragged.py --runs packed TRL --out benchmarks/results/ragged-trl.md
+    python benchmarks/ragged.py --runs default padded --steps 2 --out benchmarks/results/ragged-default.md
 
 Printed per run: step time (median over the steps after the first), and for grpokit the waste
 (metrics.jsonl's waste/decode and waste/passes: token positions computed / tokens kept), where the
@@ -56,7 +60,7 @@ def main() -> int:
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--budget", type=int, default=1024, help="the packed run's train.micro_batch_tokens")
     parser.add_argument("--micro-batch", type=int, default=8, help="the padded run's train.micro_batch_size")
-    parser.add_argument("--runs", nargs="+", default=["packed", "padded"], choices=("packed", "padded", "baseline", "TRL"))
+    parser.add_argument("--runs", nargs="+", default=["packed", "padded"], choices=("packed", "padded", "default", "baseline", "TRL"))
     parser.add_argument("--baseline", help="src/ folder of another grpokit checkout (the baseline run)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "ragged.md"))
@@ -72,7 +76,7 @@ def main() -> int:
     bundled_model_path()  # converted once here, not inside a timed process
     padded = (f"train.micro_batch_size={args.micro_batch}",)
     every = {"packed": (grpokit_worker, (None, (f"train.micro_batch_tokens={args.budget}",))),
-             "padded": (grpokit_worker, (None, padded)), "baseline": (grpokit_worker, (args.baseline, padded)),
+             "padded": (grpokit_worker, (None, padded)), "default": (grpokit_worker, (None, ())), "baseline": (grpokit_worker, (args.baseline, padded)),
              "TRL": (trl_worker, ())}
     runs = {name: every[name] for name in args.runs}
     steps, _ = take_turns(runs, args)  # (peak memory: benchmarks/packed_memory.py measures the pass's)
@@ -105,7 +109,7 @@ def main() -> int:
 
     lines += ["", f"torch {torch.__version__}, transformers {transformers.__version__}; "
               f"packed: train.micro_batch_tokens={args.budget}; padded and baseline: train.micro_batch_size="
-              f"{args.micro_batch}; TRL: micro-batches of {args.micro_batch}."]
+              f"{args.micro_batch}; default: neither; TRL: micro-batches of {args.micro_batch}."]
     write_table(lines, args.out)
     return 0
 

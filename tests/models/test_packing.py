@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grpokit.models.logprobs import LogProbs, completion_logprobs, packed_logprobs
-from grpokit.models.packing import pack, plan, split_to
+from grpokit.models.packing import AUTO, AUTO_TOKENS, pack, padded_waste, plan, split_to
 from grpokit.rollout.batch import RolloutBatch
 
 
@@ -153,6 +153,71 @@ def test_log_probs_split_by_tokens_and_count_their_padding(tiny):
     assert packed.computed == packed.needed == padded.needed == needed
     # The padded pass: 3 prompts of width 4 but their last token, then 6 rows of 5.
     assert padded.computed == 3 * 3 + 6 * 5
+
+
+def _rollout_batch(completions=COMPLETIONS):
+    prompt_ids, prompt_mask, _, _, _ = _batch()
+    T = max(len(c) for c, _ in completions)
+    index = torch.tensor([p for _, p in completions])
+    completion_ids = torch.tensor([c + [0] * (T - len(c)) for c, _ in completions])
+    completion_mask = torch.tensor([[1] * len(c) + [0] * (T - len(c)) for c, _ in completions])
+    return RolloutBatch(index, prompt_ids[index], prompt_mask[index], completion_ids, completion_mask,
+                        torch.zeros(completion_ids.shape), None, ["stop"] * len(completions))
+
+
+def test_padded_waste_counts_one_padded_pass_against_the_tokens_it_needs():
+    """Counted by hand: each distinct prompt once at the prompts' width, every completion at the longest."""
+    batch = _rollout_batch()
+    needed = sum(map(len, PROMPTS)) + sum(len(c) for c, _ in COMPLETIONS)  # 9 + 17
+    assert padded_waste(batch.prompt_mask, batch.completion_mask, batch.prompt_index) == (3 * 4 + 6 * 5) / needed
+    two = _rollout_batch(COMPLETIONS[:2])  # one prompt: counted once
+    assert padded_waste(two.prompt_mask, two.completion_mask, two.prompt_index) == (4 + 2 * 4) / (4 + 4 + 2)
+
+
+def test_by_default_a_step_packs_where_padding_would_be_most_of_its_pass(tiny):
+    """packing.AUTO: a batch with one long completion among short ones packs (in rows of
+    AUTO_TOKENS), an even one runs padded; the choice is made once per batch, for all its passes."""
+    model = tiny[0]
+    auto = LogProbs(model, None, 0.7, None, False, False, 6, torch.device("cpu"), micro_batch_tokens=AUTO)
+    even = _rollout_batch([([11, 2], 0), ([14, 2], 0), ([15, 16], 1), ([22, 2], 2)])
+    ragged = _rollout_batch([([11, 2], 0), ([14, 2], 0), ([15] + [16] * 20, 1), ([22, 2], 2)])
+    assert padded_waste(ragged.prompt_mask, ragged.completion_mask, ragged.prompt_index) > 2
+    assert auto.budget(even) is None and auto.budget(ragged) == AUTO_TOKENS
+    assert [mb.tolist() for mb in auto.micro_batches(even, torch.arange(4))] == [[0, 1, 2, 3]]
+    assert [mb.tolist() for mb in auto.micro_batches(ragged, torch.arange(4))] == [[0, 1, 2, 3]]
+    for batch, computed in ((even, 3 * 3 + 4 * 2), (ragged, 4 + 2 + 3 + (1 + 1 + 20 + 1))):
+        before = auto.computed
+        auto.of(model, batch, torch.arange(4))
+        assert auto.computed - before == computed  # padded: prompts but their last token, then 4 rows of 2
+    padded = LogProbs(model, None, 0.7, None, False, False, 6, torch.device("cpu"))
+    mask = ragged.completion_mask.bool()
+    assert torch.allclose(auto.of(model, ragged, torch.arange(4))[mask], padded.of(model, ragged, torch.arange(4))[mask],
+                          atol=1e-5)
+
+
+def test_under_sharded_weights_every_process_packs_where_one_does(tiny, monkeypatch):
+    """Their forward calls pair up: a process whose own batch is even packs when another's is ragged
+    (the decision all-reduced with max; here the other process is played by the all-reduce)."""
+    from grpokit.runtime import distributed
+
+    asked = []
+    monkeypatch.setattr(distributed, "all_reduce", lambda t, op="sum": asked.append((int(t), op)) or torch.ones_like(t))
+    even = _rollout_batch([([11, 2], 0), ([14, 2], 0), ([15, 16], 1), ([22, 2], 2)])
+    lockstep = LogProbs(tiny[0], None, 0.7, None, False, False, 6, torch.device("cpu"), micro_batch_tokens=AUTO,
+                        lockstep=True)
+    assert lockstep.budget(even) == AUTO_TOKENS and asked == [(0, "max")]
+    lockstep.budget(even)
+    assert len(asked) == 1  # decided once per batch
+
+
+@pytest.mark.parametrize("given, vision, expected", [
+    ([], False, AUTO), (["train.micro_batch_size=4"], False, None), ([], True, None),
+    (["train.micro_batch_tokens=512"], False, 512)])
+def test_the_passes_pick_by_lengths_unless_a_micro_batch_setting_or_images_say_otherwise(given, vision, expected):
+    from grpokit.config.loading import load_config
+    from grpokit.training.setup import micro_batch_tokens
+
+    assert micro_batch_tokens(load_config(None, given), vision) == expected
 
 
 @pytest.mark.parametrize("case", ["vision", "both-sizes"])

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from support import scripted_engine
 from grpokit.cli import main
-from grpokit.multiturn.agents import Agents
+from grpokit.multiturn.agents import NO_REQUEST, Agents
 from grpokit.multiturn.conversation import turn_seed
 from grpokit.rollout.batch import SamplingParams
 from grpokit.rollout.prompts import PromptEncoder
@@ -32,6 +32,7 @@ pytest.importorskip("openai")
 AGENT_PY = '''
 import asyncio
 import json
+import pathlib
 
 
 def add(a: int, b: int) -> int:
@@ -127,6 +128,20 @@ async def with_tools_streamed(client, model, row):
         for call in calls.values():
             messages.append({"role": "tool", "tool_call_id": call["id"],
                              "content": str(add(**json.loads(call["function"]["arguments"])))})
+
+
+CACHE = pathlib.Path(__file__).parent / "cache.json"
+
+
+async def cached(client, model, row):
+    """Answers from a cache on disk keyed by the messages alone, as DSPy's is by default."""
+    cache = json.loads(CACHE.read_text()) if CACHE.exists() else {}
+    key = json.dumps(row["prompt"])
+    if key not in cache:
+        reply = await client.chat.completions.create(model=model, messages=row["prompt"])
+        cache = {**(json.loads(CACHE.read_text()) if CACHE.exists() else {}), key: reply.choices[0].message.content}
+        CACHE.write_text(json.dumps(cache))
+    return {"answered": float(cache[key] == "3")}
 
 
 async def misbehaving(client, model, row):
@@ -485,7 +500,7 @@ def test_a_field_that_would_change_what_is_sampled_is_refused_by_name(tiny):
                 refused.append(e.body["message"])
         return 1.0
 
-    assert one_rollout(tiny, agent, error="made no request to its endpoint") == []  # nothing generated or recorded
+    assert one_rollout(tiny, agent, error=NO_REQUEST) == []  # nothing generated or recorded
     assert len(refused) == len(REFUSED)
     for (_, _, message), got in zip(REFUSED, refused):
         assert message in got, (message, got)
@@ -711,10 +726,28 @@ def test_agents_that_fail_are_counted_and_the_run_goes_on(scripted, monkeypatch)
     assert errors["What is 1 + 1?"] == "raised RuntimeError: the agent broke"
     assert "this endpoint serves the model being trained, named 'grpokit'" in errors["What is 2 + 1?"]
     assert errors["What is 3 + 1?"].startswith("returned 'great': an agent returns its reward")
-    assert errors["What is 4 + 1?"] == "made no request to its endpoint"
+    assert errors["What is 4 + 1?"] == NO_REQUEST
     assert errors["What is 5 + 1?"] == ("did not return within rollout.agent_timeout=3 s of its own time (its requests' "
                                         "wait for generation not counted)")
     assert row["agent/tidy"] == 1.0 and row["agent/short"] == pytest.approx(-0.01)
+
+
+def test_agents_answered_from_a_cache_make_no_request_and_train_nothing_of_it(scripted, monkeypatch):
+    """A framework's cache that leaves the base URL out of its key (DSPy's, by default) answers a
+    second run's agents from the first run: each of its rollouts fails, naming the fix, and nothing
+    of the cached answers is trained."""
+    monkeypatch.setattr(scripted_engine, "SCRIPT", ["3"])
+    for name in ("first", "second"):
+        assert main(["train", "--no-progress", *T, "train.max_steps=1", "rollout.engine=scripted",
+                     f"data.path={scripted}/data.jsonl", "monitor.log_completions=1",
+                     f"rollout.agent={scripted}/agents.py:cached", f"train.output_dir={scripted}/{name}"]) == 0
+    first, second = training_rows(scripted / "first")[0], training_rows(scripted / "second")[0]
+    assert first["agents/failed"] == 0 and first["agent/answered"] == 1.0
+    assert second["agents/failed"] == 4
+    # No reward at all, though exact_answer would score their empty replies 0: NaN, not 0.0.
+    assert second["reward"] == second["rewards/exact_answer/mean"] == "nan"
+    assert {r["agent_error"] for r in completions_log(scripted / "second")} == {NO_REQUEST}
+    assert "dspy.LM(..., cache=False)" in NO_REQUEST
 
 
 @pytest.mark.parametrize("setting, message", [

@@ -264,15 +264,19 @@ class TrainConfig:
     updates_per_step: int = _f(1, "optimizer updates fed by one step's completions (per iteration)")
     micro_batch_size: int | None = _f(
         None,
-        "completions per forward/backward pass on each process; a memory knob only, it never changes "
-        "the update; null means a process's whole share of an update at once",
+        "completions per forward/backward pass on each process, each padded to the longest; a memory knob only, "
+        "it never changes the update; null (with train.micro_batch_tokens null too): each step picks, by its "
+        "lengths, between a process's whole share of an update at once and packed micro-batches (see "
+        "train.micro_batch_tokens)",
     )
     micro_batch_tokens: int | None = _f(
         None,
         "packed micro-batches instead: each one row of at most this many tokens (each of its prompts once, then "
         "its completions' tokens, no padding; models/packing.py), so memory follows this budget and not the longest "
         "completion; a memory knob only, it never changes the update; null: train.micro_batch_size's padded "
-        "micro-batches",
+        "micro-batches, or, with that null too, a text model's step packs in rows of 1024 tokens where one padded "
+        "pass would compute more than twice the positions it needs (long, ragged completions) and runs that one "
+        "padded pass otherwise",
     )
     logprob_chunk_size: int | None = _f(
         None, "run the output layer and log-softmax over at most this many completion tokens at a time, "

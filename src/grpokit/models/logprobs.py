@@ -33,7 +33,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
-from grpokit.models.packing import Packed, pack, plan, split_to
+from grpokit.models.packing import AUTO, AUTO_TOKENS, AUTO_WASTE, Packed, pack, padded_waste, plan, split_to
 from grpokit.runtime import distributed
 from grpokit.runtime.errors import ConfigError
 
@@ -360,18 +360,20 @@ class LogProbs:
 
     def __init__(self, policy, reference, temperature: float, chunk_size: int | None, checkpointing: bool,
                  whole_model: bool, micro_batch: int, device: torch.device, vision=None,
-                 micro_batch_tokens: int | None = None, lockstep: bool = False):
+                 micro_batch_tokens: int | str | None = None, lockstep: bool = False):
         """reference: the frozen reference model, or None (with LoRA, the policy without its
         adapters is the reference); checkpointing: the policy recomputes its activations in the
         backward pass; whole_model: see completion_logprobs; micro_batch: completions per micro-batch
         (train.micro_batch_size); micro_batch_tokens: packed micro-batches of at most that many
-        tokens instead (train.micro_batch_tokens, models/packing.py); vision: a vision-language
+        tokens instead (train.micro_batch_tokens, models/packing.py), or packing.AUTO: packed in
+        batches where padding would be most of the positions, padded in the others; vision: a vision-language
         model's vision.Vision (the batches carry their prompts' images); lockstep: every process
         makes every forward call (sharded weights), so packed micro-batches are as many on each."""
         self.policy, self.reference, self.vision = policy, reference, vision
         self.temperature, self.chunk_size, self.checkpointing = temperature, chunk_size, checkpointing
         self.whole_model, self.micro_batch, self.device = whole_model, micro_batch, device
         self.micro_batch_tokens, self.lockstep = micro_batch_tokens, lockstep
+        self._picked = (None, None)  # with AUTO: the last batch and its budget, kept for all its passes
         # Token positions the passes ran through the model, and those they needed (each
         # micro-batch's prompts once, each completion's tokens but its last): their ratio is the
         # passes' waste (padding). Counts since the start, read by training/metrics.py Waste.
@@ -382,13 +384,27 @@ class LogProbs:
         micro_batch_tokens tokens."""
         if not len(rows):
             return []
-        if self.micro_batch_tokens is None:
+        budget = self.budget(batch)
+        if budget is None:
             return list(rows.split(self.micro_batch))
         lengths, prompt_lengths, groups = _sizes(batch, rows)
-        parts = plan(lengths, prompt_lengths, groups, self.micro_batch_tokens)
+        parts = plan(lengths, prompt_lengths, groups, budget)
         if self.lockstep:  # every process holds as many rows, so the most micro-batches can be made everywhere
             parts = split_to(parts, int(distributed.all_reduce(torch.tensor(len(parts)), "max")))
         return [rows[part] for part in parts]
+
+    def budget(self, batch) -> int | None:
+        """The token budget of `batch`'s packed micro-batches, or None: padded ones. With AUTO,
+        decided once per batch from its lengths, the same for all its passes; under sharded
+        weights the same on every process (all pack if one does), as their forward calls pair up."""
+        if self.micro_batch_tokens != AUTO:
+            return self.micro_batch_tokens
+        if self._picked[0] is not batch:
+            ragged = padded_waste(batch.prompt_mask, batch.completion_mask, batch.prompt_index) > AUTO_WASTE
+            if self.lockstep:
+                ragged = bool(distributed.all_reduce(torch.tensor(int(ragged)), "max"))
+            self._picked = (batch, AUTO_TOKENS if ragged else None)
+        return self._picked[1]
 
     def of(self, model, batch, rows: torch.Tensor) -> torch.Tensor:
         """Log-probs (len(rows), T) under `model` of the completions `rows` of `batch` (a
@@ -403,7 +419,7 @@ class LogProbs:
             else batch.sequence_ids[rows].to(self.device)
         # Summed on the device, read by the trainer once a step: no host synchronisation per pass.
         self.needed += prompt_mask.sum() + batch.completion_mask[rows].sum() - len(rows)
-        if self.micro_batch_tokens is not None:
+        if self.budget(batch) is not None:
             packed = pack(prompt_ids, prompt_mask, completion_ids, batch.completion_mask[rows].to(self.device),
                           prompt_index.to(self.device), sequence_ids)
             self.computed += packed.input_ids.shape[1]

@@ -17,6 +17,11 @@ itself, at positions from 0 (models/logprobs.py `sequence_layout`).
 
 The row costs its length in the model's linear layers (no padding); its attention is computed
 over the whole row and masked (L x L per micro-batch, where padded rows cost rows x T x T).
+
+By default (neither train.micro_batch_size nor train.micro_batch_tokens set) a text model's step
+picks by its lengths (`AUTO`): one padded pass where padding is a small part of it, as the default
+run's short, even answers are; packed rows of AUTO_TOKENS where one padded pass would compute more
+than AUTO_WASTE times the positions it needs (`padded_waste`), as long, ragged completions do.
 """
 
 from __future__ import annotations
@@ -24,6 +29,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+AUTO = "auto"
+AUTO_TOKENS = 1024  # the budget measured on a CPU (docs/speed-and-memory.md); set train.micro_batch_tokens elsewhere
+AUTO_WASTE = 2.0  # as the waste alert's threshold: padding more than half the positions
+
+
+def padded_waste(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, prompt_index: torch.Tensor) -> float:
+    """Positions one padded pass over completions (B, T) computes (each distinct prompt once at the
+    prompts' width, each completion at the longest's) over those it needs (each distinct prompt's
+    tokens once, each completion's own). prompt_mask (B, Lp): completion b's prompt's;
+    prompt_index (B,): which prompt it continues."""
+    lengths = completion_mask.sum(-1)  # (B,)
+    prompt_lengths = dict(zip(prompt_index.tolist(), prompt_mask.sum(-1).tolist()))  # one per distinct prompt
+    needed = sum(prompt_lengths.values()) + int(lengths.sum())
+    padded = len(prompt_lengths) * prompt_mask.shape[1] + len(lengths) * int(lengths.max())
+    return padded / max(needed, 1)
 
 
 def plan(lengths: list[int], prompt_lengths: list[int], groups: list[int], budget: int) -> list[list[int]]:

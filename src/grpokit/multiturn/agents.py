@@ -60,6 +60,12 @@ from grpokit.runtime import distributed
 from grpokit.runtime.errors import ConfigError, StartupError
 
 
+# A rollout that asked nothing has nothing to train. A framework's cache that leaves the base URL
+# out of its key (DSPy's, by default) answers a second run's agents this way, from the first run.
+NO_REQUEST = ("made no request to its endpoint (an agent answered from a cache makes none: turn the framework's "
+              "cache off, e.g. dspy.LM(..., cache=False))")
+
+
 @dataclass
 class AgentOutcome:
     """How one rollout's agent ended: what reward functions see as its `environment`."""
@@ -276,7 +282,7 @@ class Agents:
             outcome.refused, outcome.new_sequences = len(t.errors), sum(not e.extends for e in chain[1:])
             outcome.problems = tuple(t.problems)
             if not chain and outcome.error is None:
-                outcome.error = "made no request to its endpoint"
+                outcome.error = NO_REQUEST
             if outcome.error is not None:
                 outcome.reward, outcome.rewards = None, {}
             conversation = Conversation(_messages(t), turns=len(chain), failures=int(outcome.error is not None),

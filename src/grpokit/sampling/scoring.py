@@ -31,11 +31,17 @@ class Scored:
     active: torch.Tensor  # (n,) bool: the completions that need a forward/backward pass
     samples: list[dict] = field(repr=False)  # this process's completions, as monitor.log_completions records them
     logged: dict[str, list[tuple]] = field(default_factory=dict)  # this process's log_metric (value, completions) pairs (rewards.RewardLog)
+    failed: torch.Tensor | None = None  # (N,) bool, the whole step's: rollouts that failed (no reward, whatever the functions say)
 
     @property
     def any_scored(self) -> bool:
         """Whether some reward function scored some completion of the step."""
         return not torch.isnan(self.rewards).all()
+
+    @property
+    def all_failed(self) -> bool:
+        """Whether every rollout of the step failed (the rollout kind says why, and stops a run of such steps)."""
+        return self.failed is not None and bool(self.failed.all())
 
 
 @dataclass
@@ -46,6 +52,7 @@ class Rewarded:
     per_function: dict[str, torch.Tensor]  # name -> (N,)
     samples: list[dict]  # this process's records of them, with the columns the functions log_extra'ed
     logged: dict[str, list[tuple]]  # the (value, completions) pairs they log_metric'ed
+    failed: torch.Tensor | None = None  # (N,) bool: rollouts that failed, in global order
 
 
 class Scorer:
@@ -72,6 +79,10 @@ class Scorer:
         local_rewards, local_per_function = self.rewards(
             owned, completions, batch.finish_reasons, batch.completion_id_lists(), batch.environments(),
             prompts=prompts, state=state, log=log)  # (n,)
+        failed = _failed(batch)  # (n,)
+        if failed.any():  # a failed rollout has no reward, whatever the functions made of its (empty) text
+            local_rewards = local_rewards.masked_fill(failed, float("nan"))
+            local_per_function = {k: v.masked_fill(failed, float("nan")) for k, v in local_per_function.items()}
         samples = [
             {"prompt": p, **({} if batch.images is None else {"images": list(batch.images[i])}), "completion": c,
              "finish_reason": f, "reward": r.item(),
@@ -80,7 +91,7 @@ class Scorer:
         ]
         rewards = distributed.gather_rows(local_rewards, N, U)  # (N,) in global order
         per_function = {k: distributed.gather_rows(v, N, U) for k, v in local_per_function.items()}
-        return Rewarded(rewards, per_function, samples, log.metrics)
+        return Rewarded(rewards, per_function, samples, log.metrics, distributed.gather_rows(failed.to(torch.uint8), N, U).bool())
 
     def advantages(self, batch: RolloutBatch, rewarded: Rewarded, rows: torch.Tensor | None = None) -> Scored:
         """The step's advantages (algorithm/advantages.py) from the whole step's rewards, kept for the
@@ -100,4 +111,11 @@ class Scorer:
                 active &= advantages != 0
             active &= loss_mask(batch.trained_mask, batch.finish_reasons, a.mask_truncated_completions).cpu().any(-1)
         return Scored(rewarded.rewards, rewarded.per_function, advantages.to(self.device), active, rewarded.samples,
-                      rewarded.logged)
+                      rewarded.logged, rewarded.failed)
+
+
+def _failed(batch: RolloutBatch) -> torch.Tensor:
+    """(n,) bool: the rollouts that failed (an agent that raised, timed out, made no request: its
+    outcome's `error`), which take no part in their group's statistics (multiturn/agents.py)."""
+    environments = batch.environments() or [None] * len(batch.finish_reasons)
+    return torch.tensor([getattr(e, "error", None) is not None for e in environments], dtype=torch.bool)

@@ -21,6 +21,7 @@ from grpokit.config.checks import Facts, check, facts
 from grpokit.config.loading import settle
 from grpokit.config.schema import Config, reward_specs
 from grpokit.models.loading import eos_token_ids, load_model
+from grpokit.models.packing import AUTO
 from grpokit.models.vision import Vision, check_vision, processing
 from grpokit.multiturn import kinds
 from grpokit.multiturn.kinds import RolloutKind
@@ -113,6 +114,17 @@ def loss_settings(config: Config) -> LossSettings:
                         importance_sampling_level=a.importance_sampling_level, delta=a.delta,
                         sapo_temperature_pos=a.sapo_temperature_pos, sapo_temperature_neg=a.sapo_temperature_neg,
                         is_level=r.is_level, is_mode=r.is_mode, is_cap=r.is_cap, is_min=r.is_min)
+
+
+def micro_batch_tokens(config: Config, vision: bool) -> int | str | None:
+    """The passes' packing budget (models/logprobs.py LogProbs): train.micro_batch_tokens; by
+    default, with neither micro-batch setting given, a text model's picks per step by its
+    lengths (packing.AUTO); train.micro_batch_size given (or images, which packed rows do not
+    carry): padded micro-batches."""
+    t = config.train
+    if t.micro_batch_tokens is None and t.micro_batch_size is None and not vision:
+        return AUTO
+    return t.micro_batch_tokens
 
 
 def make_kind(config: Config, prepared: Prepared, model) -> RolloutKind:

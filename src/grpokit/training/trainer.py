@@ -160,7 +160,7 @@ class Trainer:
             self.logprobs = LogProbs(self.policy, self.reference, config.rollout.temperature,
                                      chunk, config.model.gradient_checkpointing, whole_model,
                                      config.micro_batch_size(distributed.world_size()), self.device, self.vision,
-                                     config.train.micro_batch_tokens, self.parallel.lockstep)
+                                     setup.micro_batch_tokens(config, self.vision is not None), self.parallel.lockstep)
             self.loss_settings = setup.loss_settings(config)
             self.waste = Waste(self.rollouts, self.logprobs)
             # The metrics.jsonl rows kept from before the checkpoint, and what to tell the user about them.
@@ -322,7 +322,7 @@ class Trainer:
     def check_scored(self, step: int, scored: Scored) -> None:
         """A step in which every reward function returned None for every completion teaches nothing:
         say so at once, and stop (before its update) once UNSCORED_STEPS steps in a row were so."""
-        if scored.any_scored:
+        if scored.any_scored or scored.all_failed:  # every rollout failed: the rollout kind says why
             return
         in_a_row = self.progress.unscored_in_a_row + 1
         names = ", ".join(self.rewards.names)
