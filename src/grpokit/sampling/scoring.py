@@ -15,6 +15,7 @@ import torch
 from grpokit.algorithm.advantages import advantages as compute_advantages
 from grpokit.algorithm.masks import loss_mask
 from grpokit.config.schema import Config
+from grpokit.multiturn.agents import AgentOutcome
 from grpokit.rewards.reward_set import RewardLog, RewardSet
 from grpokit.rollout.batch import RolloutBatch, decode_completions
 from grpokit.runtime import distributed
@@ -118,4 +119,4 @@ def _failed(batch: RolloutBatch) -> torch.Tensor:
     """(n,) bool: the rollouts that failed (an agent that raised, timed out, made no request: its
     outcome's `error`), which take no part in their group's statistics (multiturn/agents.py)."""
     environments = batch.environments() or [None] * len(batch.finish_reasons)
-    return torch.tensor([getattr(e, "error", None) is not None for e in environments], dtype=torch.bool)
+    return torch.tensor([isinstance(e, AgentOutcome) and e.error is not None for e in environments], dtype=torch.bool)
