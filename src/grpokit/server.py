@@ -39,7 +39,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from grpokit.multiturn.endpoint import Endpoint
+from grpokit.multiturn.endpoint import KEEP_ALIVE_S, Endpoint
 from grpokit.rollout.batch import SamplingParams
 from grpokit.rollout.protocols import ServedEngine
 from grpokit.rollout.weights import WeightGroup, device_id, fingerprint_differences, layout_hash
@@ -354,6 +354,6 @@ def serve(model_name: str, engine_name: str, host: str, port: int, dtype: str, t
     spread = f", tensor parallel {tensor_parallel_size} x data parallel {data_parallel_size}" if engine_name == "vllm" else ""
     print(f"grpokit serve: {model_name} ({engine_name}, {dtype}{spread}) on http://{host}:{port}", flush=True)
     try:
-        uvicorn.run(make_app(service), host=host, port=port, log_level="warning")
+        uvicorn.run(make_app(service), host=host, port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)
     finally:
         engine.close()  # data-parallel vLLM: its replica processes

@@ -732,21 +732,39 @@ def test_agents_that_fail_are_counted_and_the_run_goes_on(scripted, monkeypatch)
     assert row["agent/tidy"] == 1.0 and row["agent/short"] == pytest.approx(-0.01)
 
 
+def test_the_endpoint_keeps_an_idle_connection_longer_than_the_agents_client_pool_does(tiny):
+    """uvicorn and httpx both keep an idle connection 5 s by default: a request sent on a pooled
+    connection just as the server closes it fails, and in runs whose steps took about 5 s agents
+    saw APIConnectionError (ReadError, BrokenResourceError). The client must always close first."""
+    import openai
+
+    from grpokit.multiturn.agents import _shared_http, _Waits
+    from grpokit.multiturn.endpoint import Endpoint
+
+    endpoint = Endpoint(tiny[1], [tiny[1].eos_token_id])
+    try:
+        client = _shared_http(openai, _Waits())
+        pool_expiry = client._transport._pool._keepalive_expiry  # httpx's, 5 s under openai's defaults
+        assert 0 < pool_expiry * 10 < endpoint.server.config.timeout_keep_alive
+    finally:
+        endpoint.close()
+
+
 def test_agents_answered_from_a_cache_make_no_request_and_train_nothing_of_it(scripted, monkeypatch):
     """A framework's cache that leaves the base URL out of its key (DSPy's, by default) answers a
-    second run's agents from the first run: each of its rollouts fails, naming the fix, and nothing
-    of the cached answers is trained."""
+    second run's agents from the first run (its answers written here): each rollout fails, naming
+    the fix, and nothing of the cached answers is trained."""
     monkeypatch.setattr(scripted_engine, "SCRIPT", ["3"])
-    for name in ("first", "second"):
-        assert main(["train", "--no-progress", *T, "train.max_steps=1", "rollout.engine=scripted",
-                     f"data.path={scripted}/data.jsonl", "monitor.log_completions=1",
-                     f"rollout.agent={scripted}/agents.py:cached", f"train.output_dir={scripted}/{name}"]) == 0
-    first, second = training_rows(scripted / "first")[0], training_rows(scripted / "second")[0]
-    assert first["agents/failed"] == 0 and first["agent/answered"] == 1.0
-    assert second["agents/failed"] == 4
+    (scripted / "cache.json").write_text(json.dumps({
+        json.dumps([{"role": "user", "content": f"What is {i} + 1?"}]): "3" for i in range(6)}))
+    assert main(["train", "--no-progress", *T, "train.max_steps=1", "rollout.engine=scripted",
+                 f"data.path={scripted}/data.jsonl", "monitor.log_completions=1",
+                 f"rollout.agent={scripted}/agents.py:cached", f"train.output_dir={scripted}/run"]) == 0
+    row = training_rows(scripted / "run")[0]
+    assert row["agents/failed"] == 4
     # No reward at all, though exact_answer would score their empty replies 0: NaN, not 0.0.
-    assert second["reward"] == second["rewards/exact_answer/mean"] == "nan"
-    assert {r["agent_error"] for r in completions_log(scripted / "second")} == {NO_REQUEST}
+    assert row["reward"] == row["rewards/exact_answer/mean"] == "nan"
+    assert {r["agent_error"] for r in completions_log(scripted / "run")} == {NO_REQUEST}
     assert "dspy.LM(..., cache=False)" in NO_REQUEST
 
 

@@ -47,6 +47,11 @@ from grpokit.rollout.batch import consecutive_groups
 
 # The model's name in requests and answers (the `model` argument an agent is given).
 MODEL_NAME = "grpokit"
+# Seconds the server keeps an idle connection open: longer than a client's pool keeps one (httpx,
+# under the openai client: 5 s), so the client always closes first. With equal timeouts (uvicorn's
+# default is 5 s too) a request sent as the server closes its connection fails, and the agent sees
+# APIConnectionError (ReadError, BrokenResourceError): steps of about 5 s lost rollouts that way.
+KEEP_ALIVE_S = 300
 # Requests that have waited this long are generated without waiting for the agents still working
 # (on their own tools, say): see the module docstring.
 GATHER_S = 2.0
@@ -118,7 +123,8 @@ class Endpoint:
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         app = FastAPI(title="grpokit OpenAI-compatible endpoint")
         self.add_routes(app)
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
+                                                  timeout_keep_alive=KEEP_ALIVE_S))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True,
                                        name="grpokit-endpoint")
         self.thread.start()
