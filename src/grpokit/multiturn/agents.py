@@ -286,6 +286,7 @@ class Agents:
             if outcome.error is not None:
                 outcome.reward, outcome.rewards = None, {}
             conversation = Conversation(_messages(t), turns=len(chain), failures=int(outcome.error is not None),
+                                        failed=outcome.error is not None,
                                         stop="length" if chain and chain[-1].finish == "length" else "answer",
                                         environment=outcome, prompt=t.first_messages or example.prompt)
             if chain:

@@ -46,6 +46,7 @@ class Conversation:
     stop: str = "answer"  # one of STOPS
     environment: object | None = field(default=None, repr=False, compare=False)
     prompt: list[dict] | None = None  # the prompt as the model saw it (with the text reset() appended)
+    failed: bool = False  # the rollout as a whole failed (an agent raised, timed out, asked nothing): no reward
 
 
 @dataclass

@@ -71,6 +71,12 @@ class RolloutBatch:
             return [e.prompt for e in examples]
         return [e.prompt if c.prompt is None else c.prompt for c, e in zip(self.conversations, examples)]
 
+    def failed(self) -> torch.Tensor:
+        """(n,) bool: the rollouts that failed as a whole (their conversation says so: an agent that
+        raised, timed out or asked nothing), which get no reward whatever the reward functions say."""
+        return torch.tensor([c.failed for c in self.conversations] if self.conversations is not None
+                            else [False] * len(self.finish_reasons), dtype=torch.bool)
+
     def environments(self) -> list | None:
         """Each completion's environment instance (reward functions' `environments`), None without one."""
         if self.conversations is None or self.conversations[0].environment is None:

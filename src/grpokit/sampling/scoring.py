@@ -15,7 +15,6 @@ import torch
 from grpokit.algorithm.advantages import advantages as compute_advantages
 from grpokit.algorithm.masks import loss_mask
 from grpokit.config.schema import Config
-from grpokit.multiturn.agents import AgentOutcome
 from grpokit.rewards.reward_set import RewardLog, RewardSet
 from grpokit.rollout.batch import RolloutBatch, decode_completions
 from grpokit.runtime import distributed
@@ -80,7 +79,7 @@ class Scorer:
         local_rewards, local_per_function = self.rewards(
             owned, completions, batch.finish_reasons, batch.completion_id_lists(), batch.environments(),
             prompts=prompts, state=state, log=log)  # (n,)
-        failed = _failed(batch)  # (n,)
+        failed = batch.failed()  # (n,)
         if failed.any():  # a failed rollout has no reward, whatever the functions made of its (empty) text
             local_rewards = local_rewards.masked_fill(failed, float("nan"))
             local_per_function = {k: v.masked_fill(failed, float("nan")) for k, v in local_per_function.items()}
@@ -114,9 +113,3 @@ class Scorer:
         return Scored(rewarded.rewards, rewarded.per_function, advantages.to(self.device), active, rewarded.samples,
                       rewarded.logged, rewarded.failed)
 
-
-def _failed(batch: RolloutBatch) -> torch.Tensor:
-    """(n,) bool: the rollouts that failed (an agent that raised, timed out, made no request: its
-    outcome's `error`), which take no part in their group's statistics (multiturn/agents.py)."""
-    environments = batch.environments() or [None] * len(batch.finish_reasons)
-    return torch.tensor([isinstance(e, AgentOutcome) and e.error is not None for e in environments], dtype=torch.bool)
