@@ -123,8 +123,8 @@ class Endpoint:
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         app = FastAPI(title="grpokit OpenAI-compatible endpoint")
         self.add_routes(app)
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
-                                                  timeout_keep_alive=KEEP_ALIVE_S))
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=KEEP_ALIVE_S)
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True,
                                        name="grpokit-endpoint")
         self.thread.start()

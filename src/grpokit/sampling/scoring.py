@@ -91,7 +91,8 @@ class Scorer:
         ]
         rewards = distributed.gather_rows(local_rewards, N, U)  # (N,) in global order
         per_function = {k: distributed.gather_rows(v, N, U) for k, v in local_per_function.items()}
-        return Rewarded(rewards, per_function, samples, log.metrics, distributed.gather_rows(failed.to(torch.uint8), N, U).bool())
+        failed = distributed.gather_rows(failed.to(torch.uint8), N, U).bool()  # (N,) (gloo gathers no bool)
+        return Rewarded(rewards, per_function, samples, log.metrics, failed)
 
     def advantages(self, batch: RolloutBatch, rewarded: Rewarded, rows: torch.Tensor | None = None) -> Scored:
         """The step's advantages (algorithm/advantages.py) from the whole step's rewards, kept for the
@@ -112,4 +113,3 @@ class Scorer:
             active &= loss_mask(batch.trained_mask, batch.finish_reasons, a.mask_truncated_completions).cpu().any(-1)
         return Scored(rewarded.rewards, rewarded.per_function, advantages.to(self.device), active, rewarded.samples,
                       rewarded.logged, rewarded.failed)
-
