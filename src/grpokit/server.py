@@ -40,7 +40,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from grpokit.multiturn.endpoint import KEEP_ALIVE_S, Endpoint
-from grpokit.rollout.batch import SamplingParams
+from grpokit.rollout.batch import SamplingParams, alternatives
 from grpokit.rollout.protocols import ServedEngine
 from grpokit.rollout.weights import WeightGroup, device_id, fingerprint_differences, layout_hash
 from grpokit.rollout.wire import STALE_WEIGHTS, TAKEN_OVER
@@ -58,6 +58,7 @@ class Sampling(BaseModel):
     top_p: float = Field(gt=0, le=1)
     top_k: int = Field(ge=0)
     min_p: float = Field(default=0.0, ge=0, lt=1)  # a default: trainers from before min-p do not send it
+    top_logprobs: int = Field(default=0, ge=0, le=20)  # alternatives per token (an agent's request's)
 
 
 class GenerateRequest(BaseModel):
@@ -170,16 +171,16 @@ class RolloutService:
             version, step = self.version, self.weights_step
         lengths = batch.completion_mask.sum(-1).tolist()
         entropies = None if batch.entropies is None else batch.entropies.tolist()
-        return {
-            "weights_version": version,
-            "weights_step": step,
-            "completions": [
-                {"token_ids": ids[:k], "logprobs": lps[:k], "entropies": None if entropies is None else entropies[i][:k],
-                 "finish_reason": reason}
-                for i, (ids, lps, k, reason) in enumerate(zip(batch.completion_ids.tolist(), batch.sampling_logps.tolist(),
-                                                              lengths, batch.finish_reasons))
-            ],
-        }
+        completions = [
+            {"token_ids": ids[:k], "logprobs": lps[:k], "entropies": None if entropies is None else entropies[i][:k],
+             "finish_reason": reason}
+            for i, (ids, lps, k, reason) in enumerate(zip(batch.completion_ids.tolist(), batch.sampling_logps.tolist(),
+                                                          lengths, batch.finish_reasons))
+        ]
+        if batch.top_logps is not None:
+            for c, logps, ids, k in zip(completions, batch.top_logps.tolist(), batch.top_ids.tolist(), lengths):
+                c["top_logprobs"] = alternatives(ids[:k], logps[:k])
+        return {"weights_version": version, "weights_step": step, "completions": completions}
 
     def _images(self, request: GenerateRequest) -> dict:
         """The engine's `images` argument from the request's (none for a text model)."""

@@ -105,11 +105,11 @@ def test_a_sampled_image_token_ends_its_completion_and_is_never_an_input(built, 
     steps = iter(range(100))
 
     def with_an_image_token(logits, params, uniforms):
-        tokens, logps, entropies = sample_next(logits, params, uniforms)
+        tokens, logps, entropies, top = sample_next(logits, params, uniforms)
         if next(steps) == 2:  # the third token of completion 0
             tokens = tokens.clone()
             tokens[0] = vision.image_token_id
-        return tokens, logps, entropies
+        return tokens, logps, entropies, top
 
     monkeypatch.setattr(transformers_engine, "sample_next", with_an_image_token)
     _, batch = sampled(model, processor, vision)

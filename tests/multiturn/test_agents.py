@@ -104,17 +104,19 @@ async def wrong_signature(client, row):
 
 
 async def with_tools_streamed(client, model, row):
-    """with_tools, each reply streamed and its chunks joined back into the message."""
+    """with_tools, each reply streamed and its chunks joined back into the message; a reply (of
+    tool calls only, too) carries its tokens' log-probs."""
     from transformers.utils import get_json_schema
 
     messages = list(row["prompt"])
     for turn in range(5):
         chunks = await client.chat.completions.create(model=model, messages=messages, tools=[get_json_schema(add)],
-                                                      stream=True)
-        content, calls, finish = "", {}, None
+                                                      stream=True, logprobs=True)
+        content, calls, finish, logprobs = "", {}, None, []
         async for chunk in chunks:
             for choice in chunk.choices:
                 content += choice.delta.content or ""
+                logprobs += choice.logprobs.content if choice.logprobs else []
                 for call in choice.delta.tool_calls or ():
                     joined = calls.setdefault(call.index, {"id": "", "type": "function",
                                                            "function": {"name": "", "arguments": ""}})
@@ -123,6 +125,8 @@ async def with_tools_streamed(client, model, row):
                     joined["function"]["arguments"] += call.function.arguments or ""
                 finish = choice.finish_reason or finish
         messages.append({"role": "assistant", "content": content, **({"tool_calls": list(calls.values())} if calls else {})})
+        if not logprobs:
+            raise AssertionError(f"a streamed reply without its log-probs: {messages[-1]}")
         if not calls or finish == "length" or turn == 4:
             return 0.0
         for call in calls.values():
@@ -363,7 +367,8 @@ def test_recorded_tokens_are_what_the_engine_sampled(tiny):
 @pytest.mark.parametrize("route", ["chat", "completions"])
 def test_a_streamed_reply_is_the_whole_reply_and_records_the_same_tokens(tiny, route):
     """stream=True (with stream_options.include_usage): the chunks join into the reply a request
-    without it gets (text, finish reason, usage), from the same sampled tokens, recorded alike."""
+    without it gets (text, finish reason, usage, log-probs), from the same sampled tokens, recorded
+    alike."""
     model, tokenizer = tiny
     eos = tokenizer.eos_token_id
     engine = TransformersEngine(model, tokenizer.pad_token_id, [eos])
@@ -375,21 +380,29 @@ def test_a_streamed_reply_is_the_whole_reply_and_records_the_same_tokens(tiny, r
         async def agent(client, model_name, row):
             create, kwargs = ((client.chat.completions.create, {"messages": row["prompt"]}) if route == "chat" else
                               (client.completions.create, {"prompt": "Once upon a time"}))
-            kwargs.update(model=model_name, max_tokens=12)
+            kwargs.update(model=model_name, max_tokens=12, logprobs=True if route == "chat" else 0)
+
+            def logprobs(choice) -> list[float]:
+                if choice.logprobs is None:
+                    return []
+                return [t.logprob for t in choice.logprobs.content] if route == "chat" else \
+                    choice.logprobs.token_logprobs
+
             if not stream:
                 reply = await create(**kwargs)
                 choice = reply.choices[0]
                 text = choice.message.content if route == "chat" else choice.text
-                got.append((text, choice.finish_reason, reply.usage.completion_tokens, reply.object))
+                got.append((text, choice.finish_reason, reply.usage.completion_tokens, logprobs(choice), reply.object))
                 return 1.0
-            text, finish, usage, kinds = "", None, None, set()
+            text, finish, usage, logps, kinds = "", None, None, [], set()
             async for chunk in await create(**kwargs, stream=True, stream_options={"include_usage": True}):
                 kinds.add(chunk.object)
                 usage = chunk.usage or usage
                 for choice in chunk.choices:
                     text += (choice.delta.content or "") if route == "chat" else choice.text
                     finish = choice.finish_reason or finish
-            got.append((text, finish, usage.completion_tokens, kinds.pop().removesuffix(".chunk")))
+                    logps += logprobs(choice)
+            got.append((text, finish, usage.completion_tokens, logps, kinds.pop().removesuffix(".chunk")))
             assert not kinds
             return 1.0
 
@@ -403,7 +416,7 @@ def test_a_streamed_reply_is_the_whole_reply_and_records_the_same_tokens(tiny, r
         return sorted(got), sampled
 
     streamed, whole = run(stream=True), run(stream=False)
-    assert streamed == whole and all(text for text, *_ in streamed[0])
+    assert streamed == whole and all(text and logps for text, _, _, logps, _ in streamed[0])
     assert {kind for *_, kind in whole[0]} == {"chat.completion" if route == "chat" else "text_completion"}
 
 
@@ -427,7 +440,9 @@ def one_rollout(tiny, agent, max_tokens: int = 12, error: str | None = None):
 def test_a_stop_string_ends_the_reply_and_the_conversation_goes_on_from_its_tokens(tiny):
     """`stop`: the text returned ends before the stop string, the tokens recorded end with the one
     that completes it (a prefix of what was sampled without it), and the agent's next request,
-    the reply as returned then a user turn, continues that sequence token in, token out."""
+    the reply as returned then a user turn, continues that sequence token in, token out. With it,
+    `top_logprobs` (chat) and `logprobs` = 2 (/completions): the alternatives beside each token,
+    which change nothing sampled."""
     _, tokenizer = tiny
     got = {}
 
@@ -439,13 +454,15 @@ def test_a_stop_string_ends_the_reply_and_the_conversation_goes_on_from_its_toke
         messages += [{"role": "assistant", "content": reply.choices[0].message.content},
                      {"role": "user", "content": "And?"}]
         await client.chat.completions.create(model=model_name, messages=messages, max_tokens=2)
+        if "stop" in got:
+            got["text"] = await client.completions.create(model=model_name, prompt="Once", max_tokens=3, logprobs=2)
         return 1.0
 
     whole = one_rollout(tiny, agent)
     text = tokenizer.decode(whole[0].sampled, skip_special_tokens=True)
     stop = text[5:8]
     assert len(text) > 10 and stop.strip() and text.find(stop) == 5
-    got["stop"] = {"stop": ["never written", stop]}
+    got["stop"] = {"stop": ["never written", stop], "top_logprobs": 3}
     cut = one_rollout(tiny, agent)
     plain, stopped = (r.choices[0] for r in got["replies"])
     assert plain.finish_reason == "length" and plain.message.content == text
@@ -458,6 +475,18 @@ def test_a_stop_string_ends_the_reply_and_the_conversation_goes_on_from_its_toke
     assert [t.logprob for t in plain.logprobs.content] == whole[0].logps
     assert "".join(t.token for t in plain.logprobs.content) == text
     assert [t.logprob for t in stopped.logprobs.content] == cut[0].logps
+    # top_logprobs: the sampling pass's most likely tokens beside each (rollout/test_decoding.py
+    # checks them against a naive forward), most likely first; the sampled one among them where it ranks
+    for token, sampled, logp, alternatives in zip(stopped.logprobs.content, cut[0].sampled, cut[0].logps,
+                                                  cut[0].alternatives):
+        assert [(t.token, t.logprob) for t in token.top_logprobs] == \
+            [(tokenizer.decode([i]), lp) for i, lp in alternatives] and len(alternatives) == 3
+        assert alternatives[0][1] >= alternatives[1][1] >= alternatives[2][1] and alternatives[0][1] >= logp
+        assert (sampled in [i for i, _ in alternatives]) == (logp >= alternatives[2][1])
+    assert whole[0].alternatives is None and all(t.top_logprobs == [] for t in plain.logprobs.content)
+    text_logprobs = got["text"].choices[0].logprobs
+    assert text_logprobs.top_logprobs == [{tokenizer.decode([i]): lp for i, lp in a} for a in cut[2].alternatives]
+    assert text_logprobs.token_logprobs == cut[2].logps and all(len(a) == 2 for a in cut[2].alternatives)
 
 
 REFUSED = [
@@ -466,10 +495,12 @@ REFUSED = [
     ("chat", {"response_format": {"type": "json_object"}}, "response_format {'type': 'json_object'}: not supported"),
     ("chat", {"logit_bias": {"5": 10}}, "logit_bias={'5': 10}: not supported: a bias changes the distribution"),
     ("chat", {"seed": 1}, "seed=1: not supported: each rollout samples from its own seed"),
-    ("chat", {"top_logprobs": 2, "logprobs": True}, "top_logprobs=2: not supported"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs=2 lists alternatives beside each token's log-prob, which the request "
+                                  "does not ask for: add logprobs: true"),
+    ("chat", {"top_logprobs": 21, "logprobs": True}, "top_logprobs=21: must be an integer from 0 to 20"),
     ("chat", {"n": 2}, "n must be 1"),
     ("chat", {"extra_body": {"guided_json": {}}}, "unknown field guided_json for /chat/completions"),
-    ("completions", {"logprobs": 2}, "logprobs=2: only 0 is supported"),
+    ("completions", {"logprobs": 6}, "logprobs=6: must be an integer from 0 to 5"),
     ("completions", {"echo": True}, "echo=True: not supported: the prompt is not returned"),
     ("responses", {"previous_response_id": "resp_1"}, "previous_response_id: not supported: this endpoint stores no "
                                                       "responses"),
@@ -520,7 +551,7 @@ def test_a_responses_reply_streamed_is_the_reply_whole(tiny):
 
     async def agent(client, model_name, row):
         whole = await client.responses.create(model=model_name, input=row["prompt"], max_output_tokens=6,
-                                              include=["message.output_text.logprobs"])
+                                              include=["message.output_text.logprobs"], top_logprobs=2)
         events = [e async for e in await client.responses.create(model=model_name, input=row["prompt"],
                                                                  max_output_tokens=6, stream=True)]
         got.append((whole, events))
@@ -530,6 +561,8 @@ def test_a_responses_reply_streamed_is_the_reply_whole(tiny):
     whole, events = got[0]
     assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
     assert [t.logprob for t in whole.output[0].content[0].logprobs] == first.logps
+    assert [[t.logprob for t in token.top_logprobs] for token in whole.output[0].content[0].logprobs] == \
+        [[lp for _, lp in a] for a in first.alternatives] and all(len(a) == 2 for a in first.alternatives)
     assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
@@ -574,17 +607,20 @@ def test_the_agent_timeout_counts_the_agent_s_own_time_not_the_wait_for_generati
 
 
 def test_an_async_agent_that_blocks_the_loop_and_a_failed_rollout_are_said_on_the_console(tiny):
-    """A blocking call inside an async def holds the loop every agent runs on: named once a run. A
-    generation with failed rollouts says how many and the first error."""
+    """A blocking call in a task an async agent's framework started holds the loop every agent
+    runs on: named once a run. A generation with failed rollouts says how many and the first error."""
     from grpokit.multiturn.agents import AgentWarning
 
     model, tokenizer = tiny
     eos = tokenizer.eos_token_id
 
+    async def framework_step():
+        time.sleep(1.5)  # a framework's synchronous call, in a task of its own
+
     async def agent(client, model_name, row):
-        time.sleep(1.5)  # a framework's synchronous run() inside the async def
         if row["fails"]:
             raise RuntimeError("the agent broke")
+        await asyncio.gather(asyncio.create_task(framework_step()))
         await client.chat.completions.create(model=model_name, messages=row["prompt"], max_tokens=2)
         return 1.0
 

@@ -268,3 +268,36 @@ def test_decode_slots_that_cannot_be_taken_are_refused(tiny):
                                 "rollout.server_url=http://127.0.0.1:1"], "rollout.decode_slots")):
         with pytest.raises(ConfigError, match=message):
             check(load_config(None, settings, check=False), Facts())
+
+
+@pytest.mark.parametrize("params", ["sampled", "greedy", "filtered"])
+def test_the_alternatives_an_agent_asks_for_are_the_sampling_distribution_s_most_likely_tokens(tiny, params):
+    """SamplingParams.top_logprobs = 3 (an agent's request's top_logprobs): the same samples as
+    without, and beside each sampled token the 3 most likely under the distribution it was drawn
+    from, from both decoders: against a naive float64 forward of each whole sequence, token by
+    token (unfiltered); with filters, the sampled token's own log-prob where it ranks in the 3."""
+    from dataclasses import replace
+
+    model, tokenizer, prompts, generate, first = ragged(tiny, torch.float64, params)
+    asked = replace(PARAMS[params], top_logprobs=3)
+    for batch in both(model, tokenizer, [tokenizer.pad_token_id],
+                      lambda engine: engine.generate(prompts, [3, 1, 2], asked, list(range(6)))):
+        assert_same_samples(first, batch, torch.float64)
+        assert batch.top_logps.shape == (*batch.completion_ids.shape, 3) == batch.top_ids.shape
+        for i, p in enumerate(batch.prompt_index.tolist()):
+            n = int(batch.completion_mask[i].sum())
+            ids = torch.tensor([prompts[p] + batch.completion_ids[i, :n].tolist()])
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits[0, len(prompts[p]) - 1:-1].double()  # (n, V)
+            temperature = PARAMS[params].temperature or 1.0
+            reference = torch.topk(torch.log_softmax(logits / temperature, -1), 3, -1)
+            top, top_ids = batch.top_logps[i, :n].double(), batch.top_ids[i, :n]
+            assert (top[:, :-1] >= top[:, 1:]).all()  # most likely first
+            if params != "filtered":  # (sampling computes in float32: sample_next)
+                torch.testing.assert_close(top, reference.values, atol=1e-5, rtol=0)
+                assert torch.equal(top_ids, reference.indices)
+                continue
+            assert torch.equal(top_ids[:, 0], reference.indices[:, 0])  # no filter drops the most likely
+            sampled = batch.completion_ids[i, :n, None] == top_ids  # (n, 3)
+            torch.testing.assert_close(top[sampled], batch.sampling_logps[i, :n][sampled.any(-1)].double(), atol=0, rtol=0)
+            assert (top.exp().sum(-1) <= 1 + 1e-6).all()

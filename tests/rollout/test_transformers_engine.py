@@ -102,18 +102,18 @@ def test_sampling_logps_and_filters():
     g = torch.Generator().manual_seed(0)
     seen = set()
     for _ in range(200):
-        tok, lp, ent = sample_next(logits, SamplingParams(1, temperature=1.0, top_k=2), torch.rand(1, generator=g))
+        tok, lp, ent, _ = sample_next(logits, SamplingParams(1, temperature=1.0, top_k=2), torch.rand(1, generator=g))
         seen.add(tok.item())
         expected = torch.log_softmax(logits[0, :2], -1)[tok.item()]
         assert abs(lp.item() - expected.item()) < 1e-6
     assert seen == {0, 1}
     # top_p=0.5: token 0 alone has p=0.64 >= 0.5, so it is the only one kept.
     for _ in range(20):
-        tok, lp, _ = sample_next(logits, SamplingParams(1, temperature=1.0, top_p=0.5), torch.rand(1, generator=g))
+        tok, lp, _, _ = sample_next(logits, SamplingParams(1, temperature=1.0, top_p=0.5), torch.rand(1, generator=g))
         assert tok.item() == 0 and abs(lp.item()) < 1e-6
     # Entropy is the unfiltered tempered distribution's.
     p = torch.softmax(logits[0] / 0.5, -1)
-    _, _, ent = sample_next(logits, SamplingParams(1, temperature=0.5, top_k=1), torch.rand(1, generator=g))
+    _, _, ent, _ = sample_next(logits, SamplingParams(1, temperature=0.5, top_k=1), torch.rand(1, generator=g))
     assert abs(ent.item() - (-(p * p.log()).sum()).item()) < 1e-5
 
 
@@ -146,7 +146,7 @@ def test_min_p_drops_the_tokens_transformers_drops(tiny, params):
         logits = model(input_ids=torch.tensor([[5, 6, 7], [8, 9, 10]])).logits[:, -1]  # (2, V)
     draws = 100
     rows = logits.repeat_interleave(draws, 0)  # (2 * draws, V)
-    tok, lp, ent = sample_next(rows, params, torch.rand(2 * draws, generator=torch.Generator().manual_seed(0)))
+    tok, lp, ent, _ = sample_next(rows, params, torch.rand(2 * draws, generator=torch.Generator().manual_seed(0)))
     p = torch.softmax(rows / params.temperature, -1)  # the naive reference: the tempered, unfiltered distribution
     assert (p.gather(-1, tok[:, None]).squeeze(-1) >= params.min_p * p.amax(-1)).all()
     filtered = transformers_filtered(rows, params)
@@ -154,7 +154,7 @@ def test_min_p_drops_the_tokens_transformers_drops(tiny, params):
     torch.testing.assert_close(lp, torch.log_softmax(filtered, -1).gather(-1, tok[:, None]).squeeze(-1), rtol=0, atol=1e-5)
     torch.testing.assert_close(ent, -(p * p.log()).sum(-1), rtol=0, atol=1e-4)  # entropy: unfiltered, as with top-k/top-p
     # Without min-p, most draws from these flat distributions would be tokens it drops.
-    plain, _, _ = sample_next(rows, SamplingParams(1, params.temperature, params.top_p, params.top_k),
+    plain, _, _, _ = sample_next(rows, SamplingParams(1, params.temperature, params.top_p, params.top_k),
                               torch.rand(2 * draws, generator=torch.Generator().manual_seed(0)))
     assert (p.gather(-1, plain[:, None]).squeeze(-1) < params.min_p * p.amax(-1)).float().mean() > 0.2
 
@@ -210,12 +210,12 @@ def test_inverse_cdf_sampling_follows_the_distribution():
     logits = torch.tensor([[2.0, 1.0, -30.0, 0.0, -1.0]])  # token 2 has ~0 probability
     p = torch.softmax(logits[0] / 0.7, -1)
     u = torch.rand(20000, generator=torch.Generator().manual_seed(0))
-    tokens, logps, _ = sample_next(logits.expand(20000, -1), SamplingParams(1, temperature=0.7), u)
+    tokens, logps, _, _ = sample_next(logits.expand(20000, -1), SamplingParams(1, temperature=0.7), u)
     freq = torch.bincount(tokens, minlength=5).double() / 20000
     assert (freq - p).abs().max() < 0.01  # 4 standard errors at most
     assert torch.allclose(logps, p.log()[tokens].float())
     # The extremes of [0, 1) land on tokens of positive probability.
-    edge, _, _ = sample_next(logits.expand(2, -1), SamplingParams(1, top_k=2), torch.tensor([0.0, 1 - 2**-24]))
+    edge, _, _, _ = sample_next(logits.expand(2, -1), SamplingParams(1, top_k=2), torch.tensor([0.0, 1 - 2**-24]))
     assert edge.tolist() == [0, 1]
 
 

@@ -23,6 +23,7 @@ class FakeSamplingParams:
 @dataclass
 class Logprob:
     logprob: float
+    rank: int | None = None  # vLLM's: 1 for the most likely token
 
 
 @dataclass
@@ -124,6 +125,24 @@ def test_outputs_become_a_rollout_batch():
     assert batch.entropies is None and batch.finish_reasons == ["stop", "length", "stop"]
     with pytest.raises(RuntimeError, match="no log-prob"):
         to_completions([RequestOutput([CompletionOutput([11], None, "stop")])])
+
+
+def test_the_alternatives_an_agent_asks_for_are_vllm_s_entries_of_the_first_ranks(fake_vllm):
+    """With logprobs=k, vLLM lists each step's k most likely tokens and the sampled one (at its own
+    rank); the alternatives are the first k by rank, without a token a filter dropped (-inf)."""
+    from grpokit.rollout.batch import alternatives, from_completions
+    from grpokit.rollout.vllm_engine import sampling_params, to_completions
+
+    assert sampling_params(fake_vllm, SamplingParams(4, top_logprobs=3), 1, 0, [2]).logprobs == 3
+    steps = [{11: Logprob(-2.0, 3), 7: Logprob(-0.5, 1), 8: Logprob(-1.0, 2)},  # 11 sampled, 3rd most likely
+             {12: Logprob(-0.125, 1), 9: Logprob(float("-inf"), 2)}]  # (-0.125: exact in float32)
+    completions = to_completions([RequestOutput([CompletionOutput([11, 12], steps, "length")])], top=2)
+    assert completions[0]["top_logprobs"] == [[[7, -0.5], [8, -1.0]], [[12, -0.125]]]
+    batch = from_completions([[1]], [1], completions, pad_id=0)
+    assert batch.top_ids.tolist() == [[[7, 8], [12, 0]]]
+    assert batch.top_logps.tolist() == [[[-0.5, -1.0], [-0.125, float("-inf")]]]
+    assert alternatives(batch.top_ids[0].tolist(), batch.top_logps[0].tolist()) == completions[0]["top_logprobs"]
+    assert "top_logprobs" not in to_completions([RequestOutput([CompletionOutput([11, 12], steps, "length")])])[0]
 
 
 def expanded(processor, prompt: dict) -> list[int]:

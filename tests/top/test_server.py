@@ -150,12 +150,17 @@ def test_malformed_requests_get_422_with_the_reason(server, tiny):
     from grpokit.models.loading import eos_token_ids
     from grpokit.rollout.transformers_engine import TransformersEngine
 
-    params = SamplingParams(4, temperature=0.7, min_p=0.5)
+    # So do the alternatives an agent's request asks for (top_logprobs), minus those min-p dropped.
+    params = SamplingParams(4, temperature=0.7, min_p=0.5, top_logprobs=3)
     served = trainer.generate([[1, 2, 3]], 3, params, [5, 6, 7])
     local = TransformersEngine(model, tokenizer.pad_token_id, eos_token_ids(model, tokenizer)).generate(
         [[1, 2, 3]], 3, params, [5, 6, 7])
     assert torch.equal(served.completion_ids, local.completion_ids)
     torch.testing.assert_close(served.sampling_logps, local.sampling_logps)
+    kept = local.top_logps > float("-inf")  # (N, T, 3)
+    assert kept[..., 0].all() and not kept.all()
+    torch.testing.assert_close(served.top_logps[kept], local.top_logps[kept])
+    assert torch.equal(served.top_ids[kept], local.top_ids[kept]) and (served.top_logps[~kept] == float("-inf")).all()
     for bad, reason in [
         (b"{not json", "JSON decode error"),
         ({**good, "prompts": "hello"}, "prompts"),
@@ -165,6 +170,7 @@ def test_malformed_requests_get_422_with_the_reason(server, tiny):
         ({**good, "sampling": {**good["sampling"], "top_p": 0}}, "top_p"),
         ({**good, "sampling": {**good["sampling"], "min_p": 1}}, "min_p"),
         ({**good, "sampling": {**good["sampling"], "min_q": 0.1}}, "min_q"),  # unknown: refused, not ignored
+        ({**good, "sampling": {**good["sampling"], "top_logprobs": 21}}, "top_logprobs"),
     ]:
         status, body = post(s.url, "/generate", bad)
         assert status == 422 and reason in json.dumps(body), (reason, body)

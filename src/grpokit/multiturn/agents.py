@@ -91,8 +91,10 @@ def import_openai():
 
 # Steps in a row in which every rollout's agent failed that stop a run.
 FAILED_STEPS = 3
-# An async agent that holds the event loop this long at once (a blocking call inside it) is named.
+# An async agent that holds the event loop this long at once (a blocking call inside it, or in a
+# task it or its framework started) is named; a heartbeat on the loop measures it, every HEARTBEAT_S.
 BLOCKED_S = 1.0
+HEARTBEAT_S = 0.05
 
 
 class AgentWarning(UserWarning):
@@ -124,7 +126,7 @@ class Agents:
         self.endpoints: dict[int, Endpoint] = {}
         self.http = None  # the HTTP client every rollout's openai client shares (made on the user code's loop)
         self.waits = _Waits()  # each rollout's time in requests (rollout.agent_timeout does not count it)
-        self.longest_step = 0.0  # the longest an async agent held the loop at once (named once a run)
+        self.longest_held = 0.0  # the longest the agents' loop was held at once while they ran (named once a run)
         self.warned_blocking = False
         self.failed_in_a_row = 0  # steps in a row in which every rollout's agent failed
 
@@ -224,12 +226,13 @@ class Agents:
         if failed:
             warnings.warn(AgentWarning(f"{len(failed)} of {len(outcomes)} rollouts' agents ({self.name!r}) failed, the "
                                        f"first: {failed[0]} (every agent_error is in completions.jsonl)"), stacklevel=2)
-        if self.longest_step > BLOCKED_S and not self.warned_blocking:
+        if self.longest_held > BLOCKED_S and not self.warned_blocking:
             self.warned_blocking = True
             warnings.warn(AgentWarning(
-                f"rollout.agent {self.name!r} held the event loop every rollout's agent runs on for {self.longest_step:.1f} s at "
-                "once: a blocking call inside an async def (a framework's synchronous run(), time.sleep, requests), "
-                "so the other rollouts and their requests waited for it. Await the framework's async call, wrap the "
+                f"rollout.agent {self.name!r} held the event loop every rollout's agent runs on for {self.longest_held:.1f} s at "
+                "once: a blocking call inside an async def, or in a task it or its framework started (a framework's "
+                "synchronous run(), time.sleep, requests), so the other rollouts and their requests waited for it. "
+                "Await the framework's async call, wrap the "
                 "blocking one in asyncio.to_thread, or make the agent a plain def (each then runs in a thread of its "
                 "own)"), stacklevel=2)
 
@@ -237,8 +240,19 @@ class Agents:
                waited: list[Callable[[], float]]) -> list[concurrent.futures.Future]:
         """Each rollout's agent, running on the user code's loop, its client on its base URL;
         waited[r]: the seconds rollout r's requests have waited for generation so far."""
-        return [user_code.submit(self._run(url, e, outcome, wait), f"rollout.agent {self.name!r}")
+        runs = [user_code.submit(self._run(url, e, outcome, wait), f"rollout.agent {self.name!r}")
                 for url, e, outcome, wait in zip(urls, rows, outcomes, waited)]
+        if not self.sync:
+            user_code.submit(self._watch(runs), f"rollout.agent {self.name!r}")
+        return runs
+
+    async def _watch(self, runs: list[concurrent.futures.Future]) -> None:
+        """While `runs` go on, how late a heartbeat on their loop wakes: the longest the loop was held
+        at once (longest_held), by an agent's own code or by any task it or its framework started."""
+        while not all(run.done() for run in runs):
+            start = time.monotonic()
+            await asyncio.sleep(HEARTBEAT_S)
+            self.longest_held = max(self.longest_held, time.monotonic() - start - HEARTBEAT_S)
 
     async def _run(self, base_url: str, example, outcome: AgentOutcome, waited: Callable[[], float]) -> None:
         if self.http is None:  # an openai client making its own HTTP client takes ~25 ms: a second a step
@@ -249,12 +263,8 @@ class Agents:
             if self.sync:
                 running = asyncio.get_running_loop().run_in_executor(self.threads, self._run_sync, base_url, row)
             else:
-                running = _Stepped(self.agent(client, MODEL_NAME, row))
-            try:
-                result = await _within(running, self.timeout, waited)
-            finally:
-                if not self.sync:
-                    self.longest_step = max(self.longest_step, running.longest)
+                running = self.agent(client, MODEL_NAME, row)
+            result = await _within(running, self.timeout, waited)
         except asyncio.TimeoutError:
             outcome.error = (f"did not return within rollout.agent_timeout={self.timeout:g} s of its own time (its "
                              "requests' wait for generation not counted)")
@@ -400,30 +410,6 @@ async def _within(running, timeout: float | None, waited):
         task.cancel()
         raise
     return task.result()
-
-
-class _Stepped:
-    """An agent's coroutine, each of its steps (its code between two awaits, which holds the loop
-    every agent runs on) timed: `longest`, in seconds. Awaited in its place, it passes through what
-    the coroutine awaits, the values and exceptions sent back, and cancellation."""
-
-    def __init__(self, coroutine):
-        self.coroutine, self.longest = coroutine, 0.0
-
-    def __await__(self):
-        value, error = None, None
-        while True:
-            start = time.monotonic()
-            try:
-                awaited = self.coroutine.send(value) if error is None else self.coroutine.throw(error)
-            except StopIteration as stop:
-                return stop.value
-            finally:
-                self.longest = max(self.longest, time.monotonic() - start)
-            try:
-                value, error = (yield awaited), None
-            except BaseException as e:  # noqa: BLE001 - cancellation and the like, handed to the agent
-                value, error = None, e
 
 
 def _messages(t: Transcript) -> list[dict]:

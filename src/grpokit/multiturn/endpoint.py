@@ -19,7 +19,7 @@ its own distribution, which is what is trained, so `temperature` is taken only w
 run's, and a forced tool call or a JSON schema is refused; `max_tokens` can only shorten a reply;
 `stop` cuts it after the token that completes a stop string (the text returned stops before it, as
 OpenAI's does, and a conversation the agent continues from that text goes on token in, token out
-from the tokens kept, stop string included); `logprobs` gives the sampled tokens'. Tool calls come
+from the tokens kept, stop string included); `logprobs` gives the sampled tokens' (`top_logprobs` the alternatives beside each, kept by the sampling pass). Tool calls come
 back in OpenAI's `tool_calls` shape, parsed from the model's text by the chat template's format
 (tools.parse_calls); a reply with a malformed call has the model's whole text as its content (the
 well-formed calls still as `tool_calls`), and the problem is recorded with the rollout.
@@ -42,7 +42,7 @@ from grpokit.multiturn.conversation import turn_seed
 from grpokit.multiturn.request_fields import Asked, RequestError
 from grpokit.multiturn.transcript import Exchange, Transcript
 from grpokit.multiturn.tools import parse_calls
-from grpokit.rollout.batch import consecutive_groups
+from grpokit.rollout.batch import alternatives, consecutive_groups
 
 
 # The model's name in requests and answers (the `model` argument an agent is given).
@@ -74,6 +74,7 @@ class Waiting:
     max_tokens: int | None  # what the request allows (None: no limit of its own)
     answer: Future  # set to the Exchange once generated
     stop: list[str] = field(default_factory=list)  # the request's stop strings
+    top_logprobs: int = 0  # the alternatives it lists beside each token's log-prob
     since: float = field(default_factory=time.monotonic)
 
 
@@ -203,7 +204,9 @@ class Endpoint:
             # as single-turn and multi-turn sampling do: the same engine call, the same tokens.
             prompts, counts = consecutive_groups([w.prompt for w, _ in asked])
             try:
-                batch = engine.generate(prompts, counts, replace(params, max_tokens=max(l for _, l in asked)), turn_seeds)
+                batch = engine.generate(prompts, counts, replace(params, max_tokens=max(l for _, l in asked),
+                                                                 top_logprobs=max(w.top_logprobs for w, _ in asked)),
+                                        turn_seeds)
             except BaseException as e:
                 for w in taken:  # their handlers answer with the error, and the agents end
                     if not w.answer.done():
@@ -221,6 +224,10 @@ class Endpoint:
                 exchange.sampled = batch.completion_ids[row, :n].tolist()
                 exchange.logps = batch.sampling_logps[row, :n].tolist()
                 exchange.entropies = None if batch.entropies is None else batch.entropies[row, :n].tolist()
+                if w.top_logprobs:
+                    k = w.top_logprobs
+                    exchange.alternatives = alternatives(batch.top_ids[row, :n, :k].tolist(),
+                                                         batch.top_logps[row, :n, :k].tolist())
                 if w.stop:
                     self._stopped(exchange, w.stop)
                 row += 1
@@ -251,6 +258,8 @@ class Endpoint:
         exchange.sampled, exchange.logps = exchange.sampled[:low], exchange.logps[:low]
         if exchange.entropies is not None:
             exchange.entropies = exchange.entropies[:low]
+        if exchange.alternatives is not None:
+            exchange.alternatives = exchange.alternatives[:low]
         exchange.finish, exchange.text_end = "stop", at
 
     # ------------------------------------------------------------------ HTTP
@@ -285,7 +294,7 @@ class Endpoint:
         with self.changed:
             if self.transcripts.get(r) is not t:  # a generation opened since the request was checked
                 raise RequestError(f"rollout {r}'s generation has ended: nothing from this request is trained")
-            waiting = Waiting(r, ids, extends, request.max_tokens, Future(), request.stop)
+            waiting = Waiting(r, ids, extends, request.max_tokens, Future(), request.stop, request.top_logprobs)
             self.waiting.append(waiting)
             self.changed.notify_all()
         t.pending, t.waiting_since = True, time.monotonic()
@@ -344,11 +353,12 @@ class Endpoint:
         if asked.logprobs:
             tokens = self._logprobs(exchange)
             offsets = [sum(len(x["token"]) for x in tokens[:i]) for i in range(len(tokens))]
+            top = [{y["token"]: y["logprob"] for y in x["top_logprobs"]} for x in tokens] if asked.top_logprobs else None
             logprobs = {"tokens": [x["token"] for x in tokens], "token_logprobs": [x["logprob"] for x in tokens],
-                        "top_logprobs": None, "text_offset": [len(body["prompt"]) + o for o in offsets]}
+                        "top_logprobs": top, "text_offset": [len(body["prompt"]) + o for o in offsets]}
         response = self._response(rollout, t, exchange, "text_completion",
                                   {"index": 0, "text": text, "finish_reason": exchange.finish, "logprobs": logprobs})
-        return response if asked.stream is None else _streamed(response, _text_deltas(text, exchange.finish),
+        return response if asked.stream is None else _streamed(response, _text_deltas(text, exchange.finish, logprobs),
                                                                 asked.stream)
 
     async def _responses(self, rollout: str, body: dict):
@@ -386,13 +396,16 @@ class Endpoint:
 
     def _logprobs(self, exchange: Exchange) -> list[dict]:
         """The reply's tokens (its EOS left out, as OpenAI's API does) with the log-probs they were
-        sampled with, in the chat form (token, logprob, bytes, no alternatives)."""
-        out = []
-        for token, logp in zip(exchange.sampled, exchange.logps):
-            if token in self.eos_ids:
-                continue
+        sampled with, in the chat form (token, logprob, bytes, and the alternatives asked for)."""
+        def entry(token: int, logp: float) -> dict:
             text = self.tokenizer.decode([token])
-            out.append({"token": text, "logprob": logp, "bytes": list(text.encode()), "top_logprobs": []})
+            return {"token": text, "logprob": logp, "bytes": list(text.encode())}
+
+        out = []
+        for t, (token, logp) in enumerate(zip(exchange.sampled, exchange.logps)):
+            if token not in self.eos_ids:
+                top = exchange.alternatives[t] if exchange.alternatives is not None else []
+                out.append({**entry(token, logp), "top_logprobs": [entry(i, lp) for i, lp in top]})
         return out
 
     def _response(self, rollout: str, t: Transcript, exchange: Exchange, kind: str, choice: dict) -> dict:
@@ -413,21 +426,23 @@ def _chat_finish(exchange: Exchange, message: dict) -> str:
 
 
 def _chat_deltas(message: dict, finish: str, logprobs: dict | None = None) -> list[dict]:
-    """A chat reply as the choices of its stream's chunks: the role, the content (with `logprobs`),
-    each tool call whole (a client joins the deltas back into `message`), and the finish reason."""
+    """A chat reply as the choices of its stream's chunks: the role, the content, each tool call
+    whole (a client joins the deltas back into `message`), and the finish reason. `logprobs`, every
+    token's, ride on the first chunk after the role (the content's, or a reply of tool calls only's
+    first call)."""
     deltas = [{"role": "assistant", "content": ""}]
     if message["content"]:
         deltas.append({"content": message["content"]})
     for i, call in enumerate(message.get("tool_calls") or ()):
         deltas.append({"tool_calls": [{"index": i, **call}]})
-    choices = [{"index": 0, "delta": d, "logprobs": logprobs if "content" in d and d["content"] else None,
-                "finish_reason": None} for d in deltas]
+    choices = [{"index": 0, "delta": d, "logprobs": logprobs if i == 1 else None, "finish_reason": None}
+               for i, d in enumerate(deltas)]
     return choices + [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}]
 
 
-def _text_deltas(text: str, finish: str) -> list[dict]:
-    """A completion's text as the choices of its stream's chunks, then its finish reason."""
-    return [{"index": 0, "text": text, "logprobs": None, "finish_reason": None},
+def _text_deltas(text: str, finish: str, logprobs: dict | None) -> list[dict]:
+    """A completion's text (with its `logprobs`) as the choices of its stream's chunks, then its finish reason."""
+    return [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None},
             {"index": 0, "text": "", "logprobs": None, "finish_reason": finish}]
 
 

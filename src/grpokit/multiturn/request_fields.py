@@ -5,7 +5,8 @@ The rule behind the table: what is trained is the log-prob of each sampled token
 distribution the run samples from (rollout.temperature, top_p, top_k, min_p). A field that keeps
 that true is honoured: `stop` cuts the reply after the token that completes a stop string (the
 tokens kept are a prefix of a sample, so their log-probs are still the sampled ones), `max_tokens`
-shortens it, `logprobs` returns the log-probs the tokens were sampled with. A field that would
+shortens it, `logprobs` returns the log-probs the tokens were sampled with (and `top_logprobs` the most
+likely tokens beside each, under the same distribution, from the same sampling pass). A field that would
 change the distribution (forcing a tool call, a JSON schema, a logit bias, another temperature) is
 refused: training on tokens drawn from another distribution than the one the update assumes is
 wrong in a way no metric shows. A field this endpoint does not know is refused too, as OpenAI's
@@ -34,6 +35,7 @@ class Asked:
     max_tokens: int | None = None  # None: no limit of its own (the run's budget still applies)
     stop: list[str] = field(default_factory=list)
     logprobs: bool = False
+    top_logprobs: int = 0  # alternatives listed beside each token's log-prob
     stream: dict | None = None  # stream options; None: not streamed
 
 
@@ -84,20 +86,30 @@ def _logprobs(value, asked: Asked, params: SamplingParams) -> None:
     asked.logprobs = bool(value)
 
 
+def _count(value, most: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
+        raise RequestError(f"{{name}}={value!r}: must be an integer from 0 to {most}")
+    return value
+
+
 def _legacy_logprobs(value, asked: Asked, params: SamplingParams) -> None:
     """/completions' logprobs: how many alternatives to list beside each token's own log-prob."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value != 0:
-        raise RequestError(f"{{name}}={value!r}: only 0 is supported (each token's own log-prob): the engine keeps "
-                           "the log-prob of the token it sampled, not of the alternatives")
-    asked.logprobs = True
+    if value is not None:
+        asked.logprobs, asked.top_logprobs = True, _count(value, 5)
 
 
-def _top_logprobs(value, asked: Asked, params: SamplingParams) -> None:
-    if value not in (None, 0):
-        raise RequestError(f"{{name}}={value!r}: not supported: the engine keeps the log-prob of the token it sampled, "
-                           "not of the alternatives; use logprobs: true (each token's own log-prob)")
+def _top_logprobs(needs: str) -> Rule:
+    """top_logprobs (after the field that asks for log-probs, `needs`, in FIELDS' order)."""
+    def rule(value, asked: Asked, params: SamplingParams) -> None:
+        if value is None:
+            return
+        asked.top_logprobs = _count(value, 20)
+        if value and not asked.logprobs:
+            raise RequestError(f"{{name}}={value!r} lists alternatives beside each token's log-prob, which the request "
+                               f"does not ask for: add {needs}")
+    rule.doc = ("honoured: the most likely tokens beside each, under the distribution it was sampled from, from the "
+                f"sampling pass (with {needs})")
+    return rule
 
 
 def _sampling(setting: str, run_setting: str) -> Rule:
@@ -228,7 +240,7 @@ _CHAT = {
     "stop": (_stop, "honoured: the reply ends after the token that completes a stop string; the text returned "
                     "stops before it"),
     "logprobs": (_logprobs, "honoured: each token's log-prob under the distribution it was sampled from"),
-    "top_logprobs": (_top_logprobs, "0 only: the alternatives' log-probs are not kept"),
+    "top_logprobs": (_top_logprobs("logprobs: true"), None),
     "response_format": (_text_format, "{\"type\": \"text\"} only: JSON modes and schemas are refused"),
     "reasoning_effort": (_unset(why="the model being trained has no such setting"), None),
     "verbosity": (_unset("medium", why="the model being trained has no such setting"), None),
@@ -243,7 +255,8 @@ _COMPLETIONS = {
     "prompt": (_ROUTE, "honoured: one string"),
     "max_tokens": (_max_tokens, "honoured: can only shorten a reply (the run's rollout budget applies)"),
     "stop": _CHAT["stop"],
-    "logprobs": (_legacy_logprobs, "0 honoured (each token's own log-prob); more is refused"),
+    "logprobs": (_legacy_logprobs, "honoured: each token's log-prob, and up to 5 alternatives, under the "
+                                   "distribution it was sampled from"),
     "echo": (_unset(False, why="the prompt is not returned"), None),
     "suffix": (_unset(why="insertion is not supported"), None),
     "best_of": (_unset(1, why="each request is one sample of its rollout"), None),
@@ -256,7 +269,7 @@ _RESPONSES = {
     "parallel_tool_calls": _CHAT["parallel_tool_calls"],
     "max_output_tokens": (_max_tokens, "honoured: can only shorten a reply (the run's rollout budget applies)"),
     "include": (_include, "message.output_text.logprobs honoured; anything else refused"),
-    "top_logprobs": _CHAT["top_logprobs"],
+    "top_logprobs": (_top_logprobs("include: [\"message.output_text.logprobs\"]"), None),
     "text": (_responses_text, "format {\"type\": \"text\"} only: JSON schemas are refused"),
     "reasoning": (_reasoning, "no effort or summary: the model being trained has no such setting"),
     "truncation": (_unset("disabled", why="nothing is dropped from a conversation; a context over the run's budget "

@@ -28,6 +28,8 @@ class Exchange:
     sampled: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
     entropies: list[float] | None = None
+    # The request's top_logprobs: beside each sampled token, the most likely ones, [[id, log-prob], ...].
+    alternatives: list[list[list]] | None = None
     finish: str = "stop"
     # Where the reply's text ends, in the decoded sampled tokens: before the stop string the
     # request named (its tokens are kept: the model sampled them), or None: all of it.

@@ -21,6 +21,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k filter
     min_p: float = 0.0  # 0 means no min-p filter
+    # How many of the most likely tokens to report beside each sampled one (RolloutBatch.top_logprobs):
+    # an agent's request's top_logprobs. Nothing sampled depends on it.
+    top_logprobs: int = 0
 
     @classmethod
     def of(cls, rollout, greedy: bool = False) -> SamplingParams:
@@ -55,6 +58,11 @@ class RolloutBatch:
     # is the k-th of an agent's requests that began a sequence of their own (multiturn/agents.py), whose
     # tokens attend only to each other, at positions from 0 (models/logprobs.py). None: all continue the prompt.
     sequence_ids: torch.Tensor | None = None
+    # With SamplingParams.top_logprobs = k > 0: the k most likely tokens at each sampled token's
+    # position under the sampling distribution, their log-probs (N, T, k) (-inf where a filter
+    # dropped one) and ids (N, T, k). None: not asked (training never asks).
+    top_logps: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.trained_mask is None:
@@ -120,7 +128,8 @@ class RolloutBatch:
             if values[0].dim() == 1:
                 return torch.cat(values)
             wide = width if left else length
-            padded = [torch.nn.functional.pad(v, (wide - v.shape[1], 0) if left else (0, wide - v.shape[1]))
+            inner = (0, 0) * (values[0].dim() - 2)  # dimension 1 is padded, whatever follows it
+            padded = [torch.nn.functional.pad(v, inner + ((wide - v.shape[1], 0) if left else (0, wide - v.shape[1])))
                       for v in values]  # zeros: masked out
             return torch.cat(padded)
 
@@ -145,6 +154,12 @@ def decode_completions(tokenizer, batch: RolloutBatch, prompts: list) -> list:
 
 
 
+def alternatives(ids: list[list[int]], logps: list[list[float]]) -> list[list[list]]:
+    """Each token's alternatives (RolloutBatch.top_ids, top_logps: one completion's (T, k) as lists)
+    as [[id, log-prob], ...], most likely first, those a filter dropped (-inf) left out."""
+    return [[[i, lp] for i, lp in zip(row_ids, row_logps) if lp != float("-inf")] for row_ids, row_logps in zip(ids, logps)]
+
+
 def group_counts(prompts: list, n: int | Sequence[int]) -> list[int]:
     """An engine's `n` as one completion count per prompt: n for each, or the counts given."""
     return [n] * len(prompts) if isinstance(n, int) else [int(k) for k in n]
@@ -166,7 +181,7 @@ def consecutive_groups(prompts: list[list[int]]) -> tuple[list[list[int]], list[
 def from_completions(prompts: list[list[int]], counts: list[int], completions: list[dict], pad_id: int,
                      images: list[tuple] | None = None) -> RolloutBatch:
     """A RolloutBatch from per-completion lists (token_ids, logprobs, entropies or None,
-    finish_reason), those of prompt i being the counts[i] after those of the prompts before it:
+    finish_reason, and top_logprobs where asked: each token's [[id, log-prob], ...]), those of prompt i being the counts[i] after those of the prompts before it:
     what a server answers and what vLLM's outputs become. `images`: each prompt's (a
     vision-language model's), carried by each of its completions."""
     N = sum(counts)
@@ -182,6 +197,10 @@ def from_completions(prompts: list[list[int]], counts: list[int], completions: l
     logps = torch.zeros((N, T))
     measured = all(c.get("entropies") is not None for c in completions)
     entropies = torch.zeros((N, T)) if measured else None
+    # Each token's alternatives, [[id, log-prob], ...] (SamplingParams.top_logprobs), where given.
+    k = max((len(a) for c in completions for a in c.get("top_logprobs") or ()), default=0)
+    top_logps = torch.full((N, T, k), float("-inf")) if k else None
+    top_ids = torch.zeros((N, T, k), dtype=torch.long) if k else None
     for i, (p, c) in enumerate(zip(prompt_index.tolist(), completions)):
         prompt, k = prompts[p], len(c["token_ids"])
         prompt_ids[i, width - len(prompt):] = torch.tensor(prompt)
@@ -191,8 +210,11 @@ def from_completions(prompts: list[list[int]], counts: list[int], completions: l
         logps[i, :k] = torch.tensor(c["logprobs"], dtype=torch.float32)
         if measured:
             entropies[i, :k] = torch.tensor(c["entropies"], dtype=torch.float32)
+        for t, alternatives in enumerate(c.get("top_logprobs") or () if top_logps is not None else ()):
+            for j, (token, logp) in enumerate(alternatives):
+                top_ids[i, t, j], top_logps[i, t, j] = token, logp
     batch = RolloutBatch(prompt_index, prompt_ids, prompt_mask, completion_ids, completion_mask, logps, entropies,
-                         [c["finish_reason"] for c in completions])
+                         [c["finish_reason"] for c in completions], top_logps=top_logps, top_ids=top_ids)
     if images is not None:
         batch.images = [images[i] for i in prompt_index.tolist()]
     return batch

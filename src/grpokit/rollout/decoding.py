@@ -11,19 +11,24 @@ from grpokit.rollout.batch import RolloutBatch, SamplingParams
 from grpokit.runtime import distributed
 
 
+Top = tuple[torch.Tensor, torch.Tensor] | None  # the most likely tokens' log-probs and ids, (B, k) each
+
+
 def sample_next(
     logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Top]:
     """Draw one token per row from logits (B, V), by inverse CDF of one uniform (B,) per row.
 
     The sampling distribution: softmax(logits / temperature), then top-k, top-p and min-p (in
-    transformers' order), renormalised. Returns tokens (B,), their log-probs under it (B,), and the
-    entropy of the tempered, unfiltered distribution (B,) (the policy's, as the trainer sees it).
+    transformers' order), renormalised. Returns tokens (B,), their log-probs under it (B,), the
+    entropy of the tempered, unfiltered distribution (B,) (the policy's, as the trainer sees it),
+    and, with params.top_logprobs = k > 0, the k most likely tokens under the sampling distribution
+    (an agent's request's alternatives: -inf where a filter dropped them), else None.
     """
     if params.temperature == 0:
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         tokens = logprobs.argmax(-1)
-        return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1), _entropy_of(logprobs)
+        return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1), _entropy_of(logprobs), _top(logprobs, params)
     # Few (B, V) float32 temporaries at a time (in place where the arithmetic is the same): on a
     # GPU, with a large vocabulary, they are most of a decoding step's memory.
     logits = logits.float().div_(params.temperature) if logits.dtype != torch.float32 else logits / params.temperature
@@ -32,7 +37,7 @@ def sample_next(
     top_k = 0 < params.top_k < logits.shape[-1]
     if not (top_k or params.top_p < 1.0 or params.min_p > 0):  # no filter: the sampling distribution is the policy's
         del logits
-        return _inverse_cdf(unfiltered, uniforms) + (policy_entropy,)
+        return _inverse_cdf(unfiltered, uniforms) + (policy_entropy, _top(unfiltered, params))
     del unfiltered
     if top_k:
         kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]  # (B, 1)
@@ -50,7 +55,15 @@ def sample_next(
         logits = logits.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), float("-inf"))
     logprobs = torch.log_softmax(logits, dim=-1)  # (B, V)
     del logits
-    return _inverse_cdf(logprobs, uniforms) + (policy_entropy,)
+    return _inverse_cdf(logprobs, uniforms) + (policy_entropy, _top(logprobs, params))
+
+
+def _top(logprobs: torch.Tensor, params: SamplingParams) -> Top:
+    """The params.top_logprobs largest of `logprobs` (B, V) and their ids, (B, k) each; None for k = 0."""
+    if params.top_logprobs == 0:
+        return None
+    values, ids = torch.topk(logprobs, min(params.top_logprobs, logprobs.shape[-1]), dim=-1)
+    return values, ids
 
 
 def _entropy_of(logprobs: torch.Tensor) -> torch.Tensor:
@@ -98,6 +111,7 @@ class Decoded:
         self.count = torch.zeros(N, dtype=torch.long, device=device)  # (N,) tokens each completion has
         self.tokens = torch.full((N, T), pad_id, dtype=torch.long, device=device)  # (N, T), padding after the end
         self.logps = self.entropies = None  # (N, T) each, made with the first tokens (in their dtype)
+        self.top_logps = self.top_ids = None  # (N, T, k) each with params.top_logprobs = k > 0 (sample_next)
         self.masks = torch.zeros((N, T), dtype=torch.bool, device=device)  # (N, T)
         self.positions = N  # token positions run through the model for these completions: the prompts' last, then each step's
         self.width = T  # the columns of the batch: the most tokens a completion has (the decoder sets it)
@@ -106,17 +120,24 @@ class Decoded:
         """Whether completions `rows` (n,) have ended (n,): an EOS, an image token or T tokens."""
         return self.finished[rows] | (self.count[rows] >= self.T)
 
-    def add(self, tok: torch.Tensor, lp: torch.Tensor, ent: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Record the next token (n,) of completions `rows` (n,), its log-prob and entropy; a
-        completion that had ended records nothing. Returns the tokens, the pad id for those."""
+    def add(self, tok: torch.Tensor, lp: torch.Tensor, ent: torch.Tensor, top, rows: torch.Tensor) -> torch.Tensor:
+        """Record the next token (n,) of completions `rows` (n,), its log-prob, entropy and top
+        alternatives (sample_next); a completion that had ended records nothing. Returns the
+        tokens, the pad id for those."""
         if self.logps is None:
             self.logps = torch.zeros(self.tokens.shape, dtype=lp.dtype, device=lp.device)
             self.entropies = torch.zeros(self.tokens.shape, dtype=ent.dtype, device=ent.device)
+            if top is not None:
+                self.top_logps = torch.full((*self.tokens.shape, top[0].shape[-1]), float("-inf"), dtype=lp.dtype,
+                                            device=lp.device)
+                self.top_ids = torch.zeros(self.top_logps.shape, dtype=torch.long, device=lp.device)
         alive = ~self.done(rows)  # (n,)
         tok = torch.where(alive, tok, torch.full_like(tok, self.pad_id))
         rows, at = rows[alive], self.count[rows][alive]  # (a,)
         self.tokens[rows, at], self.logps[rows, at], self.entropies[rows, at] = tok[alive], lp[alive], ent[alive]
         self.masks[rows, at] = True
+        if top is not None:
+            self.top_logps[rows, at], self.top_ids[rows, at] = top[0][alive], top[1][alive]
         self.count[rows] += 1
         ended = torch.isin(tok[alive], self.eos_ids)
         if self.image_ids is not None:
@@ -139,4 +160,6 @@ class Decoded:
             entropies=self.entropies[:, :w],
             finish_reasons=[IMAGE_TOKEN if i else "stop" if f else "length"
                             for f, i in zip(self.finished.tolist(), self.imaged.tolist())],
+            top_logps=None if self.top_logps is None else self.top_logps[:, :w],
+            top_ids=None if self.top_ids is None else self.top_ids[:, :w],
         )

@@ -88,6 +88,11 @@ class StaticDecoder:
         self.entropies = torch.zeros((N, T), device=device)
         self.alive = torch.zeros((N, T), dtype=torch.bool, device=device)
         self.finished = torch.zeros(N, dtype=torch.bool, device=device)
+        self.recorded = self.OUTPUTS
+        if params.top_logprobs:  # (N, T, k) each: the alternatives an agent's request asked for
+            self.top_logps = torch.full((N, T, params.top_logprobs), float("-inf"), device=device)
+            self.top_ids = torch.zeros((N, T, params.top_logprobs), dtype=torch.long, device=device)
+            self.recorded += ("top_logps", "top_ids")
         self.logits = None  # (N, V) the logits the next token is sampled from (a graph's output)
         # Once rows are dropped (_compact): the original index of each row still decoded (n,), and
         # the (N, ...) outputs of every completion, the dropped ones' final.
@@ -124,13 +129,13 @@ class StaticDecoder:
         """Drop the rows whose completions have ended: from the cache, the step's inputs, the
         uniforms and the outputs (theirs kept, final, in `whole`)."""
         if self.whole is None:
-            self.whole = {name: getattr(self, name) for name in self.OUTPUTS}  # every row, as written so far
+            self.whole = {name: getattr(self, name) for name in self.recorded}  # every row, as written so far
         else:
-            for name in self.OUTPUTS:
+            for name in self.recorded:
                 self.whole[name].index_copy_(0, self.rows, getattr(self, name))
         keep = (~self.finished).nonzero().view(-1)  # (n',)
         self.rows = self.rows[keep]
-        for name in ("ids", "positions", "seen", "logits", *self.OUTPUTS):
+        for name in ("ids", "positions", "seen", "logits", *self.recorded):
             setattr(self, name, getattr(self, name).index_select(0, keep))
         if self.uniforms is not None:
             self.uniforms = self.uniforms.index_select(0, keep)
@@ -160,8 +165,11 @@ class StaticDecoder:
     def _sample(self) -> torch.Tensor:
         """Token `step` of every completion (N,), recorded; an ended completion's is padding."""
         uniforms = None if self.uniforms is None else self.uniforms.index_select(1, self.step).squeeze(1)
-        tok, lp, ent = sample_next(self.logits, self.params, uniforms)
+        tok, lp, ent, top = sample_next(self.logits, self.params, uniforms)
         alive = ~self.finished
+        if top is not None:
+            self.top_logps.index_copy_(1, self.step, top[0][:, None])
+            self.top_ids.index_copy_(1, self.step, top[1][:, None])
         tok = torch.where(alive, tok, self.pad_id)
         self.tokens.index_copy_(1, self.step, tok[:, None])
         self.logps.index_copy_(1, self.step, torch.where(alive, lp, 0.0)[:, None])
@@ -187,9 +195,9 @@ class StaticDecoder:
         """The decoded completions, cut after the last token any of them sampled (every process's,
         with sharded weights: they decode alike)."""
         if self.whole is not None:  # rows were dropped: the last ones' outputs join the others'
-            for name in self.OUTPUTS:
+            for name in self.recorded:
                 self.whole[name].index_copy_(0, self.rows, getattr(self, name))
-            for name in self.OUTPUTS:
+            for name in self.recorded:
                 setattr(self, name, self.whole[name])
         last = int(self.alive.any(0).nonzero().max())  # token 0 is always sampled
         if self.lockstep:
@@ -198,4 +206,6 @@ class StaticDecoder:
         decoded = Decoded(N, T, self.pad_id, self.eos_ids, self.finished.device)
         decoded.tokens, decoded.logps, decoded.entropies, decoded.masks = self.tokens, self.logps, self.entropies, self.alive
         decoded.finished, decoded.width, decoded.positions = self.finished, last + 1, self.positions_run
+        if self.params.top_logprobs:
+            decoded.top_logps, decoded.top_ids = self.top_logps, self.top_ids
         return decoded

@@ -91,7 +91,7 @@ def sampling_params(vllm, params: SamplingParams, n: int, seed: int | None, stop
         top_k=params.top_k if params.top_k > 0 else -1,  # -1: off, in every vLLM version
         min_p=params.min_p,
         max_tokens=params.max_tokens,
-        logprobs=0,  # the sampled token's own log-prob
+        logprobs=params.top_logprobs,  # the sampled token's own log-prob, and as many alternatives as asked
         seed=seed,
         stop_token_ids=stop_token_ids,
         detokenize=False,
@@ -123,10 +123,11 @@ def build_requests(vllm, inputs: list[dict], counts: list[int], params: Sampling
     return requests, sampling
 
 
-def to_completions(outputs, image_token_id: int | None = None) -> list[dict]:
+def to_completions(outputs, image_token_id: int | None = None, top: int = 0) -> list[dict]:
     """vLLM `RequestOutput`s, in request order, as per-completion dicts (rollout.from_completions);
     a completion that ends on `image_token_id` (a vision-language model's stop token) finishes with
-    vision.IMAGE_TOKEN, as with every engine."""
+    vision.IMAGE_TOKEN, as with every engine. top: the alternatives asked per token
+    (SamplingParams.top_logprobs): vLLM's entries of rank 1..top (it adds the sampled token's)."""
     completions = []
     for output in outputs:
         for sample in output.outputs:
@@ -140,6 +141,10 @@ def to_completions(outputs, image_token_id: int | None = None) -> list[dict]:
                 "entropies": None,
                 "finish_reason": IMAGE_TOKEN if imaged else "length" if sample.finish_reason == "length" else "stop",
             })
+            if top:
+                completions[-1]["top_logprobs"] = [
+                    [[t, e.logprob] for t, e in sorted(step.items(), key=lambda kv: kv[1].rank)
+                     if e.rank <= top and e.logprob != float("-inf")] for step in sample.logprobs]
     return completions
 
 
@@ -282,7 +287,7 @@ class VLLMEngine:
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)
         if images is not None:
             check_prompts(outputs, prompts if seeds is None else [p for p, k in zip(prompts, counts) for _ in range(k)])
-        return to_completions(outputs, None if self.vision is None else self.vision.image_token_id)
+        return to_completions(outputs, None if self.vision is None else self.vision.image_token_id, params.top_logprobs)
 
 
 class DataParallelVLLM:
