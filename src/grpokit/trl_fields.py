@@ -172,8 +172,9 @@ FIELDS: dict[str, Field] = {
     "top_entropy_quantile": Field("algorithm.top_entropy_quantile", 1.0, "below 1, listed: grpokit picks the tokens "
                                   "once per update from the sampler's entropies, TRL per micro-batch from the "
                                   "policy's"),
-    "entropy_coef": Field(None, 0.0, "grpokit adds no entropy bonus to the loss", math=True),
-    "use_adaptive_entropy": Field(None, False, "grpokit adds no entropy bonus to the loss", math=True),
+    "entropy_coef": Field("algorithm.entropy_coef", 0.0, "per token, normalized as the rest of the loss"),
+    "use_adaptive_entropy": Field(None, False, "grpokit's entropy bonus has a fixed weight (algorithm.entropy_coef)",
+                                  math=True),
     "entropy_coef_min": Field(None, 0.0, "read only with use_adaptive_entropy"),
     "entropy_coef_max": Field(None, 1.0, "read only with use_adaptive_entropy"),
     "entropy_coef_delta": Field(None, 0.005, "read only with use_adaptive_entropy"),

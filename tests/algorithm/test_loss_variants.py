@@ -18,7 +18,7 @@ sig = lambda x: 1 / (1 + torch.exp(-x))  # noqa: E731
 
 def naive(logps, old, ref, adv, mask, *, objective, norm, level="token", beta=0.0, eps=0.2, eps_high=0.28, delta=None,
           tau_pos=1.0, tau_neg=1.05, sampling=None, is_level="token", is_mode="truncate", cap=3.0, is_min=None,
-          policy_mask=None, Lmax=9):
+          policy_mask=None, Lmax=9, entropies=None, entropy_coef=0.0):
     """The loss token by token, each term a float64 scalar tensor (so autograd gives the naive
     gradient), from the papers' formulas."""
     B, T = logps.shape
@@ -58,6 +58,8 @@ def naive(logps, old, ref, adv, mask, *, objective, norm, level="token", beta=0.
             if beta > 0:
                 d = ref[i, t] - logps[i, t]
                 term = term + beta * (torch.exp(d) - d - 1)
+            if entropy_coef > 0:  # the entropy bonus: minus c times the policy's entropy at the token
+                term = term - entropy_coef * entropies[i, t]
             seq_sum = seq_sum + term
         if norm == "seq":
             total = total + seq_sum / max(1, len(tokens)) / n_seq
@@ -331,6 +333,39 @@ def test_sync_ref_model_mixes_the_reference_towards_the_policy(tmp_path):
     for ref, start, policy in zip(trainer.reference.parameters(), initial, trainer.policy.parameters()):
         torch.testing.assert_close(ref, 0.25 * policy + 0.75 * start, rtol=0, atol=1e-15)
     assert any(not torch.equal(a, b) for a, b in zip(initial, trainer.reference.parameters()))
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "cispo", "sapo"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_the_entropy_bonus_of_each_loss_matches_its_formula_and_adds_up_over_micro_batches(loss_type, beta):
+    """algorithm.entropy_coef: l_it gains -c H_it, normalized with the rest of the loss: value and
+    gradients (towards the log-probs and the entropies) against the naive loop; micro-batches given
+    the update's counts add up to the whole batch's, gradients included."""
+    logps, old, ref, adv, mask = random_batch(seed=11)
+    entropies = torch.rand(logps.shape, generator=torch.Generator().manual_seed(13), dtype=torch.float64) * 4
+    kw = dict(loss_type=loss_type, beta=beta, epsilon_high=0.28, max_completion_length=9, entropy_coef=0.03)
+    a, ea = logps.clone().requires_grad_(True), entropies.clone().requires_grad_(True)
+    got, _ = loss_of(a, old, ref, adv, mask, entropies=ea, **kw)
+    got.backward()
+    b, eb = logps.clone().requires_grad_(True), entropies.clone().requires_grad_(True)
+    expected = naive(b, old, ref, adv, mask, objective=OBJECTIVE[loss_type], norm=NORM[loss_type], beta=beta,
+                     entropies=eb, entropy_coef=0.03)
+    expected.backward()
+    assert abs(got.item() - expected.item()) < 1e-12
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-13)
+    torch.testing.assert_close(ea.grad, eb.grad, rtol=1e-10, atol=1e-15)
+    without, _ = loss_of(logps, old, ref, adv, mask, **{**kw, "entropy_coef": 0.0})
+    assert got.item() < without.item()  # a bonus: more entropy, less loss
+    parts, total = entropies.clone().requires_grad_(True), 0.0
+    for s in (slice(0, 2), slice(2, 3), slice(3, 6)):
+        loss, _ = loss_of(logps[s], old[s], ref[s], adv[s], mask[s], entropies=parts[s], num_sequences=6,
+                          num_tokens=mask.sum().item(), **kw)
+        loss.backward()
+        total += loss.item()
+    assert abs(total - got.item()) < 1e-12
+    torch.testing.assert_close(parts.grad, ea.grad, rtol=0, atol=1e-15)
+    with pytest.raises(ValueError, match="entropy_coef > 0 needs entropies"):
+        loss_of(logps, old, ref, adv, mask, **kw)
 
 
 def trainer_on(tmp_path, *overrides):

@@ -1,6 +1,7 @@
 """The prompt-shared log-prob pass equals running every sequence whole: values and gradients."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -255,3 +256,47 @@ def test_models_that_use_token_ids_beyond_the_lookup_get_whole_model_passes(tiny
 
     model.forward = ids_matter
     assert not check_inputs_embeds(model)
+
+
+@pytest.mark.parametrize("variant", [{}, dict(chunk_size=3), dict(share_prompt=False), dict(whole_model=True),
+                                     "packed", "packed-chunk2"])
+def test_the_entropies_beside_the_logprobs_are_each_distribution_s_from_the_same_logits(tiny, float64, variant):
+    """algorithm.entropy_coef's entropies: -sum_v p log p of softmax(logits / temperature) at each
+    completion position, against one unpadded float64 sequence at a time, token by token; every
+    pass (shared prompt, chunked, whole sequences, a whole-model call, packed) gives the same values
+    and the same gradients for a loss of log-probs and entropies both; the log-probs are those of
+    the pass without entropies."""
+    from grpokit.models.logprobs import packed_logprobs
+    from grpokit.models.packing import pack
+
+    prompt_ids, prompt_mask, completions, index, mask = _batch()
+    weights = torch.linspace(-1, 1, completions.numel()).view(completions.shape).double() * mask
+
+    def run(kw):
+        model = copy.deepcopy(tiny[0]).double()
+        if isinstance(kw, str):
+            packed = pack(prompt_ids, prompt_mask, completions, mask, index)
+            logps, entropies = packed_logprobs(model, packed, completions.shape, 0.7, 2 if "chunk" in kw else None,
+                                               False, entropies=True)
+        else:
+            logps, entropies = completion_logprobs(model, prompt_ids, prompt_mask, completions, index, 0.7,
+                                                   entropies=True, **kw)
+        (logps * weights + entropies * weights.flip(-1) * mask).sum().backward()
+        return model, logps.detach() * mask, entropies.detach() * mask, {n: p.grad for n, p in model.named_parameters()}
+
+    model, logps, entropies, grads = run(variant)
+    for i, p in enumerate(index.tolist()):
+        prompt = prompt_ids[p][prompt_mask[p].bool()].tolist()
+        completion = completions[i][mask[i].bool()].tolist()
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + completion])).logits[0].double() / 0.7  # (L, V)
+        for t in range(len(completion)):
+            probs = [math.exp(x) for x in torch.log_softmax(logits[len(prompt) - 1 + t], -1).tolist()]
+            naive = -sum(q * math.log(q) for q in probs if q > 0)
+            assert abs(entropies[i, t].item() - naive) < 1e-10, (i, t)
+    plain = completion_logprobs(copy.deepcopy(tiny[0]).double(), prompt_ids, prompt_mask, completions, index, 0.7)
+    torch.testing.assert_close(logps, plain.detach() * mask, rtol=0, atol=1e-12)
+    if variant:
+        _, _, _, reference = run({})
+        for name, g in grads.items():
+            assert (g - reference[name]).norm() <= 1e-9 * reference[name].norm() + 1e-15, name

@@ -71,8 +71,8 @@ def test_the_quick_start_config_carries_over_and_loads():
 
 
 def test_settings_grpokit_lacks_are_errors_when_they_change_the_math_and_listed_when_not():
-    with pytest.raises(FromTRLError, match=r"repetition_penalty=1.1: grpokit samples(.|\n)*entropy_coef=0.01"):
-        from_trl({"repetition_penalty": 1.1, "entropy_coef": 0.01, "max_steps": 8})
+    with pytest.raises(FromTRLError, match=r"repetition_penalty=1.1: grpokit samples(.|\n)*use_adaptive_entropy=True"):
+        from_trl({"repetition_penalty": 1.1, "use_adaptive_entropy": True, "max_steps": 8})
     with pytest.raises(FromTRLError, match="loss_type='luspo'"):
         from_trl({"loss_type": "luspo"})
     with pytest.raises(grpokit.config.ConfigError, match="num_generationz is not a field"):
@@ -83,6 +83,7 @@ def test_settings_grpokit_lacks_are_errors_when_they_change_the_math_and_listed_
                                     "token_truncate", "max_tool_calling_iterations": 3})
     assert {n.field for n in not_carried} == {"logging_steps", "push_to_hub", "loss_type", "save_steps", "bf16"}
     assert config["algorithm"]["loss_type"] == "dapo"
+    assert from_trl({"entropy_coef": 0.01, "max_steps": 8})[0]["algorithm"]["entropy_coef"] == 0.01
     # 4 per update x 4 generation steps: 16 completions per step feed 4 updates, twice: 8 TRL steps per grpokit step.
     assert (config["train"]["updates_per_step"], config["train"]["max_steps"], config["train"]["save_every"]) == (4, 2, 1)
     assert config["monitor"]["trackio"] and config["rollout"]["max_turns"] == 4

@@ -97,6 +97,7 @@ VARIANTS = {
                            "algorithm.reward_aggregation=normalize_then_sum"],
     "mask-truncated": ["algorithm.mask_truncated_completions=true", "algorithm.loss_type=dapo"],
     "top-entropy": ["algorithm.top_entropy_quantile=0.3"],
+    "entropy-bonus": ["algorithm.entropy_coef=0.05"],
     "is-token-truncate": ["off_sampler", "rollout.is_cap=1.2", "rollout.is_min=0.9"],
     "is-sequence-mask": ["off_sampler", "rollout.is_level=sequence", "rollout.is_mode=mask", "rollout.is_cap=1.5"],
 }

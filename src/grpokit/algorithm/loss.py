@@ -14,9 +14,11 @@ each registered objective:
     sapo     -(4 / tau) sigmoid(tau (r - 1)) A_i,                    SAPO (Gao et al. 2025): a soft gate;
              tau = tau_pos if A_i > 0 else tau_neg                    gradient A_i at r = 1, fading away from it
 
-and the per-token loss is l_it = w_it h_it p_it + beta KL_it, where w_it is the rollout importance
-weight (below, 1 without it) and h_it the top-entropy mask (1 without it). Every term of l goes
-through the same normalization, chosen with the objective by `algorithm.loss_type`:
+and the per-token loss is l_it = w_it h_it p_it + beta KL_it - c H_it, where w_it is the rollout
+importance weight (below, 1 without it), h_it the top-entropy mask (1 without it), and H_it the
+entropy of the policy's (tempered) next-token distribution at token t, with its gradient: an
+entropy bonus of weight c = `algorithm.entropy_coef` (0: none). Every term of l goes through the
+same normalization, chosen with the objective by `algorithm.loss_type`:
 
     grpo     clipped, sum_i (sum_t l_it m_it / max(1, sum_t m_it)) / num_sequences   (per-sequence mean)
     dapo     clipped, sum_it l_it m_it / num_tokens                                  (global token mean)
@@ -78,6 +80,7 @@ class LossSettings:
     is_mode: str = "truncate"  # truncate | mask
     is_cap: float = 3.0  # upper bound of the rollout importance weight
     is_min: float | None = None  # its lower bound
+    entropy_coef: float = 0.0  # the entropy bonus's weight; the term exists only when > 0
 
     @property
     def eps_high(self) -> float:
@@ -101,6 +104,7 @@ class LossInputs:
     num_tokens: float | None = None
     max_completion_length: int | None = None
     policy_mask: torch.Tensor | None = None  # (B, T) 1 where the policy term applies (top_entropy_quantile); None: everywhere
+    entropies: torch.Tensor | None = None  # (B, T) the policy's entropies, with gradient; needed when entropy_coef > 0
 
 
 @dataclass
@@ -262,6 +266,8 @@ def surrogate_loss(inputs: LossInputs, settings: LossSettings, loss: Loss) -> Lo
         raise ValueError(f"kl_estimator must be one of {tuple(KL_ESTIMATORS)}, got {s.kl_estimator!r}")
     if s.beta > 0 and inputs.ref_logps is None:
         raise ValueError("beta > 0 needs ref_logps (the reference model's log-probs)")
+    if s.entropy_coef > 0 and inputs.entropies is None:
+        raise ValueError("entropy_coef > 0 needs entropies (the policy's, from its pass)")
     logps = inputs.logps
     mask = inputs.mask.to(logps.dtype)  # (B, T)
     num_sequences = logps.shape[0] if inputs.num_sequences is None else inputs.num_sequences
@@ -296,6 +302,8 @@ def surrogate_loss(inputs: LossInputs, settings: LossSettings, loss: Loss) -> Lo
     if s.beta > 0:
         kl = KL_ESTIMATORS[s.kl_estimator](logps, on_trained(inputs.ref_logps))  # (B, T)
         per_token = per_token + s.beta * kl
+    if s.entropy_coef > 0:
+        per_token = per_token - s.entropy_coef * inputs.entropies
 
     value = loss.normalize(per_token, mask, num_sequences, num_tokens, length)
 

@@ -199,6 +199,8 @@ def _check_algorithm(c: Config) -> list[str]:
            "algorithm.sapo_temperature_pos and algorithm.sapo_temperature_neg must be > 0")
     p.need(0 <= a.top_entropy_quantile <= 1, f"algorithm.top_entropy_quantile={a.top_entropy_quantile}: must be in "
            "[0, 1] (1 trains every token)")
+    p.need(a.entropy_coef >= 0, f"algorithm.entropy_coef={a.entropy_coef}: must be >= 0 (a bonus on the entropy; "
+           "0: none)")
     p.need(0 < a.ref_model_mixup_alpha <= 1,
            f"algorithm.ref_model_mixup_alpha={a.ref_model_mixup_alpha}: must be in (0, 1]")
     p.need(a.ref_model_sync_steps >= 1, f"algorithm.ref_model_sync_steps={a.ref_model_sync_steps}: must be >= 1")

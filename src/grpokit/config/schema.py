@@ -250,6 +250,11 @@ class AlgorithmConfig:
         1.0, "train the policy term only on the share of tokens with the highest entropy when sampled (0.2 in 'Beyond "
         "the 80/20 rule'; the threshold is taken over the whole update batch); 1.0: every token"
     )
+    entropy_coef: float = _f(
+        0.0, "an entropy bonus: minus this times the policy's entropy at each trained token (of its tempered "
+        "next-token distribution, computed in the training pass, with gradient), normalized as the rest of the loss "
+        "(TRL's entropy_coef); 0: none"
+    )
     sync_ref_model: bool = _f(
         False, "move the reference model towards the policy every ref_model_sync_steps optimizer updates "
         "(ref = alpha * policy + (1 - alpha) * ref, TR-DPO); needs beta > 0"

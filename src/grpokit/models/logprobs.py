@@ -109,19 +109,36 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     return _TokenLogprobs.apply(logits, targets)
 
 
+def token_entropies(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The entropy of softmax(logits / temperature) at each position, with its gradient (the
+    algorithm.entropy_coef bonus): logits (..., V) -> (...)."""
+    logits = logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
+    logprobs = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)  # (..., V)
+    return -(logprobs.exp() * logprobs).sum(-1)
+
+
+def per_token(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropies: bool):
+    """token_logprobs, and with `entropies` the token_entropies beside them (a pair)."""
+    logps = token_logprobs(logits, targets, temperature)
+    return (logps, token_entropies(logits, temperature)) if entropies else logps
+
+
 def chunked_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, temperature: float,
-                     chunk_size: int) -> torch.Tensor:
-    """token_logprobs(head(hidden), targets) over at most `chunk_size` positions at a time, each
-    recomputed in the backward pass: hidden (B, T, H), targets (B, T) -> (B, T)."""
+                     chunk_size: int, entropies: bool = False):
+    """per_token(head(hidden), targets) over at most `chunk_size` positions at a time, each
+    recomputed in the backward pass: hidden (B, T, H), targets (B, T) -> (B, T) (a pair of them with
+    `entropies`)."""
     B, T, H = hidden.shape
     flat, flat_targets = hidden.reshape(B * T, H), targets.reshape(B * T)
 
     def chunk(h, t):
-        return token_logprobs(head(h), t, temperature)
+        return per_token(head(h), t, temperature, entropies)
 
     # split(), not slicing: one backward for all the pieces (each slice's would be a full-size zero gradient).
     parts = [checkpoint(chunk, h, t, use_reentrant=False)
              for h, t in zip(flat.split(chunk_size), flat_targets.split(chunk_size))]
+    if entropies:
+        return tuple(torch.cat(values).view(B, T) for values in zip(*parts))
     return torch.cat(parts).view(B, T)
 
 
@@ -191,8 +208,10 @@ def completion_logprobs(
     vision=None,
     images: list[tuple] | None = None,
     sequence_ids: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """log pi(completion token t | prompt, tokens < t), shape (B, T).
+    entropies: bool = False,
+):
+    """log pi(completion token t | prompt, tokens < t), shape (B, T); with `entropies`, the pair
+    of those and the entropies (B, T) of the distributions they are drawn from (token_entropies).
 
     prompt_ids, prompt_mask: (P, Lp) left-padded, each prompt once.
     completion_ids: (B, T) right-padded; padding positions get values that the caller masks.
@@ -231,8 +250,8 @@ def completion_logprobs(
     else:
         out = _whole_sequence_pass(run, prompt_ids, prompt_mask, completion_ids, prompt_index, seen, layout)  # (B, T, V) or (B, T, H)
     if chunk_size is None:
-        return token_logprobs(out, targets, temperature)  # (B, T)
-    return chunked_logprobs(out, model.get_output_embeddings(), targets, temperature, chunk_size)
+        return per_token(out, targets, temperature, entropies)  # (B, T)
+    return chunked_logprobs(out, model.get_output_embeddings(), targets, temperature, chunk_size, entropies)
 
 
 class _Seen:
@@ -406,9 +425,11 @@ class LogProbs:
             self._picked = (batch, AUTO_TOKENS if ragged else None)
         return self._picked[1]
 
-    def of(self, model, batch, rows: torch.Tensor) -> torch.Tensor:
+    def of(self, model, batch, rows: torch.Tensor, entropies: bool = False):
         """Log-probs (len(rows), T) under `model` of the completions `rows` of `batch` (a
-        rollout.RolloutBatch), each distinct prompt run once."""
+        rollout.RolloutBatch), each distinct prompt run once; with `entropies`, the pair of those
+        and the entropies (len(rows), T) of the distributions they are drawn from, from the same
+        logits (algorithm.entropy_coef)."""
         groups, prompt_index = torch.unique(batch.prompt_index[rows], return_inverse=True)
         # One row per distinct prompt; which one does not matter, they hold the same prompt tokens.
         first = torch.empty_like(groups)
@@ -424,7 +445,7 @@ class LogProbs:
                           prompt_index.to(self.device), sequence_ids)
             self.computed += packed.input_ids.shape[1]
             return packed_logprobs(model, packed, completion_ids.shape, self.temperature, self.chunk_size,
-                                   self.whole_model)
+                                   self.whole_model, entropies)
         share_prompt = not (self.checkpointing and model.training)
         (P, Lp), (B, T) = prompt_ids.shape, completion_ids.shape
         last = 0 if self.whole_model or self.vision is not None else 1  # as _shared_prompt_pass splits a row
@@ -438,6 +459,7 @@ class LogProbs:
             vision=self.vision, images=None if batch.images is None else [batch.images[i] for i in first.tolist()],
             # Only rows of several sequences need the 4D mask (L x L per row).
             sequence_ids=sequence_ids,
+            entropies=entropies,
         )
 
     def old(self, batch, active: torch.Tensor) -> torch.Tensor:
@@ -477,21 +499,27 @@ def _sizes(batch, rows: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
 
 
 def packed_logprobs(model, packed: Packed, shape: torch.Size, temperature: float, chunk_size: int | None,
-                    whole_model: bool) -> torch.Tensor:
-    """Log-probs (B, T) = `shape` of a packed row's completions (models/packing.py); 0 on padding.
+                    whole_model: bool, entropies: bool = False):
+    """Log-probs (B, T) = `shape` of a packed row's completions (models/packing.py); 0 on padding
+    (with `entropies`, the pair of those and their distributions' entropies, as completion_logprobs).
     One call of the model on the row; only the positions that predict a completion token reach the
     output layer (the model's own head, or chunk by chunk, as completion_logprobs)."""
     inputs = dict(input_ids=packed.input_ids, attention_mask=attention_form(model, packed.allowed),
                   position_ids=packed.position_ids, use_cache=False)
     if chunk_size is None:
         logits = model(**inputs, logits_to_keep=packed.predictors).logits[0]  # (K, V)
-        values = token_logprobs(logits, packed.targets, temperature)  # (K,)
+        values = per_token(logits, packed.targets, temperature, entropies)  # (K,)
     else:
         if whole_model:  # its last hidden state is the decoder's
             hidden = model(**inputs, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
         else:
             hidden = model.get_decoder()(**inputs).last_hidden_state  # (1, L, H)
         values = chunked_logprobs(hidden[:, packed.predictors], model.get_output_embeddings(), packed.targets[None],
-                                  temperature, chunk_size)[0]  # (K,)
+                                  temperature, chunk_size, entropies)
+        values = tuple(v[0] for v in values) if entropies else values[0]  # (K,)
     B, T = shape
-    return values.new_zeros(B * T).index_put((packed.slots,), values).view(B, T)
+
+    def unpacked(v: torch.Tensor) -> torch.Tensor:
+        return v.new_zeros(B * T).index_put((packed.slots,), v).view(B, T)
+
+    return tuple(unpacked(v) for v in values) if entropies else unpacked(values)

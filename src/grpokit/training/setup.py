@@ -113,7 +113,8 @@ def loss_settings(config: Config) -> LossSettings:
     return LossSettings(beta=a.beta, epsilon=a.epsilon, epsilon_high=a.epsilon_high, kl_estimator=a.kl_estimator or "k3",
                         importance_sampling_level=a.importance_sampling_level, delta=a.delta,
                         sapo_temperature_pos=a.sapo_temperature_pos, sapo_temperature_neg=a.sapo_temperature_neg,
-                        is_level=r.is_level, is_mode=r.is_mode, is_cap=r.is_cap, is_min=r.is_min)
+                        is_level=r.is_level, is_mode=r.is_mode, is_cap=r.is_cap, is_min=r.is_min,
+                        entropy_coef=a.entropy_coef)
 
 
 def micro_batch_tokens(config: Config, vision: bool) -> int | str | None:

@@ -384,8 +384,11 @@ class Trainer:
         update_loss = 0.0
         micro_batches = self.logprobs.micro_batches(batch, rows)
         for i, mb in enumerate(micro_batches):
+            logps = self.logprobs.of(self.policy, batch, mb, entropies=a.entropy_coef > 0)  # (M, T), or a pair
+            logps, entropies = logps if a.entropy_coef > 0 else (logps, None)
             out = compute_loss(a.loss_type, LossInputs(
-                logps=self.logprobs.of(self.policy, batch, mb),  # (M, T)
+                logps=logps,
+                entropies=entropies,
                 mask=mask[mb],
                 advantages=scored.advantages[mb],
                 old_logps=None if old_logps is None else old_logps[mb],
