@@ -8,14 +8,14 @@ import torch
 
 def loss_of(logps, old, ref, adv, mask, *, loss_type="grpo", beta=0.0, epsilon=0.2, epsilon_high=None,
             kl_estimator="k3", max_completion_length=None, num_sequences=None, num_tokens=None,
-            sampling_logps=None, is_cap=2.0, policy_mask=None, entropies=None, **settings):
+            sampling_logps=None, is_cap=2.0, policy_mask=None, entropies=None, teacher_logps=None, **settings):
     """The loss `loss_type` on one micro-batch, and its metrics as the trainer reports them for an
     update made of it: token sums over the update's token count (the importance weight's over the
     micro-batch's own tokens)."""
     from grpokit.algorithm.loss import IS_MAX, IS_MEAN, IS_OUTSIDE, LossInputs, LossSettings, compute_loss
 
     out = compute_loss(loss_type, LossInputs(logps, mask, adv, old, ref, sampling_logps, num_sequences, num_tokens,
-                                             max_completion_length, policy_mask, entropies),
+                                             max_completion_length, policy_mask, entropies, teacher_logps),
                        LossSettings(beta=beta, epsilon=epsilon, epsilon_high=epsilon_high, kl_estimator=kl_estimator,
                                     is_cap=is_cap, **settings))
     denom = max(mask.sum().item() if num_tokens is None else num_tokens, 1.0)

@@ -13,6 +13,7 @@ from support.exact import (cut_ragged, off_the_sampler, rmsnorm_in_input_dtype, 
                            with_tool_turns)
 from support.processes import TESTS, free_port, run_grpokit, run_worker, torchrun
 from support.rewards import shortness
+from support.teachers import another_teacher
 from support.runs import assert_close_metrics, measured, metric_rows, untimed_metrics
 from transformers.models.llama import modeling_llama
 
@@ -239,6 +240,26 @@ def test_same_seed_same_run(make_trainer):
     assert run(1) != first
 
 
+def test_micro_batch_size_never_changes_a_distilled_update(make_trainer, tmp_path):
+    """distill.teacher (with a KL term and two passes): whole / half / single-completion and packed
+    micro-batches give the same update, which the teacher's signal changed."""
+    knobs = [*VARIANT_KNOBS, f"distill.teacher={another_teacher(tmp_path / 'teacher', scale=5.0)}"]
+    first = make_trainer(*knobs)
+    examples, batch = fixed_batch(first)
+    results = [one_step(trainer, examples, batch) for trainer in (
+        first, make_trainer(*knobs, "train.micro_batch_size=4"), make_trainer(*knobs, "train.micro_batch_size=1"),
+        make_trainer(*knobs, "train.micro_batch_tokens=20"))]
+    start, whole, whole_metrics = results[0]
+    assert whole_metrics["distill/reverse_kl"] != 0
+    _, without, _ = one_step(make_trainer(*VARIANT_KNOBS), examples, batch)
+    assert update_difference(start, whole, without) > 1e-6  # the teacher reached the update
+    for _, params, metrics in results[1:]:
+        assert update_difference(start, whole, params) < EXACT
+        for key, value in whole_metrics.items():
+            if not measured(key):
+                assert metrics[key] == pytest.approx(value, rel=1e-9, abs=1e-12, nan_ok=True), key
+
+
 # ---------------------------------------------------------------- real processes
 
 
@@ -269,13 +290,14 @@ def test_two_processes_compute_the_one_process_update(tmp_path, overrides):
 
 @pytest.mark.process
 def test_two_processes_compute_the_one_process_update_of_every_variant(tmp_path):
-    """Each variant of VARIANTS, its one group split across the two processes (2 completions each,
+    """Each variant of VARIANTS and a teacher's, its one group split across the two processes (2 completions each,
     in one micro-batch; several updates a step, several groups, and micro-batches accumulated on
     each of two processes are test_two_processes_compute_the_one_process_update's)."""
+    variants = {**VARIANTS, "distill": [f"distill.teacher={another_teacher(tmp_path / 'teacher', scale=5.0)}"]}
     cases = [["train.prompts_per_step=1", "rollout.num_generations=4", "train.micro_batch_size=2", "ragged",
-              *VARIANT_KNOBS, *VARIANTS[v]] for v in VARIANTS]
+              *VARIANT_KNOBS, *variants[v]] for v in variants]
     one, two = run_worker(tmp_path, "learn-each", cases)
-    for variant, a, b0, b1 in zip(VARIANTS, one, *two):
+    for variant, a, b0, b1 in zip(variants, one, *two):
         assert update_difference(a["start"], a["params"], b0["params"]) < EXACT, variant
         for name in a["params"]:
             assert torch.equal(b0["params"][name], b1["params"][name]), (variant, name)

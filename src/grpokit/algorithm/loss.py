@@ -20,6 +20,15 @@ entropy of the policy's (tempered) next-token distribution at token t, with its 
 entropy bonus of weight c = `algorithm.entropy_coef` (0: none). Every term of l goes through the
 same normalization, chosen with the objective by `algorithm.loss_type`:
 
+With a teacher (on-policy distillation, `distill.teacher`), the advantage of each token is the
+completion's minus `distill.coef` times the per-token reverse KL estimate on the sampled token,
+the student's log-prob before the update minus the teacher's (no gradient):
+
+    A_it = A_i - coef (old_logp_it - teacher_logp_it)
+
+so a token the teacher finds likelier than the student is pushed up, one it finds less likely
+pushed down; with a teacher equal to the student it is A_i exactly.
+
     grpo     clipped, sum_i (sum_t l_it m_it / max(1, sum_t m_it)) / num_sequences   (per-sequence mean)
     dapo     clipped, sum_it l_it m_it / num_tokens                                  (global token mean)
     dr_grpo  clipped, sum_it l_it m_it / (num_sequences * max_completion_length)     (a constant)
@@ -59,6 +68,7 @@ import torch
 CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 CISPO_CLIP = "cispo_clip_ratio"
 IS_MEAN, IS_MAX = "sampling/importance_sampling_ratio/mean", "sampling/importance_sampling_ratio/max"
+REVERSE_KL = "distill/reverse_kl"
 IS_OUTSIDE = {"truncate": "sampling/is_truncated_fraction", "mask": "sampling/is_masked_fraction"}
 LEVELS = ("token", "sequence")
 IS_MODES = tuple(IS_OUTSIDE)
@@ -81,6 +91,7 @@ class LossSettings:
     is_cap: float = 3.0  # upper bound of the rollout importance weight
     is_min: float | None = None  # its lower bound
     entropy_coef: float = 0.0  # the entropy bonus's weight; the term exists only when > 0
+    distill_coef: float = 1.0  # the teacher's per-token signal's weight (with teacher_logps)
 
     @property
     def eps_high(self) -> float:
@@ -105,6 +116,7 @@ class LossInputs:
     max_completion_length: int | None = None
     policy_mask: torch.Tensor | None = None  # (B, T) 1 where the policy term applies (top_entropy_quantile); None: everywhere
     entropies: torch.Tensor | None = None  # (B, T) the policy's entropies, with gradient; needed when entropy_coef > 0
+    teacher_logps: torch.Tensor | None = None  # (B, T) a teacher's log-probs of the sampled tokens (distill.teacher)
 
 
 @dataclass
@@ -246,12 +258,13 @@ LOSSES: dict[str, Callable[[LossInputs, LossSettings], LossOutput]] = {
 }
 
 
-def token_metric_names(loss_type: str, settings: LossSettings) -> tuple[str, ...]:
+def token_metric_names(loss_type: str, settings: LossSettings, teacher: bool = False) -> tuple[str, ...]:
     """The token-summed metrics the loss returns in LossOutput.token_sums, the rollout importance
-    weight's aside (IS_MEAN, IS_OUTSIDE): its objective's and `kl` when beta > 0. Known before any
-    call, because every process logs the same keys, even one whose rows all skip the forward pass."""
+    weight's aside (IS_MEAN, IS_OUTSIDE): its objective's, `kl` when beta > 0, and the reverse KL
+    to a `teacher`'s. Known before any call, because every process logs the same keys, even one
+    whose rows all skip the forward pass."""
     own = getattr(LOSSES[loss_type], "metrics", CLIP_METRICS)
-    return (*own, *(("kl",) if settings.beta > 0 else ()))
+    return (*own, *(("kl",) if settings.beta > 0 else ()), *((REVERSE_KL,) if teacher else ()))
 
 
 # ---------------------------------------------------------------- the loss
@@ -287,6 +300,10 @@ def surrogate_loss(inputs: LossInputs, settings: LossSettings, loss: Loss) -> Lo
         return None if x is None else torch.where(trained, x, here)
 
     old_logps = here if inputs.old_logps is None else on_trained(inputs.old_logps)
+    reverse_kl = None
+    if inputs.teacher_logps is not None:  # the module docstring's A_it
+        reverse_kl = old_logps - on_trained(inputs.teacher_logps.to(logps.dtype))  # (B, T)
+        advantages = advantages - s.distill_coef * reverse_kl
     ratio = torch.exp(log_ratio(logps, old_logps, mask, s.importance_sampling_level, mean=True))  # (B, T) or (B, 1)
     per_token, indicators = loss.objective(ratio, logps, advantages, s)  # (B, T)
 
@@ -312,6 +329,8 @@ def surrogate_loss(inputs: LossInputs, settings: LossSettings, loss: Loss) -> Lo
         maxima = {}
         if kl is not None:
             sums["kl"] = (kl * mask).sum()
+        if reverse_kl is not None:
+            sums[REVERSE_KL] = (reverse_kl * mask).sum()
         if weights is not None:
             sums[IS_MEAN] = (weights * mask).sum()
             sums[IS_OUTSIDE[s.is_mode]] = (outside * mask).sum()

@@ -150,7 +150,20 @@ def _check_settings(c: Config) -> list[str]:
     settings that contradict each other; each message names its field and a fix."""
     return [*_check_choices(c), *_check_task(c), *_check_sampling(c), *_check_algorithm(c), *_check_variants(c),
             *_check_unused(c), *_check_engine(c), *_check_rollout(c), *_check_data(c), *_check_train(c),
-            *_check_reward_functions(c.reward.functions, c.rollout.agent is not None)]
+            *_check_distill(c), *_check_reward_functions(c.reward.functions, c.rollout.agent is not None,
+                                                         c.distill.teacher is not None)]
+
+
+def _check_distill(c: Config) -> list[str]:
+    d, p = c.distill, _Problems()
+    if d.teacher is None:
+        return p
+    p.need(not str(d.teacher).startswith(("http://", "https://")), f"distill.teacher={d.teacher}: a teacher on a "
+           "server is not built yet; give the teacher's model name or folder (it runs in the trainer's process)")
+    p.need(math.isfinite(d.coef) and d.coef > 0, f"distill.coef={d.coef}: must be a finite number > 0")
+    p.need(not c.rollout.dynamic_sampling, "rollout.dynamic_sampling drops groups of equal rewards, but with "
+           f"distill.teacher={d.teacher} every token has a signal of its own: use one of them")
+    return p
 
 
 def _check_choices(c: Config) -> list[str]:
@@ -362,13 +375,14 @@ def _url_problems(address: str) -> list[str]:
     return []
 
 
-def _check_reward_functions(functions, agent: bool) -> list[str]:
-    """agent: rollout.agent is set, whose returned reward is one (reward.functions=[]: it alone)."""
+def _check_reward_functions(functions, agent: bool, teacher: bool = False) -> list[str]:
+    """agent: rollout.agent is set, whose returned reward is one (reward.functions=[]: it alone);
+    teacher: distill.teacher is set (reward.functions=[]: its signal alone)."""
     if functions is None:
         return []
-    if not functions and not agent:
+    if not functions and not agent and not teacher:
         return ["reward.functions is empty: name at least one function, or null for the task's own (an empty list is "
-                "for rollout.agent: the reward its agent returns, alone)"]
+                "for rollout.agent: the reward its agent returns, alone; or distill.teacher: its signal alone)"]
     errors = []
     for i, entry in enumerate(functions):
         if isinstance(entry, str):
@@ -400,6 +414,8 @@ def _check_launch(c: Config, launch: Launch) -> list[str]:
            "serve --engine vllm` and set rollout.engine=server)")
     p.need(not c.algorithm.sync_ref_model, "algorithm.sync_ref_model with sharded weights (FSDP2, ZeRO-3) is not "
            "supported: the reference is mixed with the policy weight by weight; use data parallelism")
+    p.need(c.distill.teacher is None, f"distill.teacher with sharded weights ({launch.sharding}) is not built yet: the "
+           "teacher would be a whole copy on every process; use data parallelism")
     if launch.sharding == "FSDP" and launch.fsdp_version != "2":
         return [*p, f"the accelerate config's fsdp_config: fsdp_version: {launch.fsdp_version} (grpokit shards with "
                 "FSDP2: fsdp_version: 2)"]

@@ -318,6 +318,17 @@ class TrainConfig:
 
 
 @dataclass
+class DistillConfig:
+    teacher: str | None = _f(
+        None, "on-policy distillation: a teacher model (a name or folder, as model.name; the same tokenizer as the "
+        "policy) that scores every sampled token; each token's advantage gains distill.coef x (teacher log-prob - "
+        "student log-prob), the reverse KL's per-token estimate (docs/math.md); reward.functions=[] with it: the "
+        "teacher alone. null: none"
+    )
+    coef: float = _f(1.0, "the weight of the teacher's per-token signal against the reward's advantage")
+
+
+@dataclass
 class MonitorConfig:
     tensorboard: bool = _f(False, "also write TensorBoard event files under <run>/tensorboard (needs: pip install tensorboard)")
     log_completions: int = _f(
@@ -343,6 +354,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
     def __post_init__(self):
@@ -367,8 +379,11 @@ class Config:
     @property
     def needs_old_logps(self) -> bool:
         """Samples are off-policy from the second update on (from the first, when generated ahead):
-        keep the log-probs of the policy before the step's first update."""
-        return self.algorithm.num_iterations > 1 or self.train.updates_per_step > 1 or self.rollout.max_staleness > 0
+        keep the log-probs of the policy before the step's first update. A teacher's signal is
+        measured against them too: from the same pass as the teacher's own, a teacher equal to the
+        student gives exactly 0."""
+        return self.algorithm.num_iterations > 1 or self.train.updates_per_step > 1 or \
+            self.rollout.max_staleness > 0 or self.distill.teacher is not None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -159,13 +159,15 @@ class RewardSet:
     """Reward functions called with TRL's convention and summed with weights (see module doc)."""
 
     def __init__(self, specs: tuple[tuple[str, float, dict], ...], timeout: float | None = None,
-                 extra: tuple[tuple[str, Callable], ...] = ()):
+                 extra: tuple[tuple[str, Callable], ...] = (), teacher: bool = False):
         """specs: (name, weight, arguments) of the functions configured; extra: (name, function)
-        of others the run brings (an environment's get_reward), weight 1."""
+        of others the run brings (an environment's get_reward), weight 1; teacher: a teacher's
+        per-token signal is the run's (distill.teacher), so no function is needed: without one,
+        every completion's reward is 0."""
         self.timeout = timeout  # seconds one call may take (reward.timeout); None: no limit
         # Metric keys (rewards/<name>/mean) name a file's function without its folders.
         self.names = [name.rsplit("/", 1)[-1] for name, _, _ in specs] + [name for name, _ in extra]
-        if not self.names:
+        if not self.names and not teacher:
             raise ConfigError("nothing gives a reward: reward.functions is not set (reward_functions= in Python), the "
                               "data brings none (a dataset or an environment's prompts never do), and there is no "
                               "environment with a get_reward() method: name reward functions")
@@ -209,6 +211,8 @@ class RewardSet:
         environments: each completion's environment instance (TRL passes them), with one; prompts:
         each completion's prompt as the model saw it (default: its example's); state: the
         `trainer_state` (a transformers TrainerState); log: what log_metric / log_extra record."""
+        if not self.names:  # a teacher's signal alone (distill.teacher)
+            return torch.zeros(len(completions)), {}
         prompts = [e.prompt for e in examples] if prompts is None else prompts
         columns = {k: [e.columns.get(k) for e in examples] for k in dict.fromkeys(k for e in examples for k in e.columns)}
         log = RewardLog(len(completions)) if log is None else log

@@ -98,17 +98,21 @@ class Scorer:
         """The step's advantages (algorithm/advantages.py) from the whole step's rewards, kept for the
         completions `batch` (this process's rows, or `rows`), and which of them need a forward/backward pass."""
         a, G = self.config.algorithm, self.config.rollout.num_generations
-        stacked = torch.stack(list(rewarded.per_function.values()), 1)  # (N, K)
-        weights = torch.tensor(self.rewards.weights, dtype=stacked.dtype)
-        advantages = compute_advantages(rewarded.rewards, stacked, weights, G, a.advantage_estimator, a.scale_rewards,
-                                        a.reward_aggregation)[self.rows if rows is None else rows]  # (n,)
+        if rewarded.per_function:
+            stacked = torch.stack(list(rewarded.per_function.values()), 1)  # (N, K)
+            weights = torch.tensor(self.rewards.weights, dtype=stacked.dtype)
+            advantages = compute_advantages(rewarded.rewards, stacked, weights, G, a.advantage_estimator,
+                                            a.scale_rewards, a.reward_aggregation)
+        else:  # no reward function: a teacher's per-token signal alone (distill.teacher)
+            advantages = torch.zeros_like(rewarded.rewards)
+        advantages = advantages[self.rows if rows is None else rows]  # (n,)
         # With no KL term, a completion with advantage exactly 0 adds exactly 0 to the loss, its
         # gradient and the clip metrics: it needs no forward/backward at all; a completion whose
         # tokens all leave the loss (a masked truncated one) adds 0 with any beta. Sharded weights
         # need every process in every forward (training/sharding.py), so there every row runs.
         active = torch.ones_like(advantages, dtype=torch.bool)  # (n,)
         if not self.lockstep:
-            if a.beta == 0:
+            if a.beta == 0 and self.config.distill.teacher is None:  # (a teacher's signal is per token)
                 active &= advantages != 0
             active &= loss_mask(batch.trained_mask, batch.finish_reasons, a.mask_truncated_completions).cpu().any(-1)
         return Scored(rewarded.rewards, rewarded.per_function, advantages.to(self.device), active, rewarded.samples,

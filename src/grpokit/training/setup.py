@@ -81,7 +81,7 @@ def prepare(config: Config, tokenizer=None, model_name: str | None = None, model
         if tools is not None:
             tools.check({"prompt": first.prompt, **first.columns}, getattr(task, "prompts_from_reset", False))
     rewards = RewardSet(reward_specs(config, task.reward_functions), config.reward.timeout,
-                        extra=kind.rewards(config, tools))
+                        extra=kind.rewards(config, tools), teacher=config.distill.teacher is not None)
     if train:
         rewards.check_arguments(first.columns, environments=(tools is not None and tools.environment is not None)
                                 or config.rollout.agent is not None)
@@ -114,7 +114,7 @@ def loss_settings(config: Config) -> LossSettings:
                         importance_sampling_level=a.importance_sampling_level, delta=a.delta,
                         sapo_temperature_pos=a.sapo_temperature_pos, sapo_temperature_neg=a.sapo_temperature_neg,
                         is_level=r.is_level, is_mode=r.is_mode, is_cap=r.is_cap, is_min=r.is_min,
-                        entropy_coef=a.entropy_coef)
+                        entropy_coef=a.entropy_coef, distill_coef=config.distill.coef)
 
 
 def micro_batch_tokens(config: Config, vision: bool) -> int | str | None:

@@ -72,6 +72,7 @@ from grpokit.config.schema import Config
 from grpokit.models.loading import load_policy, save_model
 from grpokit.models.logprobs import LogProbs, check_inputs_embeds, chunk_size
 from grpokit.models.vision import check_vision
+from grpokit.models.teacher import load_teacher
 from grpokit.rewards.reward_set import RewardError
 from grpokit.rollout.batch import RolloutBatch
 from grpokit.rundir.checkpoint import (checkpoint_bytes, link_model_files, load_state, load_weights, rng_state,
@@ -143,6 +144,8 @@ class Trainer:
             seed_stream = _seed_everything(config.train.seed)
             self.policy, self.reference = load_policy(config, self.device, model)
             check_vision(self.policy, self.vision)
+            self.teacher = None if config.distill.teacher is None else load_teacher(
+                config.distill.teacher, config.model.name, self.tokenizer, config.model.dtype, self.device)
             # Log-prob passes call the whole model on token ids when only such a call gathers sharded
             # weights, or when the model uses the ids for more than the embedding lookup (models/logprobs.py).
             whole_model = self.parallel.lockstep or not check_inputs_embeds(self.policy)
@@ -291,11 +294,12 @@ class Trainer:
         t0 = time.perf_counter()
         ref_logps = self.logprobs.ref(batch, scored.active) if a.beta > 0 else None  # (n, T)
         old_logps = self.logprobs.old(batch, scored.active) if self.config.needs_old_logps else None  # (n, T)
+        teacher_logps = None if self.teacher is None else self.logprobs.frozen(self.teacher, batch, scored.active)
         t_logprobs = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         self.rollouts.before_update()
-        stats = self.optimize(batch, scored, old_logps, ref_logps)
+        stats = self.optimize(batch, scored, old_logps, ref_logps, teacher_logps)
         t_update = time.perf_counter() - t0 - stats.time_optimizer  # forward and backward passes
 
         every = self.config.monitor.log_completions
@@ -334,24 +338,24 @@ class Trainer:
                            "row stop the run")
 
     def optimize(self, batch: RolloutBatch, scored: Scored, old_logps: torch.Tensor | None,
-                 ref_logps: torch.Tensor | None) -> UpdateStats:
+                 ref_logps: torch.Tensor | None, teacher_logps: torch.Tensor | None = None) -> UpdateStats:
         """num_iterations x updates_per_step optimizer updates on this process's completions.
 
-        old_logps / ref_logps: (n, T) or None. This process's rows are in update order: update u
+        old_logps / ref_logps / teacher_logps: (n, T) or None. This process's rows are in update order: update u
         uses local rows [u*S, (u+1)*S), S = completions_per_update / processes.
         """
         cfg, a = self.config, self.config.algorithm
         share = cfg.completions_per_update // distributed.world_size()
         # Only the model's own tokens are trained (not a conversation's tool results).
         mask = loss_mask(batch.trained_mask, batch.finish_reasons, a.mask_truncated_completions)  # (n, T)
-        metrics = LossMetrics(token_metric_names(a.loss_type, self.loss_settings),
+        metrics = LossMetrics(token_metric_names(a.loss_type, self.loss_settings, teacher_logps is not None),
                                IS_OUTSIDE[self.loss_settings.is_mode] if self.rollouts.is_correction else None)
         skipped, t_optimizer = 0, 0.0
         self.policy.train()
         for _ in range(a.num_iterations):
             for u0 in range(0, len(scored.advantages), share):
                 update_loss = self._accumulate(batch, scored, mask, torch.arange(u0, u0 + share), old_logps,
-                                               ref_logps, metrics)
+                                               ref_logps, metrics, teacher_logps)
                 # Each process's loss is its share of the whole-batch loss: sum, never average.
                 whole_loss = distributed.all_reduce(torch.tensor(update_loss, dtype=torch.float64)).item()
                 learning_rate = self.optimizer.param_groups[0]["lr"]  # this update's
@@ -371,7 +375,8 @@ class Trainer:
         return UpdateStats(metrics.result(), skipped, t_optimizer)
 
     def _accumulate(self, batch: RolloutBatch, scored: Scored, mask: torch.Tensor, local: torch.Tensor,
-                    old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None, metrics: LossMetrics) -> float:
+                    old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None, metrics: LossMetrics,
+                    teacher_logps: torch.Tensor | None = None) -> float:
         """The forward and backward passes of one update, on this process's rows `local` of it, in
         micro-batches, their gradients accumulated: this process's share of the update's loss."""
         cfg, a = self.config, self.config.algorithm
@@ -393,6 +398,7 @@ class Trainer:
                 advantages=scored.advantages[mb],
                 old_logps=None if old_logps is None else old_logps[mb],
                 ref_logps=None if ref_logps is None else ref_logps[mb],
+                teacher_logps=None if teacher_logps is None else teacher_logps[mb],
                 sampling_logps=batch.sampling_logps[mb].to(self.device) if self.rollouts.is_correction else None,
                 policy_mask=None if policy_mask is None else policy_mask[mb],
                 num_sequences=cfg.completions_per_update,
