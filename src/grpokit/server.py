@@ -28,6 +28,10 @@ HTTP (FastAPI) carries control; tensors go over a torch.distributed group (weigh
   endpoint does; `POST /agents/finished` says which rollouts' agents have returned (a round waits
   for the others only); `POST /agents/close` answers what each rollout sent and got (its
   transcript: prompt ids, sampled ids, sampling log-probs). A text model's server only.
+- `POST /v1/chat/completions` (and `GET /v1/models`), outside a training's agents: the served
+  model's plain OpenAI chat completion, rendered with its own chat template and sampled at the
+  request's temperature (0: greedy) from the request's seed (or a fresh one), so that a server can
+  be a judge (rewards/judge.py) for another run. A text model's server only.
 """
 
 from __future__ import annotations
@@ -302,6 +306,42 @@ class _Agents:
                     self.service.endpoint.open(0)
 
 
+PLAIN_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "n",
+                "stream", "user", "metadata"}
+
+
+def plain_chat(service: RolloutService, body: dict) -> dict:
+    """POST /v1/chat/completions (module docstring): Refused(400) names what it cannot take."""
+    import random
+    import time
+
+    if service.endpoint is None:
+        raise Refused(400, "plain chat completions are served for a text model only")
+    if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
+        raise Refused(400, "messages must be a non-empty list of chat messages")
+    unknown = sorted(set(body) - PLAIN_FIELDS)
+    if unknown or body.get("stream") or body.get("n", 1) != 1:
+        raise Refused(400, f"not supported here: {', '.join(unknown) or 'stream or n > 1'} (fields taken: "
+                           f"{', '.join(sorted(PLAIN_FIELDS - {'stream', 'n'}))})")
+    try:
+        params = SamplingParams(int(body.get("max_tokens") or body.get("max_completion_tokens") or 512),
+                                float(body.get("temperature", 1.0)), float(body.get("top_p", 1.0)))
+        tokenizer = service.endpoint.tokenizer
+        ids = tokenizer.apply_chat_template(body["messages"], chat_template=service.chat_template,
+                                            add_generation_prompt=True, tokenize=True, return_dict=False)
+    except (TypeError, ValueError, KeyError) as e:
+        raise Refused(400, f"the request cannot be generated: {type(e).__name__}: {e}") from None
+    seed = int(body["seed"]) if body.get("seed") is not None else random.randrange(2**31)
+    with service.lock:  # not during a weight update or a training's generation
+        batch = service.engine.generate([list(ids)], 1, params, None if params.temperature == 0 else [seed])
+    n = int(batch.completion_mask[0].sum())
+    text = tokenizer.decode(batch.completion_ids[0, :n].tolist(), skip_special_tokens=True)
+    return {"id": f"grpokit-plain-{uuid.uuid4().hex[:12]}", "object": "chat.completion", "created": int(time.time()),
+            "model": service.model_name, "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                                      "finish_reason": batch.finish_reasons[0], "logprobs": None}],
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}}
+
+
 class Refused(Exception):
     def __init__(self, status: int, detail: str):
         super().__init__(detail)
@@ -328,6 +368,23 @@ def make_app(service: RolloutService):
     app.post("/agents/close")(service.close_agents)
     if service.endpoint is not None:
         service.endpoint.add_routes(app)
+
+    async def chat(request):
+        import asyncio
+
+        try:
+            body = await request.json()
+        except ValueError:
+            raise Refused(400, "the request body is not JSON") from None
+        return await asyncio.to_thread(plain_chat, service, body)
+
+    chat.__annotations__ = {"request": Request}  # the class itself: this module's annotations are strings
+    app.post("/v1/chat/completions")(chat)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": service.model_name, "object": "model", "owned_by": "grpokit"}]}
+
     return app
 
 

@@ -87,6 +87,9 @@ def problems(config: Config, facts: Facts = Facts()) -> list[str]:
             f"train.updates_per_step={config.train.updates_per_step}) cannot be split evenly over "
             f"{world} processes: make it a multiple of {world}"
         )
+    if _judged(config) and config.reward.judge_mode == "group" and world > 1:
+        errors.append(f"reward.judge_mode=group shows the judge a prompt's completions together, which {world} "
+                      "processes split between them: use reward.judge_mode=single, or one process")
     if config.rollout.engine == "vllm" and world > 1:
         errors.append(f"rollout.engine=vllm runs vLLM inside one training process, not {world}: with "
                       "several, serve vLLM apart (grpokit serve --engine vllm) and use rollout.engine=server")
@@ -150,8 +153,26 @@ def _check_settings(c: Config) -> list[str]:
     settings that contradict each other; each message names its field and a fix."""
     return [*_check_choices(c), *_check_task(c), *_check_sampling(c), *_check_algorithm(c), *_check_variants(c),
             *_check_unused(c), *_check_engine(c), *_check_rollout(c), *_check_data(c), *_check_train(c),
-            *_check_distill(c), *_check_reward_functions(c.reward.functions, c.rollout.agent is not None,
+            *_check_distill(c), *_check_judge(c), *_check_reward_functions(c.reward.functions, c.rollout.agent is not None,
                                                          c.distill.teacher is not None)]
+
+
+def _judged(c: Config) -> bool:
+    return any((e if isinstance(e, str) else e.get("name") if isinstance(e, dict) else None) == "judge"
+               for e in c.reward.functions or ())
+
+
+def _check_judge(c: Config) -> list[str]:
+    r, p = c.reward, _Problems()
+    if not _judged(c):
+        return p
+    p.need(r.judge_url is not None, "reward.functions names the judge, but reward.judge_url is not set: the judge's "
+           "OpenAI-compatible base URL (grpokit serve --model <judge> answers at http://127.0.0.1:<port>/v1)")
+    p.need(r.judge_mode in ("group", "single"), f"reward.judge_mode={r.judge_mode}: must be group or single")
+    p.need(r.judge_timeout > 0 and r.judge_retries >= 0 and r.judge_concurrency >= 1,
+           "reward.judge_timeout must be > 0, reward.judge_retries >= 0 and reward.judge_concurrency >= 1")
+    p.need(r.judge_temperature >= 0, f"reward.judge_temperature={r.judge_temperature}: must be >= 0")
+    return p
 
 
 def _check_distill(c: Config) -> list[str]:

@@ -102,6 +102,22 @@ class RewardConfig:
         "reward_model, exact_answer, leading_number), 'package.module:function' or 'path/to/file.py:function'; "
         "null means the task's own",
     )
+    judge_url: str | None = _f(
+        None, "the built-in `judge` reward's OpenAI-compatible base URL (e.g. http://127.0.0.1:8000/v1: `grpokit "
+        "serve` answers plain chat completions there)"
+    )
+    judge_model: str = _f("grpokit", "the `model` the judge's requests name")
+    judge_rubric: str | None = _f(
+        None, "what the judge scores by: text, or a file holding it; null: correct and helpful for the task"
+    )
+    judge_mode: str = _f(
+        "group", "group: the judge sees a prompt's completions together and scores each against the others (RULER's "
+        "shape) | single: each completion alone"
+    )
+    judge_timeout: float = _f(60.0, "seconds a judge request may take before it counts as failed")
+    judge_retries: int = _f(2, "tries after a failed judge request (a timeout, an HTTP error, a reply that does not parse)")
+    judge_concurrency: int = _f(8, "judge requests in flight at once")
+    judge_temperature: float = _f(0.0, "the judge's sampling temperature")
     timeout: float | None = _f(
         None, "seconds one call of a reward function may take (sync and async alike); a call that takes longer stops "
         "the run as a raising function does (the last completed step saved, the function named); null: no limit"
@@ -397,11 +413,17 @@ def reward_specs(
     to the function (e.g. {name: length, target: 50})."""
     if config.reward.functions is None:
         return tuple((name, weight, {}) for name, weight in task_default)
-    return tuple(
+    specs = tuple(
         (e, 1.0, {}) if isinstance(e, str)
         else (e["name"], float(e.get("weight", 1.0)), {k: v for k, v in e.items() if k not in ("name", "weight")})
         for e in config.reward.functions
     )
+    r = config.reward  # the built-in judge takes reward.judge_* (an entry's own keys first)
+    judged = dict(url=r.judge_url, model=r.judge_model, rubric=r.judge_rubric, mode=r.judge_mode,
+                  timeout=r.judge_timeout, retries=r.judge_retries, concurrency=r.judge_concurrency,
+                  temperature=r.judge_temperature, run=config.train)
+    return tuple((name, weight, {**judged, **arguments} if name == "judge" else arguments)
+                 for name, weight, arguments in specs)
 
 
 def setting(config: Config, key: str) -> Any:

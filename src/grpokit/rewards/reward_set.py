@@ -54,6 +54,7 @@ BUILTIN_REWARDS = {
     "exact_answer": "grpokit.rewards.exact_answer:exact_answer",
     "leading_number": "grpokit.rewards.exact_answer:leading_number",
     "named_answer": "grpokit.rewards.word_answer:named_answer",
+    "judge": "grpokit.rewards.judge:judge",
     "reasoning_gym": "grpokit.rewards.reasoning_gym:reasoning_gym",
 }
 # Functions a program registers by name (REWARD_FUNCTIONS["mine"] = fn), named in configs like
