@@ -323,20 +323,24 @@ def surrogate_loss(inputs: LossInputs, settings: LossSettings, loss: Loss) -> Lo
         per_token = per_token - s.entropy_coef * inputs.entropies
 
     value = loss.normalize(per_token, mask, num_sequences, num_tokens, length)
+    sums = {**indicators, **({"kl": kl} if kl is not None else {}),
+            **({REVERSE_KL: reverse_kl} if reverse_kl is not None else {})}
+    return LossOutput(value, *_metrics(sums, mask, weights, outside, s))
 
-    with torch.no_grad():
-        sums = {name: (indicator * mask).sum() for name, indicator in indicators.items()}
-        maxima = {}
-        if kl is not None:
-            sums["kl"] = (kl * mask).sum()
-        if reverse_kl is not None:
-            sums[REVERSE_KL] = (reverse_kl * mask).sum()
-        if weights is not None:
-            sums[IS_MEAN] = (weights * mask).sum()
-            sums[IS_OUTSIDE[s.is_mode]] = (outside * mask).sum()
-            spread = weights.expand_as(mask)
-            maxima[IS_MAX] = spread.masked_fill(mask == 0, float("-inf")).max() if mask.any() else spread.new_tensor(float("-inf"))
-    return LossOutput(value, sums, maxima)
+
+@torch.no_grad()
+def _metrics(per_token: dict[str, torch.Tensor], mask: torch.Tensor, weights: torch.Tensor | None,
+             outside: torch.Tensor | None, s: LossSettings) -> tuple[dict, dict]:
+    """LossOutput's token sums (of each `per_token` value, and the importance weight's when
+    `weights`) and maxima over the `mask`ed tokens."""
+    sums = {name: (value * mask).sum() for name, value in per_token.items()}
+    maxima = {}
+    if weights is not None:
+        sums[IS_MEAN] = (weights * mask).sum()
+        sums[IS_OUTSIDE[s.is_mode]] = (outside * mask).sum()
+        spread = weights.expand_as(mask)
+        maxima[IS_MAX] = spread.masked_fill(mask == 0, float("-inf")).max() if mask.any() else spread.new_tensor(float("-inf"))
+    return sums, maxima
 
 
 def compute_loss(loss_type: str, inputs: LossInputs, settings: LossSettings) -> LossOutput:
