@@ -32,6 +32,10 @@ HTTP (FastAPI) carries control; tensors go over a torch.distributed group (weigh
   model's plain OpenAI chat completion, rendered with its own chat template and sampled at the
   request's temperature (0: greedy) from the request's seed (or a fresh one), so that a server can
   be a judge (rewards/judge.py) for another run. A text model's server only.
+- `POST /logprobs`: the served model's log-probs of given token ids (each completion's after its
+  prompt, at a temperature), so that a server can be another run's teacher
+  (`distill.teacher=http://...`, models/teacher.py); `/health` says its tokenizer's `vocabulary`
+  (a digest) for that run to check. The transformers engine of a text model only.
 """
 
 from __future__ import annotations
@@ -41,8 +45,10 @@ import threading
 import uuid
 from typing import Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from grpokit.models.teacher import vocabulary_digest
 from grpokit.multiturn.endpoint import KEEP_ALIVE_S, Endpoint
 from grpokit.rollout.batch import SamplingParams, alternatives
 from grpokit.rollout.protocols import ServedEngine
@@ -111,6 +117,15 @@ class CloseRequest(BaseModel):
     generation: int
 
 
+class LogprobsRequest(BaseModel):
+    """A teacher's question (distill.teacher=<this server>): the log-probs of each completion's tokens after its prompt."""
+    model_config = ConfigDict(extra="forbid")
+
+    prompts: list[list[int]] = Field(min_length=1)
+    completions: list[list[int]]
+    temperature: float = Field(default=1.0, gt=0)
+
+
 class RolloutService:
     """The server's state: one engine (a ServedEngine), its weights' version and checksum, the
     weight group, and the agents' endpoint (a text model's)."""
@@ -123,6 +138,7 @@ class RolloutService:
         # Its own tokenizer object: each generation renders with the chat template its trainer sends.
         self.endpoint = Endpoint(copy.copy(tokenizer), eos_ids, listen=False) if text else None
         self.chat_template = getattr(tokenizer, "chat_template", None)  # the model's own
+        self.vocabulary = None if tokenizer is None else vocabulary_digest(tokenizer)  # a teacher's client checks it
         self.agents: _Agents | None = None  # the agents' generation open now
         self.boot_id = uuid.uuid4().hex
         self.device = device_id() if engine.device.type == "cuda" else "cpu"
@@ -138,7 +154,38 @@ class RolloutService:
     def health(self) -> dict:
         return {"status": "ok", "engine": self.engine_name, "model": self.model_name, "device": self.device,
                 "fingerprint": self.fingerprint, "boot_id": self.boot_id, "session": self.session,
-                "weights_version": self.version, "weights_step": self.weights_step, "checksum": self.checksum}
+                "weights_version": self.version, "weights_step": self.weights_step, "checksum": self.checksum,
+                "vocabulary": self.vocabulary}
+
+    def logprobs(self, request: LogprobsRequest) -> dict:
+        """POST /logprobs: the served model's log-probs of each completion's tokens (a teacher's, models/teacher.py)."""
+        from grpokit.models.logprobs import completion_logprobs
+
+        model = getattr(self.engine, "model", None)
+        if model is None or self.endpoint is None:
+            raise Refused(400, "log-probs of given tokens are served by the transformers engine of a text model")
+        if len(request.completions) != len(request.prompts) or not all(request.prompts):
+            raise Refused(422, "one non-empty prompt per completion")
+        bad = [t for row in (*request.prompts, *request.completions) for t in row if not 0 <= t < self.vocab_size]
+        if bad:
+            raise Refused(422, f"token ids must be in [0, {self.vocab_size}); got {bad[:5]}")
+        device, B = self.engine.device, len(request.prompts)
+        Lp, T = max(map(len, request.prompts)), max(1, max(map(len, request.completions)))
+        prompt_ids = torch.zeros((B, Lp), dtype=torch.long)
+        prompt_mask = torch.zeros((B, Lp), dtype=torch.long)
+        completion_ids = torch.zeros((B, T), dtype=torch.long)
+        for i, (p, c) in enumerate(zip(request.prompts, request.completions)):
+            prompt_ids[i, Lp - len(p):], prompt_mask[i, Lp - len(p):] = torch.tensor(p), 1
+            completion_ids[i, :len(c)] = torch.tensor(c, dtype=torch.long)
+        with self.lock, torch.no_grad():
+            was_training = model.training
+            model.eval()
+            try:
+                values = completion_logprobs(model, prompt_ids.to(device), prompt_mask.to(device),
+                                             completion_ids.to(device), temperature=request.temperature)
+            finally:
+                model.train(was_training)
+        return {"logprobs": [row[:len(c)] for row, c in zip(values.float().tolist(), request.completions)]}
 
     def _forget_weights(self) -> None:
         """After a failed transfer: no group, no session, weights of unknown version."""
@@ -366,6 +413,7 @@ def make_app(service: RolloutService):
     app.post("/agents/open")(service.open_agents)
     app.post("/agents/finished")(service.agents_finished)
     app.post("/agents/close")(service.close_agents)
+    app.post("/logprobs")(service.logprobs)
     if service.endpoint is not None:
         service.endpoint.add_routes(app)
 

@@ -53,9 +53,22 @@ def test_a_teacher_of_another_vocabulary_is_refused_with_both_names(tmp_path):
     assert not (tmp_path / "run").exists()  # refused before a run folder is left behind
 
 
+def test_a_served_teacher_of_another_vocabulary_is_refused_with_both_names(monkeypatch):
+    """/health says the served tokenizer's vocabulary (a digest): another one is refused at start-up."""
+    from grpokit.models.loading import load_tokenizer
+    from grpokit.models.teacher import ServedTeacher, vocabulary_digest
+
+    tokenizer = load_tokenizer("tiny-random")
+    health = {"model": "someone-else", "vocabulary": "0" * 32}
+    monkeypatch.setattr(ServedTeacher, "_request", lambda self, path, body=None: health)
+    with pytest.raises(StartupError, match="distill.teacher=http://127.0.0.1:1 serves someone-else, whose vocabulary "
+                                           "is not the policy model.name=tiny-random's"):
+        ServedTeacher("http://127.0.0.1:1", "tiny-random", tokenizer, 1.0)
+    health["vocabulary"] = vocabulary_digest(tokenizer)
+    ServedTeacher("http://127.0.0.1:1", "tiny-random", tokenizer, 1.0)
+
+
 @pytest.mark.parametrize("overrides, message", [
-    (["distill.teacher=http://127.0.0.1:8000"], "distill.teacher=http://127.0.0.1:8000: a teacher on a server is not "
-                                                "built yet"),
     (["distill.teacher=tiny-random", "distill.coef=0"], "distill.coef=0.0: must be a finite number > 0"),
     (["distill.teacher=tiny-random", "rollout.dynamic_sampling=true"], "rollout.dynamic_sampling drops groups of "
                                                                         "equal rewards, but with distill.teacher"),
@@ -64,3 +77,25 @@ def test_a_teacher_of_another_vocabulary_is_refused_with_both_names(tmp_path):
 def test_what_a_teacher_contradicts_is_refused_by_name(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         load_config(None, [*RUN, *overrides])
+
+
+@pytest.mark.process
+def test_a_teacher_on_a_server_scores_as_the_one_in_process_and_its_death_stops_the_run_by_name(server, tmp_path):
+    """distill.teacher=<grpokit serve --model tiny-random>: its log-probs of a step's completions
+    are those the same teacher gives in the trainer's process (to float32 rounding: another pass
+    layout); killed, the next step stops with the teacher's URL named."""
+    s = server()
+    remote = Trainer(load_config(None, [*RUN, f"distill.teacher={s.url}", "distill.timeout=3",
+                                        f"train.output_dir={tmp_path}/remote"]), progress=False)
+    local = Trainer(load_config(None, [*RUN, "distill.teacher=tiny-random", f"train.output_dir={tmp_path}/local"]),
+                    progress=False)
+    batch = local.rollouts.sample(local.rollouts.next_prompts())
+    active = torch.ones(len(batch.finish_reasons), dtype=torch.bool)
+    mask = batch.completion_mask.bool()
+    theirs = remote.teacher.logprobs(batch, active, remote.logprobs)
+    ours = local.teacher.logprobs(batch, active, local.logprobs)
+    torch.testing.assert_close(theirs[mask], ours[mask], rtol=0, atol=1e-5)
+    assert remote.train_step(1)["distill/reverse_kl"] == pytest.approx(0, abs=1e-5)
+    s.kill()
+    with pytest.raises(RuntimeError, match=f"the teacher at {s.url} \\(distill.teacher\\) cannot be reached"):
+        remote.train_step(2)

@@ -179,8 +179,6 @@ def _check_distill(c: Config) -> list[str]:
     d, p = c.distill, _Problems()
     if d.teacher is None:
         return p
-    p.need(not str(d.teacher).startswith(("http://", "https://")), f"distill.teacher={d.teacher}: a teacher on a "
-           "server is not built yet; give the teacher's model name or folder (it runs in the trainer's process)")
     p.need(math.isfinite(d.coef) and d.coef > 0, f"distill.coef={d.coef}: must be a finite number > 0")
     p.need(not c.rollout.dynamic_sampling, "rollout.dynamic_sampling drops groups of equal rewards, but with "
            f"distill.teacher={d.teacher} every token has a signal of its own: use one of them")

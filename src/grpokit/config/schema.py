@@ -336,12 +336,14 @@ class TrainConfig:
 @dataclass
 class DistillConfig:
     teacher: str | None = _f(
-        None, "on-policy distillation: a teacher model (a name or folder, as model.name; the same tokenizer as the "
-        "policy) that scores every sampled token; each token's advantage gains distill.coef x (teacher log-prob - "
+        None, "on-policy distillation: a teacher model (a name or folder, as model.name, or the URL of a `grpokit "
+        "serve --model <teacher>`; the same tokenizer as the policy) that scores every sampled token; each token's advantage gains distill.coef x (teacher log-prob - "
         "student log-prob), the reverse KL's per-token estimate (docs/math.md); reward.functions=[] with it: the "
         "teacher alone. null: none"
     )
     coef: float = _f(1.0, "the weight of the teacher's per-token signal against the reward's advantage")
+    timeout: float = _f(300.0, "a teacher on a server (distill.teacher=http://...): seconds to wait for it, for one "
+                        "answer and in all while retrying one it cannot reach")
 
 
 @dataclass

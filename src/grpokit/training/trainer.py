@@ -145,7 +145,8 @@ class Trainer:
             self.policy, self.reference = load_policy(config, self.device, model)
             check_vision(self.policy, self.vision)
             self.teacher = None if config.distill.teacher is None else load_teacher(
-                config.distill.teacher, config.model.name, self.tokenizer, config.model.dtype, self.device)
+                config.distill.teacher, config.model.name, self.tokenizer, config.model.dtype, self.device,
+                config.distill.timeout)
             # Log-prob passes call the whole model on token ids when only such a call gathers sharded
             # weights, or when the model uses the ids for more than the embedding lookup (models/logprobs.py).
             whole_model = self.parallel.lockstep or not check_inputs_embeds(self.policy)
@@ -294,7 +295,7 @@ class Trainer:
         t0 = time.perf_counter()
         ref_logps = self.logprobs.ref(batch, scored.active) if a.beta > 0 else None  # (n, T)
         old_logps = self.logprobs.old(batch, scored.active) if self.config.needs_old_logps else None  # (n, T)
-        teacher_logps = None if self.teacher is None else self.logprobs.frozen(self.teacher, batch, scored.active)
+        teacher_logps = None if self.teacher is None else self.teacher.logprobs(batch, scored.active, self.logprobs)
         t_logprobs = time.perf_counter() - t0
 
         t0 = time.perf_counter()
