@@ -5,7 +5,9 @@ training time each takes to reach a held-out exact accuracy (greedy, the 100 hel
 
 Runs, one after the other (each `grpokit train`, evaluated every 5 steps):
 - the teacher: the default run (seed 0), unless --teacher names a model folder already made;
-- for each seed, the default run (140 steps) and examples/distill.yaml with that teacher.
+- for each seed, the default run (140 steps; seed 0's is the teacher's run itself) and
+  examples/distill.yaml with that teacher.
+A run folder that holds a final/ already is read, not run again.
 Prints a Markdown table: per run, the first evaluated step at or above --target, the training time
 to it (the sum of step_time up to it; evaluations aside) and the run's wall time; and each
 distilled run's ratios to its seed's default run.
@@ -55,7 +57,10 @@ def main() -> None:
     if args.teacher is None:
         walls["teacher"] = train(args.out / "teacher")
     for seed in args.seeds:
-        walls[f"grpo-{seed}"] = train(args.out / f"grpo-{seed}", f"train.seed={seed}")
+        if seed == 0 and args.teacher is None:  # the same command as the teacher's run
+            (args.out / "grpo-0").exists() or (args.out / "grpo-0").symlink_to("teacher")
+            walls["grpo-0"] = walls["teacher"]
+        walls[f"grpo-{seed}"] = walls.get(f"grpo-{seed}") or train(args.out / f"grpo-{seed}", f"train.seed={seed}")
         walls[f"distill-{seed}"] = train(args.out / f"distill-{seed}", "--config", str(ROOT / "examples" / "distill.yaml"),
                                          f"distill.teacher={teacher}", f"train.seed={seed}")
     print(f"| run | first step at >= {args.target} | training min to it | wall min (whole run) | last accuracy |")

@@ -117,6 +117,9 @@ class CloseRequest(BaseModel):
     generation: int
 
 
+LOGPROB_ROWS = 8  # rows of a /logprobs request run through the model at once
+
+
 class LogprobsRequest(BaseModel):
     """A teacher's question (distill.teacher=<this server>): the log-probs of each completion's tokens after its prompt."""
     model_config = ConfigDict(extra="forbid")
@@ -177,15 +180,18 @@ class RolloutService:
         for i, (p, c) in enumerate(zip(request.prompts, request.completions)):
             prompt_ids[i, Lp - len(p):], prompt_mask[i, Lp - len(p):] = torch.tensor(p), 1
             completion_ids[i, :len(c)] = torch.tensor(c, dtype=torch.long)
+        values = []
         with self.lock, torch.no_grad():
             was_training = model.training
             model.eval()
-            try:
-                values = completion_logprobs(model, prompt_ids.to(device), prompt_mask.to(device),
-                                             completion_ids.to(device), temperature=request.temperature)
+            try:  # a few rows at a time: their logits (rows x T x vocabulary) are the pass's memory
+                for rows in torch.arange(B).split(LOGPROB_ROWS):
+                    values += completion_logprobs(model, prompt_ids[rows].to(device), prompt_mask[rows].to(device),
+                                                  completion_ids[rows].to(device),
+                                                  temperature=request.temperature).float().tolist()
             finally:
                 model.train(was_training)
-        return {"logprobs": [row[:len(c)] for row, c in zip(values.float().tolist(), request.completions)]}
+        return {"logprobs": [row[:len(c)] for row, c in zip(values, request.completions)]}
 
     def _forget_weights(self) -> None:
         """After a failed transfer: no group, no session, weights of unknown version."""
@@ -373,10 +379,13 @@ def plain_chat(service: RolloutService, body: dict) -> dict:
     try:
         params = SamplingParams(int(body.get("max_tokens") or body.get("max_completion_tokens") or 512),
                                 float(body.get("temperature", 1.0)), float(body.get("top_p", 1.0)))
+        if params.max_tokens < 1 or params.temperature < 0 or not 0 < params.top_p <= 1:
+            raise ValueError(f"max_tokens {params.max_tokens} (>= 1), temperature {params.temperature} (>= 0) or "
+                             f"top_p {params.top_p} (in (0, 1]) out of range")
         tokenizer = service.endpoint.tokenizer
         ids = tokenizer.apply_chat_template(body["messages"], chat_template=service.chat_template,
                                             add_generation_prompt=True, tokenize=True, return_dict=False)
-    except (TypeError, ValueError, KeyError) as e:
+    except (TypeError, ValueError, KeyError, RuntimeError) as e:
         raise Refused(400, f"the request cannot be generated: {type(e).__name__}: {e}") from None
     seed = int(body["seed"]) if body.get("seed") is not None else random.randrange(2**31)
     with service.lock:  # not during a weight update or a training's generation

@@ -433,6 +433,20 @@ def trainer_on(tmp_path, *overrides):
     return Trainer(config, progress=False)
 
 
+def test_a_per_token_term_keeps_the_rows_whose_advantage_is_zero(tmp_path, monkeypatch):
+    """Equal rewards everywhere (advantages 0): without a KL term the rows skip their pass and
+    nothing moves; with an entropy bonus every row takes part, and the weights move."""
+    from grpokit.rewards.reward_set import REWARD_FUNCTIONS
+
+    monkeypatch.setitem(REWARD_FUNCTIONS, "constant", lambda completions, **columns: [1.0] * len(completions))
+    for coef in (0.0, 0.1):
+        trainer = trainer_on(tmp_path / str(coef), f"algorithm.entropy_coef={coef}", "reward.functions=[constant]")
+        start = [p.detach().clone() for p in trainer.policy.parameters()]
+        row = trainer.train_step(1)
+        moved = not all(torch.equal(a, b) for a, b in zip(start, trainer.policy.parameters()))
+        assert row["reward_std"] == 0 and moved == (coef > 0) and (row["grad_norm"] > 0) == (coef > 0)
+
+
 def test_mask_truncated_completions_leave_the_loss(tmp_path):
     """A random model never samples EOS: every completion is cut by max_completion_length, so with
     mask_truncated_completions nothing is trained (and the metrics still count the completions)."""

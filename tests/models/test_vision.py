@@ -261,8 +261,8 @@ def test_a_text_model_is_refused_data_with_images(tmp_path):
     data = write_rows(tmp_path)
     config = load_config(None, ["model.name=tiny-random", f"data.path={data}", "data.eval_size=0",
                                 "reward.functions=[length]", f"train.output_dir={tmp_path / 'run'}"])
-    with pytest.raises(ConfigError, match=r"a prompt has 1 image\(s\) .* and the model is a text model"):
-        Trainer(config, progress=False)
+    with pytest.raises(ConfigError, match=r":line 1: a prompt has 1 image\(s\) .* and the model is a text model"):
+        Trainer(config, progress=False)  # the row's file and line named, with data.max_prompt_length unset
     assert not (tmp_path / "run").exists()  # a refused start leaves no folder
 
 

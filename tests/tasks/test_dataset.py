@@ -100,9 +100,9 @@ def test_long_prompts_dropped_or_truncated_with_a_count(tmp_path):
     assert dropped.notes == [f"{path}: dropped 4 of 10 prompts longer than data.max_prompt_length=6 tokens"]
     kept = DatasetTask(DataConfig(path=path, eval_size=0, max_prompt_length=6, long_prompts="truncate"), 0, length)
     assert len(kept.train_examples) == 10 and "truncated 4 of 10" in kept.notes[0]
-    with pytest.raises(DataError, match="every prompt is longer"):
-        DatasetTask(DataConfig(path=path, eval_size=0, max_prompt_length=1), 0,
-                    lambda e: 99)
+    with pytest.raises(DataError, match="every prompt is longer than data.max_prompt_length=1: the shortest is 3 "
+                                        "tokens$"):
+        DatasetTask(DataConfig(path=path, eval_size=0, max_prompt_length=1), 0, lambda e: len(e.prompt[0]["content"]) + 2)
 
 
 def test_the_trainer_truncates_from_the_left(tmp_path):
@@ -290,3 +290,45 @@ def test_reasoning_gym_mistakes_are_named_at_start_up(tmp_path, overrides, probl
     assert main(["train", "model.name=tiny-random", f"train.output_dir={tmp_path / 'run'}", *overrides]) == 2
     assert re.search(problem, capsys.readouterr().err)
     assert not (tmp_path / "run").exists()
+
+
+def test_images_are_read_as_they_are_meant_or_refused_with_the_file_the_line_and_the_fix(tmp_path):
+    """Made here: a 16-bit PNG of the full range (20000 to 65535, which PIL's own conversion turns
+    white) scaled to 8 bits by its type's range; a float image in [0, 1]; an I;16 under 256 as it
+    is; a 3-frame GIF, a URL, a folder and a list in `image`: each refused with the row's file and
+    line, the image, and what to do."""
+    import numpy as np
+    from PIL import Image
+
+    from grpokit.tasks.dataset import row_images
+
+    where = "data.jsonl:line 3"
+    wide = np.linspace(20000, 65535, 64).reshape(8, 8).astype(np.uint16)
+    Image.fromarray(wide).save(tmp_path / "deep.png")
+    with Image.open(tmp_path / "deep.png") as check:
+        assert check.mode.startswith("I") and np.asarray(check).max() == 65535  # a real 16-bit file
+    got = np.asarray(row_images({"image": "deep.png"}, where, tmp_path)[0])  # (8, 8, 3)
+    assert np.array_equal(got[..., 0], np.rint(wide * (255 / 65535)).astype(np.uint8))
+    assert got[..., 0].min() == 78 and got[..., 0].max() == 255 and len(np.unique(got)) > 32
+    unit = np.linspace(0, 1, 16, dtype=np.float32).reshape(4, 4)
+    got = np.asarray(row_images({"image": Image.fromarray(unit, mode="F")}, where, None)[0])
+    assert np.array_equal(got[..., 1], np.rint(unit * 255).astype(np.uint8))
+    low = np.arange(16, dtype=np.uint16).reshape(4, 4) * 10
+    got = np.asarray(row_images({"image": Image.fromarray(low)}, where, None)[0])
+    assert np.array_equal(got[..., 2], low.astype(np.uint8))
+
+    frames = [Image.new("RGB", (4, 4), c) for c in ((255, 0, 0), (0, 255, 0), (0, 0, 255))]
+    frames[0].save(tmp_path / "moving.gif", save_all=True, append_images=frames[1:])
+    (tmp_path / "folder").mkdir()
+    for row, message in [
+        ({"image": "moving.gif"}, f"{where}: image {tmp_path / 'moving.gif'} is animated (3 frames), and a prompt's "
+                                  "image is one picture: save the frame you mean as an image file of its own"),
+        ({"image": "http://example.com/cat.png"}, f"{where}: image http://example.com/cat.png is a URL, which grpokit "
+                                                  "does not fetch: download it and give the file's path"),
+        ({"image": "folder"}, f"{where}: image {tmp_path / 'folder'} is a folder, not an image file"),
+        ({"image": ["a.png", "b.png"]}, f"{where}: the 'image' column holds one image, and this row's holds a list of "
+                                        "2: name the column 'images' for several"),
+    ]:
+        with pytest.raises(DataError) as refused:
+            row_images(row, where, tmp_path)
+        assert message in str(refused.value)

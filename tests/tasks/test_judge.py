@@ -104,6 +104,9 @@ def test_a_group_s_scores_and_each_failure_as_none_counted_and_recorded(tmp_path
         assert scores == [0.1, 0.2, 0.1, 0.2, 0.1, 0.2] and metrics["judge/failed"] == 0
         assert len(judge_server.requests) == 7  # only the two groups that failed were asked again
         assert score(again, prompts, completions)[0] == scores and len(judge_server.requests) == 7
+        # Asked by what was asked: the same completions in another order are another question.
+        judge_server.script = ["ok"]
+        assert score(again, prompts[:2], completions[1::-1])[0] == [0.1, 0.2] and len(judge_server.requests) == 8
 
         judge_server.script = ["slow", "slow"]
         hung = Judge(judge_server.url, "j", None, "single", timeout=0.5, retries=1, concurrency=4, temperature=0.0)
@@ -135,7 +138,7 @@ def test_a_training_run_records_the_judge_s_scores_and_failures(tmp_path):
     assert [r["judge"].get("error") for r in records].count("the reply is not JSON") == 6
     assert sorted(r["rewards/judge"] for r in records if "error" not in r["judge"]) == [pytest.approx(0.1),
                                                                                        pytest.approx(0.2)]
-    assert (tmp_path / "run" / "judge_cache.0.jsonl").read_text().count("\n") == 2
+    assert (tmp_path / "run" / "judge_cache.0.jsonl").read_text().count("\n") == 1  # the one group answered
 
 
 @pytest.mark.process

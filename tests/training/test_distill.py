@@ -59,7 +59,7 @@ def test_a_served_teacher_of_another_vocabulary_is_refused_with_both_names(monke
     from grpokit.models.teacher import ServedTeacher, vocabulary_digest
 
     tokenizer = load_tokenizer("tiny-random")
-    health = {"model": "someone-else", "vocabulary": "0" * 32}
+    health = {"model": "someone-else", "vocabulary": "0" * 32, "engine": "transformers"}
     monkeypatch.setattr(ServedTeacher, "_request", lambda self, path, body=None: health)
     with pytest.raises(StartupError, match="distill.teacher=http://127.0.0.1:1 serves someone-else, whose vocabulary "
                                            "is not the policy model.name=tiny-random's"):

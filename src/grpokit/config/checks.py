@@ -168,6 +168,8 @@ def _check_judge(c: Config) -> list[str]:
         return p
     p.need(r.judge_url is not None, "reward.functions names the judge, but reward.judge_url is not set: the judge's "
            "OpenAI-compatible base URL (grpokit serve --model <judge> answers at http://127.0.0.1:<port>/v1)")
+    if r.judge_url is not None:
+        p += [e.replace("rollout.server_url", "reward.judge_url") for e in _url_problems(r.judge_url)]
     p.need(r.judge_mode in ("group", "single"), f"reward.judge_mode={r.judge_mode}: must be group or single")
     p.need(r.judge_timeout > 0 and r.judge_retries >= 0 and r.judge_concurrency >= 1,
            "reward.judge_timeout must be > 0, reward.judge_retries >= 0 and reward.judge_concurrency >= 1")

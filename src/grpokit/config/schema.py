@@ -338,7 +338,7 @@ class DistillConfig:
     teacher: str | None = _f(
         None, "on-policy distillation: a teacher model (a name or folder, as model.name, or the URL of a `grpokit "
         "serve --model <teacher>`; the same tokenizer as the policy) that scores every sampled token; each token's advantage gains distill.coef x (teacher log-prob - "
-        "student log-prob), the reverse KL's per-token estimate (docs/math.md); reward.functions=[] with it: the "
+        "student log-prob), the reverse KL's per-token estimate (docs/distillation.md); reward.functions=[] with it: the "
         "teacher alone. null: none"
     )
     coef: float = _f(1.0, "the weight of the teacher's per-token signal against the reward's advantage")
@@ -423,7 +423,7 @@ def reward_specs(
     r = config.reward  # the built-in judge takes reward.judge_* (an entry's own keys first)
     judged = dict(url=r.judge_url, model=r.judge_model, rubric=r.judge_rubric, mode=r.judge_mode,
                   timeout=r.judge_timeout, retries=r.judge_retries, concurrency=r.judge_concurrency,
-                  temperature=r.judge_temperature, run=config.train)
+                  temperature=r.judge_temperature, run=config.train, group_size=config.rollout.num_generations)
     return tuple((name, weight, {**judged, **arguments} if name == "judge" else arguments)
                  for name, weight, arguments in specs)
 

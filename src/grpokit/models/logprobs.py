@@ -114,7 +114,8 @@ def token_entropies(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     algorithm.entropy_coef bonus): logits (..., V) -> (...)."""
     logits = logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
     logprobs = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)  # (..., V)
-    return -(logprobs.exp() * logprobs).sum(-1)
+    # A token of probability 0 (a logit of -inf) adds 0, not 0 * -inf.
+    return -(logprobs.exp() * logprobs.clamp(min=torch.finfo(logprobs.dtype).min)).sum(-1)
 
 
 def per_token(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropies: bool):

@@ -51,6 +51,11 @@ class ServedTeacher:
     def __init__(self, url: str, policy_name: str, policy_tokenizer, timeout_s: float):
         self.url, self.timeout_s = url.rstrip("/"), timeout_s
         health = self._request("/health")
+        if health.get("engine") != "transformers" or "vocabulary" not in health:
+            raise StartupError(f"distill.teacher={url}: a teacher is served by `grpokit serve --engine transformers` "
+                               f"(this server: {health.get('engine')} engine, "
+                               f"{'a vocabulary' if 'vocabulary' in health else 'no vocabulary'} in /health, a server "
+                               "from before teachers); start it anew with this grpokit")
         if health.get("vocabulary") != vocabulary_digest(policy_tokenizer):
             raise StartupError(f"distill.teacher={url} serves {health.get('model')}, whose vocabulary is not the policy "
                                f"model.name={policy_name}'s: a teacher scores the policy's token ids, so it must share "

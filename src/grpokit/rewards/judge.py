@@ -12,8 +12,10 @@ that scores fewer or more completions than asked, or a number out of range, is a
 timeout and an HTTP error. A failure is retried (`judge_retries` times), then gives `None` to the
 completions it covers (not 0: no part in their group's statistics), counted in `judge/failed`
 (the share of the call's completions) and recorded with the raw reply in completions.jsonl (the
-`judge` column). Scores are cached by (prompt, completion, rubric) in `<run>/judge_cache*.jsonl`, so
-a resumed step asks the judge again for nothing it answered.
+`judge` column). A group is a run of consecutive completions of one prompt, at most
+rollout.num_generations long. Scores are cached by what was asked (the prompt, the completions in
+their order, the rubric, the mode, the judge's model and temperature) in `<run>/judge_cache*.jsonl`,
+so a resumed step asks the judge again for nothing it answered.
 """
 
 from __future__ import annotations
@@ -100,18 +102,33 @@ class Judge:
     """A judge's endpoint and settings (reward.judge_*), its cache, and the calls it makes."""
 
     def __init__(self, url: str, model: str, rubric: str | None, mode: str, timeout: float, retries: int,
-                 concurrency: int, temperature: float, cache_dir: Path | None = None):
+                 concurrency: int, temperature: float, cache_dir: Path | None = None, group_size: int | None = None):
         self.url, self.model, self.mode = url.rstrip("/"), model, mode
         self.rubric = rubric_text(rubric)
         self.timeout, self.retries, self.temperature = timeout, retries, temperature
-        self.concurrency = concurrency
+        self.concurrency, self.group_size = concurrency, group_size
         self.cache_dir = cache_dir
-        self.cache: dict[str, float] | None = None
+        self.cache: dict[str, list[float]] | None = None
 
-    def _key(self, prompt: str, completion: str) -> str:
-        return hashlib.sha256(json.dumps([prompt, completion, self.rubric, self.mode]).encode()).hexdigest()
+    def _key(self, prompt: str, completions: list[str]) -> str:
+        """What identifies a request's answer: all that was asked, and of whom."""
+        asked = [prompt, completions, self.rubric, self.mode, self.model, self.temperature]
+        return hashlib.sha256(json.dumps(asked).encode()).hexdigest()
 
-    def _cached(self) -> dict[str, float]:
+    def _groups(self, prompts: list[str]) -> list[list[int]]:
+        """The rows asked together: each one alone (single), or runs of one prompt of at most group_size."""
+        if self.mode == "single":
+            return [[i] for i in range(len(prompts))]
+        groups: list[list[int]] = []
+        for i, prompt in enumerate(prompts):
+            last = groups[-1] if groups else None
+            if last and prompts[last[0]] == prompt and (self.group_size is None or len(last) < self.group_size):
+                last.append(i)
+            else:
+                groups.append([i])
+        return groups
+
+    def _cached(self) -> dict[str, list[float]]:
         if self.cache is None:
             self.cache = {}
             for path in sorted(self.cache_dir.glob("judge_cache*.jsonl")) if self.cache_dir is not None else ():
@@ -120,15 +137,14 @@ class Judge:
                         entry = json.loads(line)
                     except json.JSONDecodeError:  # a line cut by a kill: asked again
                         continue
-                    self.cache[entry["key"]] = entry["score"]
+                    self.cache[entry["key"]] = entry["scores"]
         return self.cache
 
-    def _remember(self, scored: dict[str, float]) -> None:
-        self._cached().update(scored)
-        if self.cache_dir is not None and scored:
-            path = self.cache_dir / f"judge_cache.{distributed.rank()}.jsonl"
-            with path.open("a") as f:
-                f.write("".join(json.dumps({"key": k, "score": v}) + "\n" for k, v in scored.items()))
+    def _remember(self, key: str, scores: list[float]) -> None:
+        self._cached()[key] = scores
+        if self.cache_dir is not None:
+            with (self.cache_dir / f"judge_cache.{distributed.rank()}.jsonl").open("a") as f:
+                f.write(json.dumps({"key": key, "scores": scores}) + "\n")
 
     async def _ask(self, client, request: list[dict], count: int | None) -> tuple[list[float], str]:
         """Scores for one request, retried; JudgeFailure after the last try."""
@@ -138,15 +154,15 @@ class Judge:
                 "max_tokens": 64 + 16 * (count or 1)}
         failure = None
         for _ in range(self.retries + 1):
-            try:
-                response = await client.post(f"{self.url}/chat/completions", json=body, timeout=self.timeout)
+            try:  # the whole request within the timeout (httpx's own bounds each phase of it)
+                response = await asyncio.wait_for(client.post(f"{self.url}/chat/completions", json=body), self.timeout)
                 if response.status_code != 200:
                     raise JudgeFailure(f"HTTP {response.status_code}", response.text[:500])
                 reply = response.json()["choices"][0]["message"]["content"] or ""
                 return parse(reply, count), reply
             except JudgeFailure as e:
                 failure = e
-            except httpx.TimeoutException:
+            except (httpx.TimeoutException, asyncio.TimeoutError):
                 failure = JudgeFailure(f"no reply within reward.judge_timeout={self.timeout:g} s")
             except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
                 failure = JudgeFailure(f"{type(e).__name__}: {e}")
@@ -159,20 +175,19 @@ class Judge:
 
         prompt_texts = [_text(p) for p in prompts]
         texts = [completion_text(c) for c in completions]
-        keys = [self._key(p, c) for p, c in zip(prompt_texts, texts)]
-        cache = self._cached()
-        scores: list[float | None] = [cache.get(k) for k in keys]
+        scores: list[float | None] = [None] * len(texts)
         notes: list[dict | None] = [None] * len(texts)
-        todo = [i for i, s in enumerate(scores) if s is None]
-        if self.mode == "group":  # a group is asked whole when any of it is not cached
-            starts = [i for i in range(len(texts)) if i == 0 or prompt_texts[i] != prompt_texts[i - 1]]
-            groups = [list(range(a, b)) for a, b in zip(starts, [*starts[1:], len(texts)])]
-            asks = [g for g in groups if any(i in todo for i in g)]
-        else:
-            asks = [[i] for i in todo]
+        asks = []
+        for rows in self._groups(prompt_texts):
+            key = self._key(prompt_texts[rows[0]], [texts[i] for i in rows])
+            cached = self._cached().get(key)
+            if cached is None:
+                asks.append((rows, key))
+            for i, s in zip(rows, cached or ()):
+                scores[i], notes[i] = s, {"cached": True}
         limit = asyncio.Semaphore(self.concurrency)
 
-        async def one(rows: list[int]) -> None:
+        async def one(rows: list[int], key: str) -> None:
             request = messages(self.rubric, prompt_texts[rows[0]], [texts[i] for i in rows], self.mode)
             async with limit:
                 try:
@@ -181,12 +196,12 @@ class Judge:
                     for i in rows:
                         scores[i], notes[i] = None, {"error": e.reason, "reply": e.reply}
                     return
+            self._remember(key, got)
             for i, s in zip(rows, got):
                 scores[i], notes[i] = s, {"reply": reply}
 
         async with httpx.AsyncClient() as client:
-            await asyncio.gather(*(one(rows) for rows in asks))
-        self._remember({keys[i]: scores[i] for rows in asks for i in rows if scores[i] is not None})
+            await asyncio.gather(*(one(rows, key) for rows, key in asks))
         failed = sum(1 for n in notes if n is not None and "error" in n)
         log_metric("judge/failed", failed / max(1, len(texts)))
         log_extra("judge", notes)
@@ -198,13 +213,14 @@ _JUDGES: dict[tuple, Judge] = {}
 
 async def judge(prompts, completions, log_metric=None, log_extra=None, *, url: str, model: str,
                 rubric: str | None = None, mode: str = "group", timeout: float = 60.0, retries: int = 2,
-                concurrency: int = 8, temperature: float = 0.0, run=None, **columns):
+                concurrency: int = 8, temperature: float = 0.0, run=None, group_size: int | None = None, **columns):
     """The built-in `judge` reward: each completion's score from the judge (reward.judge_*), or
     None. run: the run's train settings, whose output_dir holds the cache (read when called: a
     default folder is named once the run starts)."""
     run_dir = getattr(run, "output_dir", None)
-    settings = (url, model, rubric, mode, timeout, retries, concurrency, temperature, run_dir)
+    settings = (url, model, rubric, mode, timeout, retries, concurrency, temperature, run_dir, group_size)
     if settings not in _JUDGES:
-        _JUDGES[settings] = Judge(*settings[:-1], cache_dir=None if run_dir is None else Path(run_dir))
+        _JUDGES[settings] = Judge(*settings[:-2], cache_dir=None if run_dir is None else Path(run_dir),
+                                  group_size=group_size)
     noop = lambda *args: None  # noqa: E731 - called outside a run (no log)
     return await _JUDGES[settings].score(prompts, completions, log_metric or noop, log_extra or noop)

@@ -302,7 +302,7 @@ class ServerEngine:
                  seeds: Sequence[int] | None = None, images: list[tuple] | None = None) -> RolloutBatch:
         counts = group_counts(prompts, n)
         pngs = None if images is None else [[to_png(i) for i in row] for row in images]  # each prompt's, once
-        sampling = asdict(params)  # server.Sampling's fields
+        sampling = _sampling(params)
         answered: list[tuple[list[int], list[dict]]] = []  # (prompt indices, their completions)
         steps = set()
         todo = list(range(len(prompts)))
@@ -347,7 +347,7 @@ class ServerEngine:
         up = self.up
         if not up:
             raise RolloutServerError(f"every rollout server is down: {self.last_error}")
-        sampling = asdict(params)  # server.Sampling's fields
+        sampling = _sampling(params)
         starts = [sum(counts[:i]) for i in range(len(counts) + 1)]
         shares = [range(starts[len(counts) * k // len(up)], starts[len(counts) * (k + 1) // len(up)])
                   for k in range(len(up))]
@@ -399,6 +399,11 @@ class ServerEngine:
     def close(self) -> None:
         for server in self.servers:
             server.close()
+
+
+def _sampling(params: SamplingParams) -> dict:
+    """server.Sampling's fields; top_logprobs only when asked, so a server from before it takes the rest."""
+    return {k: v for k, v in asdict(params).items() if not (k == "top_logprobs" and v == 0)}
 
 
 def _concurrently(fn, jobs: dict) -> dict:

@@ -51,19 +51,20 @@ class PromptEncoder:
         return encode_prompt(self.tokenizer, prompt, self.max_length, self.schemas)
 
     def ids(self, example, max_length: int | None) -> list[int]:
+        where = f"{example.where}: " if getattr(example, "where", None) else ""  # a dataset row's file and line
         if self.vision is None:
             parts = not isinstance(example.prompt, str) and any(isinstance(m["content"], list) for m in example.prompt)
             if example.images or parts:  # only the row tells (a dataset's rows are all read at start-up)
                 what = f"{len(example.images)} image(s) (data column image / images)" if example.images else \
                     "messages whose content is a list of parts"
-                raise ConfigError(f"a prompt has {what}, and the model is a text model: train a vision-language model "
+                raise ConfigError(f"{where}a prompt has {what}, and the model is a text model: train a vision-language model "
                                   "on it (docs/vision.md), or give text content and no images "
                                   f"(the prompt: {str(example.prompt)[:120]!r})")
             return encode_prompt(self.tokenizer, example.prompt, max_length, self.schemas)
         try:
             ids = self.vision.encode(example.prompt, example.images, self.schemas)
         except ValueError as e:  # e.g. the processor's image token written in the text: a place for a missing image
-            raise ConfigError(f"the model's processor cannot encode the prompt: {e} (the prompt: "
+            raise ConfigError(f"{where}the model's processor cannot encode the prompt: {e} (the prompt: "
                               f"{str(example.prompt)[:120]!r})") from None
         if max_length is not None and len(ids) > max_length:
             if self.vision.image_tokens(ids[:-max_length]):

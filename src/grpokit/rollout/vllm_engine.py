@@ -5,7 +5,8 @@ with vLLM's offline `LLM` API. Needs a GPU and `pip install 'grpokit[vllm]'`.
   what it samples depends on its seed alone, as with every engine (rollout/protocols.py); vLLM's
   prefix cache computes the prompt they share once. Greedy requests (no seeds) ask for `n`
   completions of a prompt in one request.
-- Log-probs: `SamplingParams(logprobs=0)` returns the sampled token's log-prob, and the engine is
+- Log-probs: `SamplingParams(logprobs=0)` returns the sampled token's log-prob (`logprobs=k`: and
+  the k most likely, an agent's request's top_logprobs), and the engine is
   built with `logprobs_mode="processed_logprobs"`, so it is the log-prob under the distribution
   actually sampled from (after temperature, min-p, top-k, top-p), the trainer's `sampling_logps`. vLLM's
   kernels differ from the trainer's, so these differ from the trainer's log-probs: the trainer

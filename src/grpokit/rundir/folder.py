@@ -40,7 +40,9 @@ RESUMABLE_CHANGES = frozenset({
     "train.max_steps", "train.eval_every", "train.save_every", "train.keep_checkpoints", "train.resume",
     "train.micro_batch_size", "train.max_skipped_steps", "train.output_dir", "monitor.tensorboard",
     "monitor.log_completions", "monitor.wandb", "monitor.wandb_project", "monitor.trackio", "monitor.trackio_project",
-    "rollout.server_url", "rollout.server_timeout",
+    "rollout.server_url", "rollout.server_timeout", "distill.timeout",
+    # a judge that moved, or answers more slowly: the same scores asked elsewhere
+    "reward.judge_url", "reward.judge_timeout", "reward.judge_retries", "reward.judge_concurrency",
     "train.logprob_chunk_size", "model.gradient_checkpointing",  # memory knobs: the same math
     "reward.timeout",  # set to end a hang: a call that returns in time returns the same
 })

@@ -106,13 +106,14 @@ class Scorer:
         else:  # no reward function: a teacher's per-token signal alone (distill.teacher)
             advantages = torch.zeros_like(rewarded.rewards)
         advantages = advantages[self.rows if rows is None else rows]  # (n,)
-        # With no KL term, a completion with advantage exactly 0 adds exactly 0 to the loss, its
+        # With no KL term (nor a per-token term), a completion with advantage exactly 0 adds exactly 0 to the loss, its
         # gradient and the clip metrics: it needs no forward/backward at all; a completion whose
         # tokens all leave the loss (a masked truncated one) adds 0 with any beta. Sharded weights
         # need every process in every forward (training/sharding.py), so there every row runs.
         active = torch.ones_like(advantages, dtype=torch.bool)  # (n,)
         if not self.lockstep:
-            if a.beta == 0 and self.config.distill.teacher is None:  # (a teacher's signal is per token)
+            # (an entropy bonus and a teacher's signal are per token: every row has a gradient)
+            if a.beta == 0 and a.entropy_coef == 0 and self.config.distill.teacher is None:
                 active &= advantages != 0
             active &= loss_mask(batch.trained_mask, batch.finish_reasons, a.mask_truncated_completions).cpu().any(-1)
         return Scored(rewarded.rewards, rewarded.per_function, advantages.to(self.device), active, rewarded.samples,

@@ -149,6 +149,9 @@ def row_images(row: dict, where: str, base: Path | None) -> tuple:
     if len(present) == 2:
         raise DataError(f"{where}: both an 'image' and an 'images' column; give the images in one")
     value = row[present[0]]
+    if present[0] == "image" and isinstance(value, (list, tuple)):
+        raise DataError(f"{where}: the 'image' column holds one image, and this row's holds a list of "
+                        f"{len(value)}: name the column 'images' for several (TRL's name)")
     values = list(value) if present[0] == "images" and isinstance(value, (list, tuple)) else [value]
     return tuple(open_image(v, base, where) for v in values)
 
@@ -198,7 +201,7 @@ def to_example(row: dict, where: str, cfg: DataConfig, base: Path | None = None)
         if row.get(cfg.answer_column) in (None, ""):
             raise DataError(f"{where}: no value in column {cfg.answer_column!r} (data.answer_column; null if none)")
         columns["answer"] = row[cfg.answer_column]  # what the built-in rewards read
-    return Example(prompt=prompt, columns=columns, images=images)
+    return Example(prompt=prompt, columns=columns, images=images, where=where)
 
 
 def _place_images(prompt, count: int, where: str, cfg: DataConfig):
@@ -266,12 +269,13 @@ class DatasetTask:
             raise DataError(f"{path}: no rows")
         if cfg.max_prompt_length is None:
             return examples
-        kept, dropped, truncated = [], 0, 0
+        kept, dropped, truncated, shortest = [], 0, 0, (float("inf"), 0)
         for (where, _), e in zip(rows, examples):
             try:
                 length = prompt_length(e)
             except ConfigError as error:  # the prompt's own message, with the row named
-                raise DataError(f"{where}: {error}") from None
+                raise DataError(str(error) if str(error).startswith(f"{where}: ") else f"{where}: {error}") from None
+            shortest = min(shortest, (length, len(e.images)))
             if length <= cfg.max_prompt_length:
                 kept.append(e)
             elif cfg.long_prompts == "drop":
@@ -290,7 +294,9 @@ class DatasetTask:
             self.notes.append(f"{path}: truncated {truncated} of {len(examples)} prompts to their last "
                               f"{cfg.max_prompt_length} tokens (data.long_prompts=truncate)")
         if not kept:
-            raise DataError(f"{path}: every prompt is longer than data.max_prompt_length={cfg.max_prompt_length}")
+            images = f", {shortest[1]} image(s) among them" if shortest[1] else ""
+            raise DataError(f"{path}: every prompt is longer than data.max_prompt_length={cfg.max_prompt_length}: the "
+                            f"shortest is {shortest[0]} tokens{images}")
         return kept
 
     def train_example(self, index: int) -> Example:

@@ -17,6 +17,7 @@ class Example:
     prompt: list[dict[str, str]] | str  # chat messages (rendered with the chat template) or plain text
     columns: dict = field(default_factory=dict)  # passed to reward functions (e.g. answer=...)
     images: tuple = ()  # RGB PIL images, one per {"type": "image"} part of the prompt, in order (models/vision.py)
+    where: str | None = field(default=None, compare=False)  # a dataset row's file and line, for messages about it
 
 
 def stream_from(task, start: int = 0) -> Iterator[Example]:
