@@ -258,12 +258,11 @@ def test_models_that_use_token_ids_beyond_the_lookup_get_whole_model_passes(tiny
     assert not check_inputs_embeds(model)
 
 
-@pytest.mark.parametrize("variant", [{}, dict(chunk_size=3), dict(share_prompt=False), dict(whole_model=True),
-                                     "packed", "packed-chunk2"])
+@pytest.mark.parametrize("variant", [{}, dict(chunk_size=3), dict(whole_model=True), "packed-chunk2"])
 def test_the_entropies_beside_the_logprobs_are_each_distribution_s_from_the_same_logits(tiny, float64, variant):
     """algorithm.entropy_coef's entropies: -sum_v p log p of softmax(logits / temperature) at each
     completion position, against one unpadded float64 sequence at a time, token by token; every
-    pass (shared prompt, chunked, whole sequences, a whole-model call, packed) gives the same values
+    pass (shared prompt, chunked, a whole-model call, packed and chunked) gives the same values
     and the same gradients for a loss of log-probs and entropies both; the log-probs are those of
     the pass without entropies."""
     from grpokit.models.logprobs import packed_logprobs
