@@ -69,7 +69,8 @@ def main() -> None:
     for name, wall in walls.items():
         step, minutes, last = found[name] = reached(args.out / name, args.target)
         print(f"| {name} | {step if step is not None else 'not reached'} | "
-              f"{'-' if minutes is None else f'{minutes:.1f}'} | {wall / 60:.1f} | {last:.2f} |")
+              f"{'-' if minutes is None else f'{minutes:.1f}'} | {'-' if wall != wall else f'{wall / 60:.1f}'} | "
+              f"{last:.2f} |")  # (a run read, not run: no wall time)
     for seed in args.seeds:
         (gs, gm, _), (ds, dm, _) = found[f"grpo-{seed}"], found[f"distill-{seed}"]
         if None not in (gs, ds):
