@@ -292,7 +292,9 @@ def test_two_processes_compute_the_one_process_update_of_every_variant(tmp_path)
     """Each variant of VARIANTS and a teacher's, its one group split across the two processes (2 completions each,
     in one micro-batch; several updates a step, several groups, and micro-batches accumulated on
     each of two processes are test_two_processes_compute_the_one_process_update's)."""
-    variants = {**VARIANTS, "distill": [f"distill.teacher={another_teacher(tmp_path / 'teacher', scale=5.0)}"]}
+    teacher = f"distill.teacher={another_teacher(tmp_path / 'teacher', scale=5.0)}"
+    # (multi_turn: a tool result inside each completion, which the teacher's signal leaves out)
+    variants = {**VARIANTS, "distill": [teacher], "distill-multi-turn": [teacher, "multi_turn"]}
     cases = [["train.prompts_per_step=1", "rollout.num_generations=4", "train.micro_batch_size=2", "ragged",
               *VARIANT_KNOBS, *variants[v]] for v in variants]
     one, two = run_worker(tmp_path, "learn-each", cases)
