@@ -301,14 +301,23 @@ def test_more_image_parts_than_images_is_an_error_naming_the_row(tmp_path, make_
         make_trainer("idefics3", f"data.path={data}")
 
 
-@pytest.mark.parametrize("build", ["idefics3", "qwen2.5-vl"])
-def test_an_image_token_written_in_a_row_s_text_is_an_error_naming_the_row(tmp_path, make_trainer, build):
-    """The processor reads its image token in the text as a place for an image the row does not have."""
+@pytest.mark.parametrize("build, length", [("idefics3", "512"), ("qwen2.5-vl", "512"), ("idefics3", "null")])
+def test_an_image_token_written_in_a_row_s_text_is_an_error_naming_the_row(tmp_path, make_trainer, build, length):
+    """The processor reads its image token in the text as a place for an image the row does not have;
+    with data.max_prompt_length or without."""
     token = {"idefics3": "<image>", "qwen2.5-vl": "<|image_pad|>"}[build]
     data = tmp_path / "literal.jsonl"
     data.write_text("".join(json.dumps({"prompt": text, "answer": "1"}) + "\n" for text in ("fine", f"a {token} b")))
-    with pytest.raises(DataError, match=r"literal\.jsonl:line 2: the model's processor cannot encode the prompt"):
-        make_trainer(build, f"data.path={data}", "train.prompts_per_step=1", "data.max_prompt_length=512")
+    with pytest.raises(ConfigError, match=r"literal\.jsonl:line 2: the model's processor cannot encode the prompt.*"
+                                          r"remove it from the text, or give the row its image"):
+        make_trainer(build, f"data.path={data}", "train.prompts_per_step=1", f"data.max_prompt_length={length}")
+
+
+def test_tools_with_a_vision_model_are_refused_before_a_tools_template_is_asked_for(make_trainer):
+    """Qwen2.5-VL's template here cannot express tools: the unsupported combination is what is said."""
+    with pytest.raises(ConfigError, match="multi-turn rollouts .* with a vision-language model are not supported") as e:
+        make_trainer("qwen2.5-vl", "rollout.tools=[calculator]")
+    assert "template" not in str(e.value)
 
 
 def test_a_prompt_whose_images_do_not_fit_is_an_error_or_left_out(tmp_path, make_trainer):
@@ -320,6 +329,10 @@ def test_a_prompt_whose_images_do_not_fit_is_an_error_or_left_out(tmp_path, make
                            "train.prompts_per_step=1")
     assert len(trainer.task.train_examples) == 2
     assert any("dropped 1 of 3 prompts" in note for note in trainer.task.notes)
+    imaged = write_rows(tmp_path, [ROWS[2], ROWS[0]])
+    with pytest.raises(DataError, match=r"every prompt is longer than data\.max_prompt_length=2: the shortest is "
+                                        r"(\d+) tokens, ([1-9]\d*) of them for its 1 image\(s\) \(.*rows\.jsonl:line 2\)"):
+        make_trainer("idefics3", f"data.path={imaged}", "data.max_prompt_length=2", "data.long_prompts=drop")
 
 
 def test_a_vision_model_needs_its_processor(tmp_path, monkeypatch):

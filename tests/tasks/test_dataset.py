@@ -100,8 +100,8 @@ def test_long_prompts_dropped_or_truncated_with_a_count(tmp_path):
     assert dropped.notes == [f"{path}: dropped 4 of 10 prompts longer than data.max_prompt_length=6 tokens"]
     kept = DatasetTask(DataConfig(path=path, eval_size=0, max_prompt_length=6, long_prompts="truncate"), 0, length)
     assert len(kept.train_examples) == 10 and "truncated 4 of 10" in kept.notes[0]
-    with pytest.raises(DataError, match="every prompt is longer than data.max_prompt_length=1: the shortest is 3 "
-                                        "tokens$"):
+    with pytest.raises(DataError, match=r"every prompt is longer than data.max_prompt_length=1: the shortest is 3 "
+                                        r"tokens \(.*:line 1\)$"):
         DatasetTask(DataConfig(path=path, eval_size=0, max_prompt_length=1), 0, lambda e: len(e.prompt[0]["content"]) + 2)
 
 

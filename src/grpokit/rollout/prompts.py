@@ -45,6 +45,10 @@ class PromptEncoder:
         """How many tokens `example`'s prompt has, uncut (what data.max_prompt_length is compared with)."""
         return len(self.ids(example, None))
 
+    def image_tokens(self, example) -> int:
+        """How many of `example`'s prompt tokens are its images'."""
+        return 0 if self.vision is None else self.vision.image_tokens(self.ids(example, None))
+
     def messages(self, prompt: list[dict] | str) -> list[int]:
         """The token ids of a prompt given as messages (or plain text): a conversation's, with the
         text an environment's reset() appended."""
@@ -65,7 +69,9 @@ class PromptEncoder:
             ids = self.vision.encode(example.prompt, example.images, self.schemas)
         except ValueError as e:  # e.g. the processor's image token written in the text: a place for a missing image
             raise ConfigError(f"{where}the model's processor cannot encode the prompt: {e} (the prompt: "
-                              f"{str(example.prompt)[:120]!r})") from None
+                              f"{str(example.prompt)[:120]!r}). An image token written in a prompt's text is a place "
+                              "for an image: remove it from the text, or give the row its image (data column image / "
+                              "images)") from None
         if max_length is not None and len(ids) > max_length:
             if self.vision.image_tokens(ids[:-max_length]):
                 raise ValueError(f"a prompt of {len(ids)} tokens with {len(example.images)} image(s) is over "

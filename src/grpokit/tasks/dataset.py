@@ -223,12 +223,14 @@ def _place_images(prompt, count: int, where: str, cfg: DataConfig):
 
 
 class DatasetTask:
-    """A dataset (data.path) as a task; `prompt_length(example)` counts a prompt's tokens."""
+    """A dataset (data.path) as a task; `prompt_length(example)` counts a prompt's tokens, and
+    `image_tokens(example)` how many of them its images take (said when every prompt is too long)."""
 
     reward_functions = ()  # a dataset brings no rewards of its own: reward.functions names them
 
-    def __init__(self, cfg: DataConfig, seed: int, prompt_length: Callable[[Example], int]):
-        self.seed = seed
+    def __init__(self, cfg: DataConfig, seed: int, prompt_length: Callable[[Example], int],
+                 image_tokens: Callable[[Example], int] = lambda example: 0):
+        self.seed, self._image_tokens = seed, image_tokens
         self.notes: list[str] = []  # what loading did that the user should know (shown at start)
         examples = self._load(cfg.path, cfg, prompt_length)
         if cfg.eval_path:
@@ -269,13 +271,13 @@ class DatasetTask:
             raise DataError(f"{path}: no rows")
         if cfg.max_prompt_length is None:
             return examples
-        kept, dropped, truncated, shortest = [], 0, 0, (float("inf"), 0)
+        kept, dropped, truncated, shortest = [], 0, 0, (float("inf"), "", None)
         for (where, _), e in zip(rows, examples):
             try:
                 length = prompt_length(e)
             except ConfigError as error:  # the prompt's own message, with the row named
                 raise DataError(str(error) if str(error).startswith(f"{where}: ") else f"{where}: {error}") from None
-            shortest = min(shortest, (length, len(e.images)))
+            shortest = min(shortest, (length, where, e), key=lambda s: s[0])
             if length <= cfg.max_prompt_length:
                 kept.append(e)
             elif cfg.long_prompts == "drop":
@@ -294,9 +296,11 @@ class DatasetTask:
             self.notes.append(f"{path}: truncated {truncated} of {len(examples)} prompts to their last "
                               f"{cfg.max_prompt_length} tokens (data.long_prompts=truncate)")
         if not kept:
-            images = f", {shortest[1]} image(s) among them" if shortest[1] else ""
+            length, where, example = shortest
+            images = f", {self._image_tokens(example)} of them for its {len(example.images)} image(s)" if example.images \
+                else ""
             raise DataError(f"{path}: every prompt is longer than data.max_prompt_length={cfg.max_prompt_length}: the "
-                            f"shortest is {shortest[0]} tokens{images}")
+                            f"shortest is {length} tokens{images} ({where})")
         return kept
 
     def train_example(self, index: int) -> Example:

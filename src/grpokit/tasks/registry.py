@@ -52,15 +52,16 @@ def tool_names(config) -> list[str]:
     return list(getattr(_task_class(data.task), "tools", ()))
 
 
-def make_task(data, seed: int, prompt_length):
+def make_task(data, seed: int, prompt_length, image_tokens=lambda example: 0):
     """The task for `data` (a DataConfig): a dataset when data.path is set, else a built-in task.
 
-    prompt_length(example) counts a prompt's tokens (for data.max_prompt_length).
+    prompt_length(example) counts a prompt's tokens (for data.max_prompt_length), image_tokens(example)
+    how many of them are its images'.
     """
     if data.path is not None:
         from grpokit.tasks.dataset import DatasetTask
 
-        return DatasetTask(data, seed=seed, prompt_length=prompt_length)
+        return DatasetTask(data, seed=seed, prompt_length=prompt_length, image_tokens=image_tokens)
     from grpokit.tasks import reasoning_gym, textarena, verifiers
 
     if data.task.startswith(verifiers.PREFIX):

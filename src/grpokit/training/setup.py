@@ -74,7 +74,7 @@ def prepare(config: Config, tokenizer=None, model_name: str | None = None, model
     if vision is not None and config.model.chat_template:  # the template prompts are rendered with
         vision.processor.chat_template = tokenizer.chat_template
     encoder = PromptEncoder(tokenizer, None if tools is None else tools.schemas, config.data.max_prompt_length, vision)
-    task = make_task(config.data, config.train.seed, encoder.length)
+    task = make_task(config.data, config.train.seed, encoder.length, encoder.image_tokens)
     kind = kinds.kind_of(config, tools)
     if train:
         first = next(task.train_stream())

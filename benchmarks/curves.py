@@ -1,0 +1,253 @@
+"""Every learning curve the docs show, run again and printed beside the docs' own figures.
+
+    python benchmarks/curves.py --out runs/curves                  # all of them, one run after another
+    python benchmarks/curves.py --out runs/curves --only vision    # some: default, vision, verifiers, ...
+    python benchmarks/curves.py --list                             # what each would run; no training
+
+Each curve is a table in the docs (found by its rows' first cells) and the `grpokit train` runs
+that made it, one per seed. For every row, the docs' line is printed, then the same cells taken
+from the new run's metrics.jsonl. A run folder that already holds final/ is read, not run again,
+so an interrupted pass resumes where it stopped. The first line printed says where the new figures
+were measured (date, CPU model, threads, torch, transformers, grpokit's commit): the provenance a
+table in the docs states.
+
+RL curves move with the machine and the libraries (rounding differences grow step by step), so a
+curve that differs is not by itself a bug: a run is reproducible bit for bit on the same machine,
+thread count and versions. Not here: tables made by their own benchmark scripts (docs/math.md's
+variants: benchmarks/variants.py; docs/distillation.md: benchmarks/distill.py), which print their
+own tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# One cell of a row: (the run's metrics rows, the column's header) -> the figure, or None.
+Cell = Callable[[list[dict], str], "float | None"]
+
+
+def at_step(metric: str) -> Cell:
+    """The metric logged at the column's step (an evaluation's, or a training step's)."""
+    def cell(rows: list[dict], column: str) -> float | None:
+        step = int(column)
+        return next((r[metric] for r in rows if r.get("step") == step and metric in r), None)
+    return cell
+
+
+def over_steps(metric: str, how: Callable = statistics.fmean) -> Cell:
+    """The mean (or `how`) of a training metric over the column's steps, "a-b"."""
+    def cell(rows: list[dict], column: str) -> float | None:
+        first, last = (int(s) for s in column.split("-"))
+        values = [r[metric] for r in rows if first <= r.get("step", 0) <= last and metric in r and "step_time" in r]
+        return how(values) if values else None
+    return cell
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str  # the row's first cell in the docs, without Markdown emphasis
+    run: str  # the run it is read from: a key of RUNS
+    cell: Cell
+    fmt: str = ".2f"
+
+
+@dataclass(frozen=True)
+class Curve:
+    name: str
+    doc: str
+    rows: tuple[Row, ...]
+
+
+# Each run's `grpokit train` arguments (its folder under --out is its name); curves share runs.
+RUNS = {
+    "default-seed0": (),
+    "default-seed1": ("train.seed=1",),
+    "default-beta0.001": ("algorithm.beta=0.001",),
+    "vision-seed0": ("--config", "examples/vision.yaml"),
+    "vision-seed1": ("--config", "examples/vision.yaml", "train.seed=1"),
+    "verifiers-seed0": ("rollout.environment=verifiers:examples/verifiers_arithmetic.py:load_environment",),
+    "reasoning-gym-seed0": ("--config", "examples/reasoning_gym.yaml"),
+    "reasoning-gym-seed1": ("--config", "examples/reasoning_gym.yaml", "train.seed=1"),
+    "calculator-seed0": ("--config", "examples/calculator.yaml"),
+}
+EXACT = "eval/rewards/exact_answer/mean"
+GRAD_NORM = over_steps("grad_norm", statistics.median)
+CURVES = (
+    Curve("default", "README.md", (
+        Row("exact accuracy (`exact_answer`), seed 0", "default-seed0", at_step(EXACT)),
+        Row("exact accuracy (`exact_answer`), seed 1", "default-seed1", at_step(EXACT)),
+        Row("mean reply length (tokens), seed 0", "default-seed0", at_step("eval/completions/mean_length"), ".1f"))),
+    Curve("vision", "docs/vision.md", (
+        Row("seed 0", "vision-seed0", at_step("eval/reward")),
+        Row("seed 1", "vision-seed1", at_step("eval/reward")))),
+    Curve("grad-norm", "docs/monitoring.md", (
+        Row("seed 0, beta 0 (the run above)", "default-seed0", GRAD_NORM, ".3g"),
+        Row("seed 1, beta 0", "default-seed1", GRAD_NORM, ".3g"),
+        Row("seed 0, `algorithm.beta=0.001`", "default-beta0.001", GRAD_NORM, ".3g"))),
+    Curve("verifiers", "docs/agents.md", (
+        Row("exact accuracy", "verifiers-seed0", at_step("eval/agent/exact")),)),
+    Curve("reasoning-gym", "docs/tasks.md", (
+        Row("eval/reward (held out, greedy), seed 0", "reasoning-gym-seed0", at_step("eval/reward")),
+        Row("eval/reward (held out, greedy), seed 1", "reasoning-gym-seed1", at_step("eval/reward")),
+        Row("train reward (samples at T = 1), seed 0", "reasoning-gym-seed0", over_steps("reward")),
+        Row("train reward (samples at T = 1), seed 1", "reasoning-gym-seed1", over_steps("reward")))),
+    Curve("calculator", "docs/tools-and-environments.md", (
+        Row("train reward (accuracy of the samples, T = 1)", "calculator-seed0", at_step("reward"), ".3f"),
+        Row("`tools/calls_per_rollout`", "calculator-seed0", at_step("tools/calls_per_rollout")),
+        Row("`tools/failures_per_rollout`", "calculator-seed0", at_step("tools/failures_per_rollout")),
+        Row("`completions/clipped_ratio`", "calculator-seed0", at_step("completions/clipped_ratio")))),
+)
+
+
+# Every other table of measured figures in the docs: (doc, the first cell of one of its rows). Each
+# one, like each curve's, states in the text just above it where it was measured (provenance_gaps).
+TABLES = (
+    ("docs/agents.md", "OpenAI Agents SDK (Responses API) (`openai_agents_sdk.py:agent`)"),
+    ("docs/agents.md", "built-in"),
+    ("docs/distillation.md", "default GRPO run (the teacher's own run)"),
+    ("docs/math.md", "dapo"),
+    ("docs/scaling.md", "`rollout.max_staleness=0`"),
+    ("docs/speed-and-memory.md", "512"),
+    ("docs/speed-and-memory.md", "packed (`train.micro_batch_tokens=1024`)"),
+    ("docs/speed-and-memory.md", "default (neither setting)"),
+    ("docs/speed-and-memory.md", "step time, 10th-90th percentile (s)"),
+    ("docs/speed-and-memory.md", "TRL / grpokit, median step"),
+    ("docs/speed-and-memory.md", "dynamic"),
+    ("docs/tasks.md", "letter_counting"),
+    ("docs/tools-and-environments.md", "after 20 steps"),
+)
+# What a table's provenance names: the date, the machine (its CPU's threads, or its GPU), the two
+# libraries' versions, and the command (a `grpokit ...`, `python benchmarks/...` or `make ...`).
+PROVENANCE = {"a date": r"20\d\d-\d\d-\d\d", "the threads or the GPU": r"threads?\b|H100|H200",
+              "torch's version": r"torch \d", "transformers' version": r"transformers \d",
+              "the command": r"`(grpokit|python benchmarks/|make )|```bash"}
+
+
+def provenance_gaps(doc: str, label: str, seeded: bool) -> list[str]:
+    """What the text above the table holding the row `label` does not state (of PROVENANCE, and the
+    seed for a learning curve): the lines from the table up to the heading or table before it."""
+    lines = (ROOT / doc).read_text().splitlines()
+    found = [i for i, line in enumerate(lines) if line.startswith("|") and cells(line)[0] == label]
+    if len(found) != 1:
+        return [f"{len(found)} table rows labelled {label!r}"]
+    top = found[0]
+    while top > 0 and lines[top - 1].startswith("|"):
+        top -= 1
+    start = top
+    while start > 0 and not lines[start - 1].startswith(("#", "|")):
+        start -= 1
+    text = "\n".join(lines[start:top])
+    wanted = dict(PROVENANCE, **({"the seed": r"\bseeds?\b"} if seeded else {}))
+    return [name for name, pattern in wanted.items() if not re.search(pattern, text)]
+
+
+def cells(line: str) -> list[str]:
+    return [c.strip().replace("**", "") for c in line.strip().strip("|").split("|")]
+
+
+def doc_table(curve: Curve) -> dict[str, tuple[list[str], list[str]]]:
+    """Each of the curve's rows in the docs: its label -> (its table's column headers, its figures).
+
+    Raises if a row is not found once, or its cells do not line up with its table's header."""
+    lines = (ROOT / curve.doc).read_text().splitlines()
+    table = {}
+    for row in curve.rows:
+        found = [i for i, line in enumerate(lines) if line.startswith("|") and cells(line)[0] == row.label]
+        if len(found) != 1:
+            raise SystemExit(f"{curve.doc}: {len(found)} table rows labelled {row.label!r} (curve {curve.name}); "
+                             "benchmarks/curves.py and the docs disagree")
+        top = found[0]
+        while top > 0 and lines[top - 1].startswith("|"):
+            top -= 1
+        header, figures = cells(lines[top])[1:], cells(lines[found[0]])[1:]
+        if len(header) != len(figures):
+            raise SystemExit(f"{curve.doc}: the row {row.label!r} does not line up with its table's header")
+        table[row.label] = header, figures
+    return table
+
+
+def provenance() -> str:
+    """Where this pass measures: the fields a documented table states."""
+    import torch
+    import transformers
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown CPU") if Path("/proc/cpuinfo").exists() else "unknown CPU"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return (f"{datetime.date.today()}, {cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+            f"transformers {transformers.__version__}, grpokit at {commit or 'an unknown commit'}")
+
+
+def train(out: Path, arguments: tuple[str, ...]) -> float | None:
+    """`grpokit train` into `out`, unless it holds a finished run: the wall minutes, or None if read."""
+    if (out / "final").exists():
+        return None
+    start = time.monotonic()
+    subprocess.run([sys.executable, "-m", "grpokit", "train", "--no-progress", *arguments, f"train.output_dir={out}"],
+                   check=True, cwd=ROOT)
+    return (time.monotonic() - start) / 60
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def side_by_side(curve: Curve, out: Path) -> list[str]:
+    """The docs' rows and the new ones, one Markdown table per table of the docs."""
+    lines, header = [f"## {curve.name} ({curve.doc})"], None
+    for row, (columns, figures) in zip(curve.rows, doc_table(curve).values()):
+        if columns != header:
+            header = columns
+            lines += ["", "| row | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+        new = [row.cell(metrics(out / row.run), column) for column in columns]
+        lines.append(f"| docs: {row.label} | " + " | ".join(figures) + " |")
+        lines.append(f"| new: {row.label} | " + " | ".join("-" if v is None else f"{v:{row.fmt}}" for v in new) + " |")
+    return lines
+
+
+def runs_of(curves: list[Curve]) -> list[str]:
+    return list(dict.fromkeys(row.run for curve in curves for row in curve.rows))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="where the runs go (one folder per curve and seed)")
+    parser.add_argument("--only", nargs="+", choices=[c.name for c in CURVES], help="these curves only")
+    parser.add_argument("--list", action="store_true", help="print each curve's docs table and commands; run nothing")
+    args = parser.parse_args()
+    chosen = [c for c in CURVES if not args.only or c.name in args.only]
+    if args.list:
+        for curve in chosen:
+            print(f"{curve.name}: {curve.doc}, rows " + ", ".join(
+                f"{label!r} ({len(columns)} columns)" for label, (columns, _) in doc_table(curve).items()))
+            for run in runs_of([curve]):
+                print(f"  {run}: grpokit train {' '.join(RUNS[run])}".rstrip())
+        return
+    if args.out is None:
+        parser.error("--out is needed to run the curves (or --list)")
+    print(f"measured: {provenance()}")
+    for curve in chosen:
+        doc_table(curve)  # a curve the docs no longer show stops the pass before any training
+    walls = {run: train(args.out / run, RUNS[run]) for run in runs_of(chosen)}
+    for curve in chosen:
+        print("\n".join(side_by_side(curve, args.out)) + "\n")
+    for run, wall in walls.items():
+        steps = [r["step_time"] for r in metrics(args.out / run) if "step_time" in r]
+        print(f"{run}: {'read, not run' if wall is None else f'{wall:.1f} min wall'}, {len(steps)} steps, "
+              f"median step {statistics.median(steps):.1f} s")
+
+
+if __name__ == "__main__":
+    main()
