@@ -11,11 +11,13 @@ so an interrupted pass resumes where it stopped. The first line printed says whe
 were measured (date, CPU model, threads, torch, transformers, grpokit's commit): the provenance a
 table in the docs states.
 
+Two curves' tables are made by benchmark scripts of their own, with their own runs (docs/math.md's
+variants: benchmarks/variants.py; docs/distillation.md's student: benchmarks/distill.py): for
+those the docs' table is printed, then the table the script prints.
+
 RL curves move with the machine and the libraries (rounding differences grow step by step), so a
 curve that differs is not by itself a bug: a run is reproducible bit for bit on the same machine,
-thread count and versions. Not here: tables made by their own benchmark scripts (docs/math.md's
-variants: benchmarks/variants.py; docs/distillation.md: benchmarks/distill.py), which print their
-own tables.
+thread count and versions.
 """
 
 from __future__ import annotations
@@ -98,16 +100,32 @@ CURVES = (
         Row("seed 0, `algorithm.beta=0.001`", "default-beta0.001", GRAD_NORM, ".3g"))),
     Curve("verifiers", "docs/agents.md", (
         Row("exact accuracy", "verifiers-seed0", at_step("eval/agent/exact")),)),
-    Curve("reasoning-gym", "docs/tasks.md", (
-        Row("eval/reward (held out, greedy), seed 0", "reasoning-gym-seed0", at_step("eval/reward")),
-        Row("eval/reward (held out, greedy), seed 1", "reasoning-gym-seed1", at_step("eval/reward")),
-        Row("train reward (samples at T = 1), seed 0", "reasoning-gym-seed0", over_steps("reward")),
-        Row("train reward (samples at T = 1), seed 1", "reasoning-gym-seed1", over_steps("reward")))),
     Curve("calculator", "docs/tools-and-environments.md", (
         Row("train reward (accuracy of the samples, T = 1)", "calculator-seed0", at_step("reward"), ".3f"),
         Row("`tools/calls_per_rollout`", "calculator-seed0", at_step("tools/calls_per_rollout")),
         Row("`tools/failures_per_rollout`", "calculator-seed0", at_step("tools/failures_per_rollout")),
         Row("`completions/clipped_ratio`", "calculator-seed0", at_step("completions/clipped_ratio")))),
+    Curve("reasoning-gym", "docs/tasks.md", (
+        Row("eval/reward (held out, greedy), seed 0", "reasoning-gym-seed0", at_step("eval/reward")),
+        Row("eval/reward (held out, greedy), seed 1", "reasoning-gym-seed1", at_step("eval/reward")),
+        Row("train reward (samples at T = 1), seed 0", "reasoning-gym-seed0", over_steps("reward")),
+        Row("train reward (samples at T = 1), seed 1", "reasoning-gym-seed1", over_steps("reward")))),
+)
+
+
+@dataclass(frozen=True)
+class Script:
+    """A curve's table that a benchmark script makes: the docs' table, then the script's."""
+    name: str
+    doc: str
+    label: str  # the first cell of one of the docs' table's rows
+    command: tuple[str, ...]  # the script and its arguments, "{out}" its folder under --out
+
+
+SCRIPTS = (
+    Script("variants", "docs/math.md", "dapo", ("benchmarks/variants.py", "--out", "{out}")),
+    Script("distill", "docs/distillation.md", "default GRPO run (the teacher's own run)",
+           ("benchmarks/distill.py", "--out", "{out}", "--seeds", "0", "1")),
 )
 
 
@@ -116,8 +134,6 @@ CURVES = (
 TABLES = (
     ("docs/agents.md", "OpenAI Agents SDK (Responses API) (`openai_agents_sdk.py:agent`)"),
     ("docs/agents.md", "built-in"),
-    ("docs/distillation.md", "default GRPO run (the teacher's own run)"),
-    ("docs/math.md", "dapo"),
     ("docs/scaling.md", "`rollout.max_staleness=0`"),
     ("docs/speed-and-memory.md", "512"),
     ("docs/speed-and-memory.md", "packed (`train.micro_batch_tokens=1024`)"),
@@ -131,13 +147,13 @@ TABLES = (
 # What a table's provenance names: the date, the machine (its CPU's threads, or its GPU), the two
 # libraries' versions, and the command (a `grpokit ...`, `python benchmarks/...` or `make ...`).
 PROVENANCE = {"a date": r"20\d\d-\d\d-\d\d", "the threads or the GPU": r"threads?\b|H100|H200",
-              "torch's version": r"torch \d", "transformers' version": r"transformers \d",
+              "torch's version": r"torch\s+\d", "transformers' version": r"transformers\s+\d",
               "the command": r"`(grpokit|python benchmarks/|make )|```bash"}
 
 
 def provenance_gaps(doc: str, label: str, seeded: bool) -> list[str]:
     """What the text above the table holding the row `label` does not state (of PROVENANCE, and the
-    seed for a learning curve): the lines from the table up to the heading or table before it."""
+    seed for a learning curve): its 15 lines above the table, or fewer up to a heading or table."""
     lines = (ROOT / doc).read_text().splitlines()
     found = [i for i, line in enumerate(lines) if line.startswith("|") and cells(line)[0] == label]
     if len(found) != 1:
@@ -146,7 +162,7 @@ def provenance_gaps(doc: str, label: str, seeded: bool) -> list[str]:
     while top > 0 and lines[top - 1].startswith("|"):
         top -= 1
     start = top
-    while start > 0 and not lines[start - 1].startswith(("#", "|")):
+    while start > max(0, top - 15) and not lines[start - 1].startswith(("#", "|")):
         start -= 1
     text = "\n".join(lines[start:top])
     wanted = dict(PROVENANCE, **({"the seed": r"\bseeds?\b"} if seeded else {}))
@@ -217,6 +233,28 @@ def side_by_side(curve: Curve, out: Path) -> list[str]:
     return lines
 
 
+def docs_lines(doc: str, label: str) -> list[str]:
+    """The docs' table holding the row `label`, as its lines."""
+    lines = (ROOT / doc).read_text().splitlines()
+    found = [i for i, line in enumerate(lines) if line.startswith("|") and cells(line)[0] == label]
+    if len(found) != 1:
+        raise SystemExit(f"{doc}: {len(found)} table rows labelled {label!r}; benchmarks/curves.py and the docs disagree")
+    top = bottom = found[0]
+    while top > 0 and lines[top - 1].startswith("|"):
+        top -= 1
+    while bottom + 1 < len(lines) and lines[bottom + 1].startswith("|"):
+        bottom += 1
+    return lines[top:bottom + 1]
+
+
+def run_script(script: Script, out: Path) -> list[str]:
+    """Run `script` into out/<its name>: the docs' table, then what the script printed."""
+    command = [sys.executable, *(a.replace("{out}", str(out / script.name)) for a in script.command)]
+    printed = subprocess.run(command, check=True, cwd=ROOT, capture_output=True, text=True).stdout
+    return [f"## {script.name} ({script.doc}): the docs' table, then `{' '.join(script.command)}`'s", "",
+            *docs_lines(script.doc, script.label), "", printed.rstrip()]
+
+
 def runs_of(curves: list[Curve]) -> list[str]:
     return list(dict.fromkeys(row.run for curve in curves for row in curve.rows))
 
@@ -224,25 +262,33 @@ def runs_of(curves: list[Curve]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="where the runs go (one folder per curve and seed)")
-    parser.add_argument("--only", nargs="+", choices=[c.name for c in CURVES], help="these curves only")
+    parser.add_argument("--only", nargs="+", choices=[c.name for c in (*CURVES, *SCRIPTS)], help="these curves only")
     parser.add_argument("--list", action="store_true", help="print each curve's docs table and commands; run nothing")
     args = parser.parse_args()
     chosen = [c for c in CURVES if not args.only or c.name in args.only]
+    scripts = [s for s in SCRIPTS if not args.only or s.name in args.only]
     if args.list:
         for curve in chosen:
             print(f"{curve.name}: {curve.doc}, rows " + ", ".join(
                 f"{label!r} ({len(columns)} columns)" for label, (columns, _) in doc_table(curve).items()))
             for run in runs_of([curve]):
                 print(f"  {run}: grpokit train {' '.join(RUNS[run])}".rstrip())
+        for script in scripts:
+            print(f"{script.name}: {script.doc}, {len(docs_lines(script.doc, script.label)) - 2} rows\n"
+                  f"  python {' '.join(script.command)}")
         return
     if args.out is None:
         parser.error("--out is needed to run the curves (or --list)")
     print(f"measured: {provenance()}")
     for curve in chosen:
         doc_table(curve)  # a curve the docs no longer show stops the pass before any training
+    for script in scripts:
+        docs_lines(script.doc, script.label)
     walls = {run: train(args.out / run, RUNS[run]) for run in runs_of(chosen)}
     for curve in chosen:
         print("\n".join(side_by_side(curve, args.out)) + "\n")
+    for script in scripts:  # after the curves: the variants alone take hours
+        print("\n".join(run_script(script, args.out)) + "\n")
     for run, wall in walls.items():
         steps = [r["step_time"] for r in metrics(args.out / run) if "step_time" in r]
         print(f"{run}: {'read, not run' if wall is None else f'{wall:.1f} min wall'}, {len(steps)} steps, "

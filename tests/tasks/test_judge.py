@@ -141,6 +141,24 @@ def test_a_training_run_records_the_judge_s_scores_and_failures(tmp_path):
     assert (tmp_path / "run" / "judge_cache.0.jsonl").read_text().count("\n") == 1  # the one group answered
 
 
+def test_a_judge_that_never_answers_stops_the_run_with_its_reason(tmp_path, capsys):
+    """Every reply unparsable for UNSCORED_STEPS steps: the run stops (exit 1), and the message
+    gives the judge's first reason, not only that every value was None."""
+    from grpokit.cli import main
+
+    judge_server = ScriptedJudge(["text"] * 6)
+    try:
+        assert main(["train", "--no-progress", "model.name=tiny-random", "reward.functions=[judge]",
+                     f"reward.judge_url={judge_server.url}", "reward.judge_retries=0", "train.max_steps=4",
+                     "train.prompts_per_step=2", "rollout.num_generations=2", "rollout.max_completion_length=2",
+                     "data.eval_size=0", f"train.output_dir={tmp_path}/run"]) == 1
+    finally:
+        judge_server.stop()
+    err = capsys.readouterr().err
+    assert "scored no completion in 3 steps in a row (to step 3)" in err
+    assert "The first reason logged at step 3: judge: the reply is not JSON" in err
+
+
 @pytest.mark.process
 def test_grpokit_serve_is_a_judge_whose_unparsable_replies_are_counted(server):
     """`grpokit serve` with the bundled model answers plain chat completions at /v1; as a judge (a

@@ -25,6 +25,13 @@ def test_every_curve_is_in_the_docs_and_says_where_it_was_measured(curve):
         assert len(columns) == len(figures) > 0
 
 
+@pytest.mark.parametrize("script", curves.SCRIPTS, ids=lambda s: s.name)
+def test_every_curve_a_script_makes_is_in_the_docs_and_says_where_it_was_measured(script):
+    assert len(curves.docs_lines(script.doc, script.label)) > 2
+    assert (curves.ROOT / script.command[0]).is_file()
+    assert curves.provenance_gaps(script.doc, script.label, seeded=True) == [], (script.doc, script.label)
+
+
 @pytest.mark.parametrize("doc, label", curves.TABLES)
 def test_every_other_table_of_figures_says_where_it_was_measured(doc, label):
     assert curves.provenance_gaps(doc, label, seeded=False) == [], (doc, label)

@@ -3,6 +3,9 @@ signal (the weights do not move), a teacher of another vocabulary and the settin
 are refused by name. The formula and its sign: tests/algorithm/test_loss_variants.py; micro-batches
 and processes: tests/training/test_distributed.py."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -34,14 +37,22 @@ def test_a_teacher_equal_to_the_student_gives_no_signal_and_leaves_the_weights_a
 
 
 def test_another_teacher_gives_each_token_its_signal(tmp_path):
-    """A teacher whose weights differ: the reverse KL is measured, and the update moves the weights."""
+    """A teacher whose weights differ: the reverse KL is measured, the update moves the weights, and
+    completions.jsonl holds each sampled token's teacher log-prob and reverse KL, whose mean over
+    the step's tokens is the step's distill/reverse_kl."""
     teacher = another_teacher(tmp_path / "teacher", scale=5.0)
-    trainer = Trainer(load_config(None, [*RUN, f"distill.teacher={teacher}", f"train.output_dir={tmp_path}/run"]),
-                      progress=False)
+    trainer = Trainer(load_config(None, [*RUN, f"distill.teacher={teacher}", f"train.output_dir={tmp_path}/run",
+                                         "monitor.log_completions=1"]), progress=False)
     start = [p.detach().clone() for p in trainer.policy.parameters()]
     row = trainer.train_step(1)
     assert row["distill/reverse_kl"] != 0 and row["grad_norm"] > 0 and row["reward"] == 0
     assert not all(torch.equal(a, b) for a, b in zip(start, trainer.policy.parameters()))
+    records = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert len(records) == 8  # 2 prompts x 4, each with its tokens' values (at most max_completion_length=8)
+    assert all(8 >= len(r["teacher_logprobs"]) == len(r["reverse_kl"]) > 0 for r in records)
+    assert all(t <= 0 for r in records for t in r["teacher_logprobs"])
+    every = [v for r in records for v in r["reverse_kl"]]
+    assert sum(every) / len(every) == pytest.approx(row["distill/reverse_kl"], abs=1e-3)
 
 
 def test_a_teacher_of_another_vocabulary_is_refused_with_both_names(tmp_path):
@@ -99,3 +110,29 @@ def test_a_teacher_on_a_server_scores_as_the_one_in_process_and_its_death_stops_
     s.kill()
     with pytest.raises(RuntimeError, match=f"the teacher at {s.url} \\(distill.teacher\\) cannot be reached"):
         remote.train_step(2)
+
+
+def test_a_run_with_a_teacher_resumes_bit_for_bit(tmp_path):
+    """The teacher holds no state: it is loaded again from the config, and a run stopped after step 1
+    then resumed is the uninterrupted 2-step run (metrics, checkpoints, final weights)."""
+    import runpy
+
+    differences = runpy.run_path(str(Path(__file__).parents[2] / "tools" / "compare_runs.py"))["differences"]
+    teacher = another_teacher(tmp_path / "teacher", scale=5.0)
+    run = [*RUN, f"distill.teacher={teacher}", "train.save_every=1"]
+    assert main(["train", "--no-progress", *run, "train.max_steps=2", f"train.output_dir={tmp_path}/whole"]) == 0
+    for steps in (1, 2):
+        assert main(["train", "--no-progress", *run, f"train.max_steps={steps}", f"train.output_dir={tmp_path}/cut"]) == 0
+    assert differences(tmp_path / "whole", tmp_path / "cut") == []
+
+
+def test_a_vision_teacher_scores_with_the_prompts_images(tmp_path):
+    """The student as its own teacher on the picture task: the teacher's passes see each prompt's
+    images (without them its log-probs would differ from the student's), so the signal is 0."""
+    from support.runs import metric_rows
+
+    vision = Path(__file__).parents[2] / "examples" / "vision.yaml"
+    assert main(["train", "--no-progress", "--config", str(vision), "model.name=tiny-random-vlm",
+                 "distill.teacher=tiny-random-vlm", "train.max_steps=1", "data.eval_size=0", "train.prompts_per_step=1",
+                 "rollout.num_generations=2", f"train.output_dir={tmp_path}/run"]) == 0
+    assert [r["distill/reverse_kl"] for r in metric_rows(tmp_path / "run") if "loss" in r] == [0.0]

@@ -34,6 +34,21 @@ def load_teacher(name: str, policy_name: str, policy_tokenizer, dtype: str, devi
     return LocalTeacher(_load(name, policy_name, policy_tokenizer, dtype, device))
 
 
+def token_records(batch, active: torch.Tensor, old_logps: torch.Tensor, teacher_logps: torch.Tensor) -> list[dict]:
+    """Each completion's per-token teacher values as completions.jsonl records them: on the tokens
+    the model sampled (tool results left out), in order, the teacher's log-prob and the reverse KL
+    estimate the loss uses (student before the update minus teacher). A row with no pass (a failed
+    rollout) gets none."""
+    mask = batch.trained_mask.bool() & active.view(-1, 1)  # (n, T)
+    records = []
+    for row_mask, old, teacher in zip(mask, old_logps.tolist(), teacher_logps.tolist()):
+        keep = row_mask.tolist()
+        records.append({} if not any(keep) else {
+            "teacher_logprobs": [round(t, 4) for t, k in zip(teacher, keep) if k],
+            "reverse_kl": [round(o - t, 4) for o, t, k in zip(old, teacher, keep) if k]})
+    return records
+
+
 class LocalTeacher:
     """A teacher model in this process."""
 

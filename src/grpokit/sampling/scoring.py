@@ -33,6 +33,15 @@ class Scored:
     logged: dict[str, list[tuple]] = field(default_factory=dict)  # this process's log_metric (value, completions) pairs (rewards.RewardLog)
     failed: torch.Tensor | None = None  # (N,) bool, the whole step's: rollouts that failed (no reward, whatever the functions say)
 
+    def first_error(self) -> str | None:
+        """The first reason a reward function logged for a completion it did not score: a
+        `log_extra` record {"error": ...} (the judge's), as "<column>: <reason>"; None without one."""
+        for sample in self.samples:
+            for column, value in sample.items():
+                if isinstance(value, dict) and value.get("error"):
+                    return f"{column}: {value['error']}"
+        return None
+
     @property
     def any_scored(self) -> bool:
         """Whether some reward function scored some completion of the step."""

@@ -72,7 +72,7 @@ from grpokit.config.schema import Config
 from grpokit.models.loading import load_policy, save_model
 from grpokit.models.logprobs import LogProbs, check_inputs_embeds, chunk_size
 from grpokit.models.vision import check_vision
-from grpokit.models.teacher import load_teacher
+from grpokit.models.teacher import load_teacher, token_records
 from grpokit.rewards.reward_set import RewardError
 from grpokit.rollout.batch import RolloutBatch
 from grpokit.rundir.checkpoint import (checkpoint_bytes, link_model_files, load_state, load_weights, rng_state,
@@ -305,7 +305,9 @@ class Trainer:
 
         every = self.config.monitor.log_completions
         if every and step % every == 0:
-            self.monitor.completions(step, distributed.gather_lists(scored.samples))
+            samples = scored.samples if teacher_logps is None else [  # the teacher's per-token values beside
+                {**s, **t} for s, t in zip(scored.samples, token_records(batch, scored.active, old_logps, teacher_logps))]
+            self.monitor.completions(step, distributed.gather_lists(samples))
         logged = distributed.means(scored.logged)  # the reward functions' log_metric values
         self.count_step(step, tokens, scored, stats, sampled.drawn)
         times = torch.tensor([t_generate, t_logprobs, t_update, stats.time_optimizer, time.perf_counter() - start])
@@ -331,9 +333,11 @@ class Trainer:
             return
         in_a_row = self.progress.unscored_in_a_row + 1
         names = ", ".join(self.rewards.names)
+        why = scored.first_error()  # e.g. the judge's reason, from what it logged for each completion
         if in_a_row >= UNSCORED_STEPS:
             raise RewardError(f"the reward functions ({names}) scored no completion in {in_a_row} steps in a row "
-                              f"(to step {step}): every value was None. Check what they return for this data.")
+                              f"(to step {step}): every value was None. Check what they return for this data."
+                              + (f" The first reason logged at step {step}: {why}" if why else ""))
         self.monitor.write(f"step {step}: the reward functions ({names}) scored none of the {len(scored.rewards)} "
                            f"completions (every value None): nothing to learn from; {UNSCORED_STEPS} such steps in a "
                            "row stop the run")
