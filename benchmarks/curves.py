@@ -124,7 +124,7 @@ class Script:
 
 SCRIPTS = (
     Script("variants", "docs/math.md", "dapo", ("benchmarks/variants.py", "--out", "{out}")),
-    Script("distill", "docs/distillation.md", "default GRPO run (the teacher's own run)",
+    Script("distill", "docs/distillation.md", "default GRPO run, seed 0 (the teacher's own run)",
            ("benchmarks/distill.py", "--out", "{out}", "--seeds", "0", "1")),
 )
 
