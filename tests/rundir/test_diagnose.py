@@ -60,7 +60,7 @@ def test_grad_norm_growing_as_learning_starts_is_not_an_alert(tmp_path, capsys):
         rows = [json.loads(line) for line in (results / f"{name}.metrics.jsonl").read_text().splitlines()]
         train = [r for r in rows if "loss" in r]
         early, later = (statistics.median(r["grad_norm"] for r in part) for part in (train[:20], train[40:60]))
-        assert later > 1.5 * early, name  # it does grow over the first steps (1.9x to 2.7x in these runs)
+        assert later > 1.5 * early, name  # it does grow over the first steps (1.9x to 3.1x in these runs)
         assert "grad_norm" not in [first.kind for first, _ in diagnose(rows, facts)], name
     rng = random.Random(0)
     starting = [{**healthy_row(step, rng), "grad_norm": 0.3 if step <= 20 else 1.0}
