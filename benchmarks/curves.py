@@ -153,7 +153,8 @@ PROVENANCE = {"a date": r"20\d\d-\d\d-\d\d", "the threads or the GPU": r"threads
 
 def provenance_gaps(doc: str, label: str, seeded: bool) -> list[str]:
     """What the text above the table holding the row `label` does not state (of PROVENANCE, and the
-    seed for a learning curve): its 15 lines above the table, or fewer up to a heading or table."""
+    seed for a learning curve): its 15 lines above the table, or fewer up to a heading or table;
+    tables one after the other, with only blank lines between, share the text above the first."""
     lines = (ROOT / doc).read_text().splitlines()
     found = [i for i, line in enumerate(lines) if line.startswith("|") and cells(line)[0] == label]
     if len(found) != 1:
@@ -161,9 +162,15 @@ def provenance_gaps(doc: str, label: str, seeded: bool) -> list[str]:
     top = found[0]
     while top > 0 and lines[top - 1].startswith("|"):
         top -= 1
-    start = top
-    while start > max(0, top - 15) and not lines[start - 1].startswith(("#", "|")):
-        start -= 1
+    while True:
+        start = top
+        while start > max(0, top - 15) and not lines[start - 1].startswith(("#", "|")):
+            start -= 1
+        if not (start > 0 and lines[start - 1].startswith("|") and not "".join(lines[start:top]).strip()):
+            break
+        top = start - 1  # a table right above, nothing but blank lines between: they share its text
+        while top > 0 and lines[top - 1].startswith("|"):
+            top -= 1
     text = "\n".join(lines[start:top])
     wanted = dict(PROVENANCE, **({"the seed": r"\bseeds?\b"} if seeded else {}))
     return [name for name, pattern in wanted.items() if not re.search(pattern, text)]

@@ -44,6 +44,10 @@ def test_a_table_without_its_provenance_is_found(tmp_path, monkeypatch):
     monkeypatch.setattr(curves, "ROOT", tmp_path)
     assert curves.provenance_gaps("doc.md", "seed 0", seeded=True) == ["transformers' version", "the seed"]
     assert curves.provenance_gaps("doc.md", "seed 9", seeded=True) == ["0 table rows labelled 'seed 9'"]
+    doc.write_text(doc.read_text().replace("torch 2.13.0.", "torch 2.13.0, transformers 5.24.0, seed 0.")
+                   + "\n| steps | 1-2 |\n|---|---|\n| reward | 0.1 |\n\nSome words.\n\n| step | 3 |\n|---|---|\n| later | 1 |\n")
+    assert curves.provenance_gaps("doc.md", "reward", seeded=True) == []  # the table above it shares its text
+    assert curves.provenance_gaps("doc.md", "later", seeded=True) != []  # not across other text
 
 
 def test_the_side_by_side_reads_the_docs_and_a_run_s_metrics(tmp_path):
