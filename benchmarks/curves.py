@@ -219,7 +219,7 @@ def train(out: Path, arguments: tuple[str, ...]) -> float | None:
         return None
     start = time.monotonic()
     subprocess.run([sys.executable, "-m", "grpokit", "train", "--no-progress", *arguments, f"train.output_dir={out}"],
-                   check=True, cwd=ROOT)
+                   check=True, cwd=ROOT, stdout=sys.stderr)  # the run's lines apart from the tables
     return (time.monotonic() - start) / 60
 
 
