@@ -155,13 +155,10 @@ def provenance_gaps(doc: str, label: str, seeded: bool) -> list[str]:
     """What the text above the table holding the row `label` does not state (of PROVENANCE, and the
     seed for a learning curve): its 15 lines above the table, or fewer up to a heading or table;
     tables one after the other, with only blank lines between, share the text above the first."""
-    lines = (ROOT / doc).read_text().splitlines()
-    found = [i for i, line in enumerate(lines) if line.startswith("|") and cells(line)[0] == label]
-    if len(found) != 1:
-        return [f"{len(found)} table rows labelled {label!r}"]
-    top = found[0]
-    while top > 0 and lines[top - 1].startswith("|"):
-        top -= 1
+    try:
+        lines, _, top, _ = located(doc, label)
+    except LookupError as e:
+        return [str(e)]
     while True:
         start = top
         while start > max(0, top - 15) and not lines[start - 1].startswith(("#", "|")):
@@ -180,21 +177,36 @@ def cells(line: str) -> list[str]:
     return [c.strip().replace("**", "") for c in line.strip().strip("|").split("|")]
 
 
+def located(doc: str, label: str) -> tuple[list[str], int, int, int]:
+    """`doc`'s lines and where the table row labelled `label` is: (lines, the row's index, its
+    table's first line's, its table's last line's). LookupError unless exactly one row is so labelled."""
+    lines = (ROOT / doc).read_text().splitlines()
+    found = [i for i, line in enumerate(lines) if line.startswith("|") and cells(line)[0] == label]
+    if len(found) != 1:
+        raise LookupError(f"{len(found)} table rows labelled {label!r}")
+    top = bottom = found[0]
+    while top > 0 and lines[top - 1].startswith("|"):
+        top -= 1
+    while bottom + 1 < len(lines) and lines[bottom + 1].startswith("|"):
+        bottom += 1
+    return lines, found[0], top, bottom
+
+
+def disagree(doc: str, error: LookupError) -> SystemExit:
+    return SystemExit(f"{doc}: {error}; benchmarks/curves.py and the docs disagree")
+
+
 def doc_table(curve: Curve) -> dict[str, tuple[list[str], list[str]]]:
     """Each of the curve's rows in the docs: its label -> (its table's column headers, its figures).
 
     Raises if a row is not found once, or its cells do not line up with its table's header."""
-    lines = (ROOT / curve.doc).read_text().splitlines()
     table = {}
     for row in curve.rows:
-        found = [i for i, line in enumerate(lines) if line.startswith("|") and cells(line)[0] == row.label]
-        if len(found) != 1:
-            raise SystemExit(f"{curve.doc}: {len(found)} table rows labelled {row.label!r} (curve {curve.name}); "
-                             "benchmarks/curves.py and the docs disagree")
-        top = found[0]
-        while top > 0 and lines[top - 1].startswith("|"):
-            top -= 1
-        header, figures = cells(lines[top])[1:], cells(lines[found[0]])[1:]
+        try:
+            lines, at, top, _ = located(curve.doc, row.label)
+        except LookupError as e:
+            raise disagree(curve.doc, e) from None
+        header, figures = cells(lines[top])[1:], cells(lines[at])[1:]
         if len(header) != len(figures):
             raise SystemExit(f"{curve.doc}: the row {row.label!r} does not line up with its table's header")
         table[row.label] = header, figures
@@ -230,11 +242,12 @@ def metrics(run: Path) -> list[dict]:
 def side_by_side(curve: Curve, out: Path) -> list[str]:
     """The docs' rows and the new ones, one Markdown table per table of the docs."""
     lines, header = [f"## {curve.name} ({curve.doc})"], None
+    rows = {run: metrics(out / run) for run in runs_of([curve])}
     for row, (columns, figures) in zip(curve.rows, doc_table(curve).values()):
         if columns != header:
             header = columns
             lines += ["", "| row | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
-        new = [row.cell(metrics(out / row.run), column) for column in columns]
+        new = [row.cell(rows[row.run], column) for column in columns]
         lines.append(f"| docs: {row.label} | " + " | ".join(figures) + " |")
         lines.append(f"| new: {row.label} | " + " | ".join("-" if v is None else f"{v:{row.fmt}}" for v in new) + " |")
     return lines
@@ -242,15 +255,10 @@ def side_by_side(curve: Curve, out: Path) -> list[str]:
 
 def docs_lines(doc: str, label: str) -> list[str]:
     """The docs' table holding the row `label`, as its lines."""
-    lines = (ROOT / doc).read_text().splitlines()
-    found = [i for i, line in enumerate(lines) if line.startswith("|") and cells(line)[0] == label]
-    if len(found) != 1:
-        raise SystemExit(f"{doc}: {len(found)} table rows labelled {label!r}; benchmarks/curves.py and the docs disagree")
-    top = bottom = found[0]
-    while top > 0 and lines[top - 1].startswith("|"):
-        top -= 1
-    while bottom + 1 < len(lines) and lines[bottom + 1].startswith("|"):
-        bottom += 1
+    try:
+        lines, _, top, bottom = located(doc, label)
+    except LookupError as e:
+        raise disagree(doc, e) from None
     return lines[top:bottom + 1]
 
 

@@ -333,8 +333,8 @@ class Trainer:
             return
         in_a_row = self.progress.unscored_in_a_row + 1
         names = ", ".join(self.rewards.names)
-        why = scored.first_error()  # e.g. the judge's reason, from what it logged for each completion
         if in_a_row >= UNSCORED_STEPS:
+            why = scored.first_error()  # e.g. the judge's reason, from what it logged for each completion
             raise RewardError(f"the reward functions ({names}) scored no completion in {in_a_row} steps in a row "
                               f"(to step {step}): every value was None. Check what they return for this data."
                               + (f" The first reason logged at step {step}: {why}" if why else ""))
