@@ -143,6 +143,7 @@ TABLES = (
     ("docs/speed-and-memory.md", "dynamic"),
     ("docs/tasks.md", "letter_counting"),
     ("docs/tools-and-environments.md", "after 20 steps"),
+    ("docs/models.md", "llama (`LlamaConfig`)"),
 )
 # What a table's provenance names: the date, the machine (its CPU's threads, or its GPU), the two
 # libraries' versions, and the command (a `grpokit ...`, `python benchmarks/...` or `make ...`).

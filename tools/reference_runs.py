@@ -74,6 +74,10 @@ RUNS = {
     "agent-ahead": ("python", 1, ["train.max_steps=6", *TINY, "train.save_every=3", "rollout.engine=server",
                                   "rollout.max_staleness=1", "rollout.agent={out}/agent.py:follow_up",
                                   "rollout.max_completion_length=24"]),
+    # LoRA on every linear layer, with a KL term (the reference is the base without its adapters),
+    # ragged completions of up to 24 tokens (so the step picks packed passes).
+    "lora": ("python", 0, ["train.max_steps=3", *TINY, "model.lora_rank=8", "algorithm.beta=0.04",
+                           "rollout.max_completion_length=24"]),
     "fsdp2": (str(FSDP2), 0, ["train.max_steps=3", *TINY, "algorithm.beta=0.04", "train.micro_batch_size=2"]),
     "zero3": (str(ZERO3), 0, ["train.max_steps=3", *TINY, "algorithm.beta=0.04", "train.micro_batch_size=2"]),
 }

@@ -85,7 +85,10 @@ FIELDS: dict[str, Field] = {
     # -------- the model
     "model_init_kwargs": Field(None, None, "only its dtype is carried (model.dtype); other loading arguments are not"),
     "trust_remote_code": Field(None, False, "grpokit loads models with transformers' own code only"),
-    "router_aux_loss_coef": Field(None, None, "grpokit adds no mixture-of-experts router loss", math=True),
+    "router_aux_loss_coef": Field("algorithm.router_aux_loss_coef", None,
+                                  "null takes the model's own, as TRL's; grpokit's term is per sequence over the "
+                                  "update's sequences (TRL's: over each micro-batch's tokens), so micro-batches never "
+                                  "change it"),
     "disable_dropout": Field(None, False, "grpokit trains with the model's own dropout (0 in most LLMs)", math=True),
     "cast_lm_head_to_fp32": Field(None, False, "grpokit computes log-probs in model.dtype (float32 on CPU)"),
     "gradient_checkpointing": Field("model.gradient_checkpointing", True, "TRL turns it on unless told not to"),

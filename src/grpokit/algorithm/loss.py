@@ -35,6 +35,9 @@ pushed down; with a teacher equal to the student it is A_i exactly.
     cispo    cispo,   the token mean (the paper's 1 / sum_i |o_i|)
     sapo     sapo,    the per-sequence mean (as TRL)
 
+A mixture-of-experts model's load-balancing term, each sequence's b_i (algorithm/load_balancing.py), adds
+`router_aux_loss_coef` * sum_i b_i / num_sequences beside the normalized per-token loss.
+
 Normalizing the policy term one way and the KL term another (as TRL once did) makes the loss of a
 batch with beta 0 and ratio 1 non-zero although its group advantages sum to zero: here one
 function, `NORMALIZERS[name]`, normalizes the whole per-token loss.
@@ -60,7 +63,7 @@ its metrics from `token_metric_names`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -69,6 +72,7 @@ CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/regio
 CISPO_CLIP = "cispo_clip_ratio"
 IS_MEAN, IS_MAX = "sampling/importance_sampling_ratio/mean", "sampling/importance_sampling_ratio/max"
 REVERSE_KL = "distill/reverse_kl"
+AUX_LOSS = "aux_loss"  # TRL's name for the mixture-of-experts load-balancing term (before its coefficient)
 IS_OUTSIDE = {"truncate": "sampling/is_truncated_fraction", "mask": "sampling/is_masked_fraction"}
 LEVELS = ("token", "sequence")
 IS_MODES = tuple(IS_OUTSIDE)
@@ -92,6 +96,7 @@ class LossSettings:
     is_min: float | None = None  # its lower bound
     entropy_coef: float = 0.0  # the entropy bonus's weight; the term exists only when > 0
     distill_coef: float = 1.0  # the teacher's per-token signal's weight (with teacher_logps)
+    router_aux_loss_coef: float = 0.0  # the load-balancing term's weight (algorithm/load_balancing.py); exists only when > 0
 
     @property
     def eps_high(self) -> float:
@@ -117,6 +122,7 @@ class LossInputs:
     policy_mask: torch.Tensor | None = None  # (B, T) 1 where the policy term applies (top_entropy_quantile); None: everywhere
     entropies: torch.Tensor | None = None  # (B, T) the policy's entropies, with gradient; needed when entropy_coef > 0
     teacher_logps: torch.Tensor | None = None  # (B, T) a teacher's log-probs of the sampled tokens (distill.teacher)
+    balance: torch.Tensor | None = None  # (B,) each sequence's load-balancing term, with gradient; needed when router_aux_loss_coef > 0
 
 
 @dataclass
@@ -127,6 +133,9 @@ class LossOutput:
     # corrected. They add up over micro-batches; the trainer turns them into means.
     token_sums: dict[str, torch.Tensor]
     token_max: dict[str, torch.Tensor]  # detached maxima over the trained tokens (IS_MAX when corrected)
+    # Detached sums over the micro-batch's sequences (the load-balancing term, AUX_LOSS): the trainer
+    # divides them by the update's sequences.
+    sequence_sums: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- KL estimators (Schulman 2020)
@@ -275,12 +284,7 @@ def surrogate_loss(inputs: LossInputs, settings: LossSettings, loss: Loss) -> Lo
     rollout importance weight, top-entropy mask and KL), normalized by `loss.normalize`, with its
     metrics' token sums."""
     s = settings
-    if s.kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"kl_estimator must be one of {tuple(KL_ESTIMATORS)}, got {s.kl_estimator!r}")
-    if s.beta > 0 and inputs.ref_logps is None:
-        raise ValueError("beta > 0 needs ref_logps (the reference model's log-probs)")
-    if s.entropy_coef > 0 and inputs.entropies is None:
-        raise ValueError("entropy_coef > 0 needs entropies (the policy's, from its pass)")
+    _check_inputs(inputs, s)
     logps = inputs.logps
     mask = inputs.mask.to(logps.dtype)  # (B, T)
     num_sequences = logps.shape[0] if inputs.num_sequences is None else inputs.num_sequences
@@ -323,9 +327,25 @@ def surrogate_loss(inputs: LossInputs, settings: LossSettings, loss: Loss) -> Lo
         per_token = per_token - s.entropy_coef * inputs.entropies
 
     value = loss.normalize(per_token, mask, num_sequences, num_tokens, length)
+    per_sequence = {}
+    if s.router_aux_loss_coef > 0:  # algorithm/load_balancing.py: per sequence, over the update's sequences
+        value = value + s.router_aux_loss_coef * inputs.balance.sum() / num_sequences
+        per_sequence[AUX_LOSS] = inputs.balance.detach().sum()
     sums = {**indicators, **({"kl": kl} if kl is not None else {}),
             **({REVERSE_KL: reverse_kl} if reverse_kl is not None else {})}
-    return LossOutput(value, *_metrics(sums, mask, weights, outside, s))
+    return LossOutput(value, *_metrics(sums, mask, weights, outside, s), per_sequence)
+
+
+def _check_inputs(inputs: LossInputs, s: LossSettings) -> None:
+    """The inputs each term of the loss `s` asks for are there."""
+    if s.kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {tuple(KL_ESTIMATORS)}, got {s.kl_estimator!r}")
+    if s.beta > 0 and inputs.ref_logps is None:
+        raise ValueError("beta > 0 needs ref_logps (the reference model's log-probs)")
+    if s.entropy_coef > 0 and inputs.entropies is None:
+        raise ValueError("entropy_coef > 0 needs entropies (the policy's, from its pass)")
+    if s.router_aux_loss_coef > 0 and inputs.balance is None:
+        raise ValueError("router_aux_loss_coef > 0 needs balance (each sequence's load-balancing term, from its pass)")
 
 
 @torch.no_grad()

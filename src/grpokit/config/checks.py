@@ -28,6 +28,8 @@ class ModelFacts:
     vision: bool = False  # a vision-language model
     max_positions: int | None = None  # its positions (max_position_embeddings), when it says
     static_problem: str | None = None  # why rollout.decoder=static cannot decode it (None: it can)
+    mask_problem: str | None = None  # why no 4D attention mask is exact for it (models/architecture.py; None: one is)
+    routed: bool = False  # a mixture-of-experts model whose routers' logits a load-balancing loss reads
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,9 @@ def model_facts(name: str, model=None, tokenizer=None, local_only: bool = False)
     """ModelFacts of the model named `name`, or of `model` (loaded) given with `tokenizer` (its
     processor makes it a vision-language model's); None when its config cannot be read (a missing
     folder, a Hub id offline: loading it says why), or with `local_only`, is not on this machine."""
+    from grpokit.models.architecture import Layers
     from grpokit.models.loading import model_config
+    from grpokit.models.routers import routed_choices
     from grpokit.models.vision import is_processor
     from grpokit.rollout.static_decoder import static_decoding_problem
     from grpokit.runtime.errors import StartupError
@@ -73,7 +77,8 @@ def model_facts(name: str, model=None, tokenizer=None, local_only: bool = False)
         return None
     text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf  # a vision-language model's
     positions = getattr(text, "max_position_embeddings", None)
-    return ModelFacts(vision, positions if isinstance(positions, int) else None, static_decoding_problem(hf, vision))
+    return ModelFacts(vision, positions if isinstance(positions, int) else None, static_decoding_problem(hf, vision),
+                      Layers.of(hf).mask_problem(), routed_choices(hf) is not None)
 
 
 def problems(config: Config, facts: Facts = Facts()) -> list[str]:
@@ -235,6 +240,8 @@ def _check_algorithm(c: Config) -> list[str]:
            "[0, 1] (1 trains every token)")
     p.need(a.entropy_coef >= 0, f"algorithm.entropy_coef={a.entropy_coef}: must be >= 0 (a bonus on the entropy; "
            "0: none)")
+    p.need(a.router_aux_loss_coef is None or a.router_aux_loss_coef >= 0,
+           f"algorithm.router_aux_loss_coef={a.router_aux_loss_coef}: must be >= 0 (0: none; null: the model's own)")
     p.need(0 < a.ref_model_mixup_alpha <= 1,
            f"algorithm.ref_model_mixup_alpha={a.ref_model_mixup_alpha}: must be in (0, 1]")
     p.need(a.ref_model_sync_steps >= 1, f"algorithm.ref_model_sync_steps={a.ref_model_sync_steps}: must be >= 1")
@@ -533,6 +540,13 @@ def _check_model(c: Config, model: ModelFacts | None) -> list[str]:
     p, r, d = _Problems(), c.rollout, c.data
     if c.rollout.engine == "transformers" and r.decoder == "static" and model.static_problem:
         p.append(f"rollout.decoder=static: {model.static_problem}; use rollout.decoder=dynamic (or auto)")
+    if c.train.micro_batch_tokens is not None and model.mask_problem:
+        p.append(f"train.micro_batch_tokens packs completions into rows under one attention mask, but for this model "
+                 f"{model.mask_problem}: use train.micro_batch_size")
+    if c.algorithm.router_aux_loss_coef and not model.routed:
+        p.append(f"algorithm.router_aux_loss_coef={c.algorithm.router_aux_loss_coef}: the model has no routers whose "
+                 "logits a load-balancing loss reads (not a mixture-of-experts model, or one whose config declares no "
+                 "router logits, as DeepSeek-V3's bias-balanced routing): leave it null or 0")
     if model.max_positions is None:
         return p
     limit, length = model.max_positions, r.max_completion_length

@@ -32,9 +32,15 @@ class ModelConfig:
     lora_alpha: float = _f(16.0, "LoRA scaling numerator: the adapter's update is scaled by lora_alpha / lora_rank")
     lora_dropout: float = _f(0.0, "dropout on the LoRA adapters' input")
     lora_target_modules: str = _f(
-        "all-linear", "modules that get adapters: all-linear (every linear layer but the output layer; of a "
-        "vision-language model, every linear layer of its language model) or module names separated by commas, "
-        "e.g. q_proj,v_proj"
+        "all-linear", "modules that get adapters: all-linear (every linear layer of the language model but the output "
+        "layer: attention, dense and shared-expert MLPs, linear-attention projections; not a mixture of experts' "
+        "routed experts or routers, which are parameters: model.lora_target_parameters) or module names separated "
+        "by commas, e.g. q_proj,v_proj"
+    )
+    lora_target_parameters: str = _f(
+        "", "parameters that get adapters beside the modules (peft's target_parameters), separated by commas: "
+        "'experts' (every routed expert's weights of a mixture-of-experts model), 'router' (each router's weight), "
+        "or parameter names, e.g. mlp.experts.gate_up_proj; empty: none"
     )
     freeze_vision_tower: bool = _f(
         False, "a vision-language model's vision encoder keeps its weights (the connector to the language model and "
@@ -270,6 +276,13 @@ class AlgorithmConfig:
         0.0, "an entropy bonus: minus this times the policy's entropy at each trained token (of its tempered "
         "next-token distribution, computed in the training pass, with gradient), normalized as the rest of the loss "
         "(TRL's entropy_coef); 0: none"
+    )
+    router_aux_loss_coef: float | None = _f(
+        None, "a mixture-of-experts model's load-balancing loss: this times each sequence's balance term (DeepSeek-V3's "
+        "sequence-wise form of transformers' load_balancing_loss_func, over the positions that predict its trained "
+        "tokens), averaged over the update's sequences, is added to the loss (TRL's router_aux_loss_coef); null: "
+        "the model config's router_aux_loss_coef where it declares router logits (output_router_logits), else 0; "
+        "0: none"
     )
     sync_ref_model: bool = _f(
         False, "move the reference model towards the policy every ref_model_sync_steps optimizer updates "

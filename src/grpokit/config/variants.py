@@ -115,6 +115,7 @@ VARIANT_SETTINGS: dict[str, Variant] = {
     "model.lora_alpha": _LORA,
     "model.lora_dropout": _LORA,
     "model.lora_target_modules": _LORA,
+    "model.lora_target_parameters": _LORA,
     "data.long_prompts": _PROMPT_LIMIT,
     "rollout.server_url": _SERVER,
     "rollout.server_timeout": _SERVER,

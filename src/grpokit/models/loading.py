@@ -16,6 +16,7 @@ import torch
 from grpokit.models.bundled import (BUNDLED, BUNDLED_VLM, TINY, TINY_VLM, bundled_model_path, bundled_tokenizer,
                                     bundled_vlm_path, cached_folder, over_the_same_read, tiny_config, tiny_random,
                                     tiny_random_vlm, tiny_vlm_processor)
+from grpokit.models.routers import quiet_routers, router_class
 from grpokit.runtime.errors import StartupError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -147,10 +148,8 @@ def load_model(name: str, dtype: str = "float32"):
     torch_dtype = DTYPES[dtype]
     adapter = Path(name) / "adapter_config.json"
     if adapter.is_file():  # a plain model from here on: evaluation, merging, or training from it
-        from peft import PeftModel
-
         base = load_model(json.loads(adapter.read_text())["base_model_name_or_path"], dtype)
-        return PeftModel.from_pretrained(base, name).merge_and_unload().train()
+        return load_adapter(base, name).merge_and_unload().train()
     if name == TINY:
         model = tiny_random(bundled_tokenizer(), torch_dtype)  # read only: no copy
     elif name == TINY_VLM:
@@ -165,8 +164,30 @@ def load_model(name: str, dtype: str = "float32"):
         with _loading(name):
             source = bundled_model_path() if name == BUNDLED else name
             model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+    fit_for_passes(model)
     model.train()
     return model
+
+
+def load_adapter(base, folder: str):
+    """`base` under the LoRA adapter saved in `folder` (peft's PeftModel, not merged), its modules
+    named as they were when it was made (_names_as_given)."""
+    from peft import PeftModel
+
+    targets = json.loads((Path(folder) / "adapter_config.json").read_text()).get("target_modules") or []
+    with _names_as_given(base, [] if isinstance(targets, str) else list(targets)):
+        return PeftModel.from_pretrained(base, folder)
+
+
+def fit_for_passes(model) -> None:
+    """What grpokit sets on a loaded model before its passes: a float64 model's mixture-of-experts
+    layers run transformers' eager loop over the experts (the default grouped kernel,
+    torch._grouped_mm, has no float64 kernel); the model's forward returns no router logits
+    (models/routers.py reads them where the load-balancing loss needs them)."""
+    implementations = getattr(model, "get_experts_implementation", lambda: {})()
+    if model.dtype == torch.float64 and "grouped_mm" in implementations.values():
+        model.set_experts_implementation("eager")
+    quiet_routers(model)
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -187,28 +208,83 @@ def apply_lora(model, m, base_name: str):
         from peft import LoraConfig, get_peft_model
     except ImportError:
         raise StartupError("model.lora_rank > 0 needs peft: pip install 'grpokit[lora]'") from None
-    # "all-linear": peft's name for every linear layer but the output layer; of a vision-language
-    # model, every linear layer of its language model (each by its full name).
-    targets = m.lora_target_modules if m.lora_target_modules == "all-linear" else [
-        t.strip() for t in m.lora_target_modules.split(",") if t.strip()]
-    if targets == "all-linear" and vision_tower(model) is not None:
-        decoder = model.get_decoder()
-        prefix = next(name for name, module in model.named_modules() if module is decoder)
-        targets = [f"{prefix}.{name}" for name, module in decoder.named_modules() if isinstance(module, torch.nn.Linear)]
-    if "lm_head" in targets and getattr(model.config, "tie_word_embeddings", False):
+    modules = lora_modules(model, m.lora_target_modules)
+    parameters = lora_parameters(model, m.lora_target_parameters)
+    if getattr(model.config, "tie_word_embeddings", False) and any(t.split(".")[-1] == "lm_head" for t in modules):
         raise StartupError("model.lora_target_modules includes lm_head, whose weight this model ties to its input "
                            "embeddings: adapt the other layers")
-    config = LoraConfig(r=m.lora_rank, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout, target_modules=targets,
-                        task_type="CAUSAL_LM")
+    config = LoraConfig(r=m.lora_rank, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout, target_modules=modules,
+                        target_parameters=parameters or None, task_type="CAUSAL_LM")
     try:
-        model = get_peft_model(model, config)
+        with _names_as_given(model, modules):
+            model = get_peft_model(model, config)
     except ValueError as e:  # e.g. a target module the model does not have
-        raise StartupError(f"model.lora_target_modules={m.lora_target_modules}: {e}") from None
+        raise StartupError(f"model.lora_target_modules={m.lora_target_modules}, model.lora_target_parameters="
+                           f"{m.lora_target_parameters!r}: {e}") from None
     # peft records the model's own path; grpokit's model.name (a built-in name too) is what loads it,
     # a local folder by its absolute path (the adapter may be loaded from anywhere).
     model.peft_config["default"].base_model_name_or_path = (
         str(Path(base_name).resolve()) if Path(base_name).is_dir() else base_name)
     return model
+
+
+def lora_modules(model, setting: str) -> list[str]:
+    """The modules model.lora_target_modules = `setting` names: for "all-linear", every linear
+    layer of the language model but the output layer, by its full name; else the names given."""
+    if setting != "all-linear":
+        return [t.strip() for t in setting.split(",") if t.strip()]
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    inside = {id(module) for module in decoder.modules()}
+    return [name for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and id(module) in inside and module is not head]
+
+
+def lora_parameters(model, setting: str) -> list[str]:
+    """The parameters model.lora_target_parameters = `setting` names, as peft's target_parameters:
+    "experts" is every routed expert's weights (the 3-D parameters of transformers' experts
+    modules), "router" each router's weight (the module the model records router logits from)."""
+    names = []
+    for word in (t.strip() for t in setting.split(",") if t.strip()):
+        if word == "experts":
+            found = [f"{name}.{p}" for name, module in model.named_modules() if hasattr(module, "_is_expert_parallel")
+                     for p, w in module.named_parameters(recurse=False) if w.dim() == 3]
+        elif word == "router":
+            router = router_class(model)
+            found = [f"{name}.weight" for name, module in model.named_modules()
+                     if router is not None and isinstance(module, router)]
+        else:
+            found = [word]
+        if not found:
+            raise StartupError(f"model.lora_target_parameters={setting!r}: this model has no {word} (it is not a "
+                               "mixture-of-experts model transformers' experts layers run)")
+        names += found
+    return names
+
+
+@contextmanager
+def _names_as_given(model, modules: list[str]):
+    """peft renames, on the mixture-of-experts models whose experts transformers 5 fused, the MLP
+    module names of adapters trained under transformers 4 (gate_proj, up_proj, down_proj) to the
+    fused experts' parameters. On DeepSeek-V3 and GLM-4-MoE, whose dense MLP and shared experts
+    bear those names, that took their adapters away. grpokit names the modules of the model as it
+    is: where a name of `modules` names an existing linear layer that would be renamed, peft's
+    renaming is off while these adapters are made or loaded (an adapter of transformers 4 names
+    modules the model no longer has, and is renamed as peft means to)."""
+    import peft.tuners.tuners_utils as tuners
+    import peft.utils.save_and_load as save_and_load
+
+    linear = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    renamed = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+    # (a saved adapter names its modules by their shortest distinct suffixes: "gate_proj")
+    if not any(t.rsplit(".", 1)[-1] in renamed and any(n == t or n.endswith("." + t) for n in linear) for t in modules):
+        yield
+        return
+    before = tuners.is_transformers_ge_v5, save_and_load.is_transformers_ge_v5
+    tuners.is_transformers_ge_v5 = save_and_load.is_transformers_ge_v5 = False
+    try:
+        yield
+    finally:
+        tuners.is_transformers_ge_v5, save_and_load.is_transformers_ge_v5 = before
 
 
 def vision_tower(model) -> torch.nn.Module | None:
@@ -283,6 +359,7 @@ def load_policy(config, device: torch.device, model=None):
 
     m = config.model
     policy = (load_model(m.name, m.dtype) if model is None else model.train()).to(device)
+    fit_for_passes(policy)
     distributed.broadcast_parameters(policy)
     # The reference model is the initial policy, so it is copied before a checkpoint's weights
     # are loaded. With LoRA it is the policy itself with its adapters switched off: no second

@@ -14,11 +14,14 @@ Two variants, the same values and gradients (tests/models/test_logprobs.py check
   completion tokens x vocabulary.
 - `share_prompt=False`: each completion runs whole, prompt included. Activation checkpointing
   (model.gradient_checkpointing) drops the key/value cache in training mode, so the policy's
-  forward takes this path when it is on.
+  forward takes this path when it is on; so does the policy's forward of a model with layers
+  that carry a state (linear attention, convolution: transformers' cache updates it in place,
+  which autograd cannot see through).
 
 A row can hold several sequences (an agent's requests that did not extend the one before:
 RolloutBatch.sequence_ids): each attends only to its own tokens, at positions from 0, through a
-4D attention mask, so a token's log-prob is the one it was sampled with.
+4D attention mask, or, for a model whose layers carry a state, as rows of its own (models/
+sequences.py), so a token's log-prob is the one it was sampled with.
 
 `LogProbs` runs a step's passes (reference, old, policy) through one method, `LogProbs.of`: the
 one place where a batch's model inputs meet the model.
@@ -26,57 +29,19 @@ one place where a batch's model inputs meet the model.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import inspect
+from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import checkpoint
-from transformers import DynamicCache
 
+from grpokit.algorithm.load_balancing import sequence_balance
+from grpokit.models.architecture import cache_inputs, layers_of, masks, new_cache, select_rows
 from grpokit.models.packing import AUTO, AUTO_TOKENS, AUTO_WASTE, Packed, pack, padded_waste, plan, split_to
+from grpokit.models.routers import RouterLogits
+from grpokit.models.sequences import Split, position_ids, sequence_layout
 from grpokit.runtime import distributed
-from grpokit.runtime.errors import ConfigError
-
-
-def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that skip left padding: the first real token of every row is position 0."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
-
-
-def sequence_layout(model, prompt_mask: torch.Tensor, sequence_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The attention mask (B, 1, L, L) and positions (B, L) of rows that are a prompt, then
-    completion tokens but the last (L = Lp + T - 1), where completion token t is of sequence
-    sequence_ids[:, t] (0: the prompt's; RolloutBatch.sequence_ids): a token attends to the earlier
-    tokens of its own sequence (the prompt's real tokens are sequence 0's), and a later sequence's
-    positions start at 0. Every token attends to itself, so no row of the mask is empty (padding's
-    included, whose outputs nothing reads). The mask is in the form the model's attention takes
-    it: boolean, or additive for eager attention.
-
-    prompt_mask: (B, Lp) left-padded; sequence_ids: (B, T)."""
-    B, Lp = prompt_mask.shape
-    sequence = torch.cat([torch.zeros_like(prompt_mask), sequence_ids[:, :-1]], 1)  # (B, L)
-    real = torch.cat([prompt_mask, torch.ones_like(sequence_ids[:, :-1])], 1).bool()  # (B, L)
-    index = torch.arange(sequence.shape[1], device=sequence.device)  # (L,)
-    allowed = (index[:, None] >= index) & (sequence[:, :, None] == sequence[:, None, :]) & real[:, None, :]  # (B, L, L)
-    allowed |= torch.eye(len(index), dtype=torch.bool, device=sequence.device)
-    begins = torch.ones_like(real)  # (B, L) where a sequence's first token is
-    begins[:, 1:] = sequence[:, 1:] != sequence[:, :-1]
-    first = torch.where(begins, index, 0).cummax(1).values  # (B, L) the index of each token's sequence's first token
-    positions = torch.where(sequence == 0, position_ids(real), index - first)  # (B, L)
-    return attention_form(model, allowed[:, None]), positions
-
-
-def attention_form(model, allowed: torch.Tensor) -> torch.Tensor:
-    """A 4D attention mask (B, 1, Q, K), True where a query sees a key, in the form the model's
-    attention takes it as given: boolean (sdpa), or additive (eager)."""
-    implementation = getattr(model.config, "_attn_implementation", "sdpa")
-    if implementation == "eager":
-        dtype = next(model.parameters()).dtype
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
-    if implementation != "sdpa":  # only the data tells: an agent that rewrote its history, at that step
-        raise ConfigError(f"attention implementation {implementation!r} does not take the 4D attention mask that "
-                          "rows of several sequences (an agent's) and the static decoder need: use sdpa or eager")
-    return allowed
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -210,9 +175,12 @@ def completion_logprobs(
     images: list[tuple] | None = None,
     sequence_ids: torch.Tensor | None = None,
     entropies: bool = False,
+    routers=None,
 ):
     """log pi(completion token t | prompt, tokens < t), shape (B, T); with `entropies`, the pair
     of those and the entropies (B, T) of the distributions they are drawn from (token_entropies).
+    With `routers` (an open routers.RouterLogits), the pair of that and the router logits (layers,
+    B, T, E) at the same positions.
 
     prompt_ids, prompt_mask: (P, Lp) left-padded, each prompt once.
     completion_ids: (B, T) right-padded; padding positions get values that the caller masks.
@@ -227,32 +195,45 @@ def completion_logprobs(
     prompts run through the whole model (which merges the image features into the embeddings).
     sequence_ids: (B, T) rows that hold several sequences (sequence_layout), or None.
     """
-    targets = completion_ids
     if sequence_ids is not None and vision is not None:
         raise ValueError("rows of several sequences are text rows")
+    if share_prompt and torch.is_grad_enabled() and layers_of(model).stateful:
+        raise ValueError("a layer with a state (linear attention, a convolution) updates it in place in the cache, "
+                         "which autograd cannot see through: pass share_prompt=False for a pass with gradients")
+    targets = completion_ids
     if vision is not None:
         whole_model = True
         completion_ids = vision.as_text(completion_ids)  # inputs: a sampled image token ends its completion
-    if chunk_size is None:  # logits from the model's own head
-        def run(keep: int, **inputs) -> torch.Tensor:
-            return model(**inputs, logits_to_keep=keep).logits
-    else:  # hidden states, for the output layer to be applied chunk by chunk
-        decoder = model.get_decoder()
-
-        def run(keep: int, **inputs) -> torch.Tensor:
-            if whole_model:  # for one position's logits; its last hidden state is the decoder's
-                return model(**inputs, logits_to_keep=1, output_hidden_states=True).hidden_states[-1][:, -keep:]
-            return decoder(**inputs).last_hidden_state[:, -keep:]  # -0: every position
+    run = _runner(model, chunk_size, whole_model)
     seen = None if vision is None else _Seen(model, vision, images)
-    layout = None if sequence_ids is None else functools.partial(sequence_layout, model, sequence_ids=sequence_ids)
+    layout = None if sequence_ids is None else functools.partial(_layout, model, sequence_ids=sequence_ids)
     if share_prompt:
-        out = _shared_prompt_pass(model, run, prompt_ids, prompt_mask, completion_ids, prompt_index, whole_model, seen,
-                                  layout)
+        out, routed = _shared_prompt_pass(model, run, prompt_ids, prompt_mask, completion_ids, prompt_index,
+                                          whole_model, seen, layout, routers)
     else:
-        out = _whole_sequence_pass(run, prompt_ids, prompt_mask, completion_ids, prompt_index, seen, layout)  # (B, T, V) or (B, T, H)
+        out, routed = _whole_sequence_pass(run, prompt_ids, prompt_mask, completion_ids, prompt_index, seen, layout,
+                                           routers)  # (B, T, V) or (B, T, H)
     if chunk_size is None:
-        return per_token(out, targets, temperature, entropies)  # (B, T)
-    return chunked_logprobs(out, model.get_output_embeddings(), targets, temperature, chunk_size, entropies)
+        values = per_token(out, targets, temperature, entropies)  # (B, T)
+    else:
+        values = chunked_logprobs(out, model.get_output_embeddings(), targets, temperature, chunk_size, entropies)
+    return values if routers is None else (values, routed)
+
+
+def _runner(model, chunk_size: int | None, whole_model: bool):
+    """run(keep, **inputs): the model's outputs at the last `keep` positions (0: all) of a call on
+    `inputs`: its logits from its own head, or with `chunk_size`, the hidden states the output layer
+    is then applied to chunk by chunk."""
+    if chunk_size is None:
+        return lambda keep, **inputs: model(**inputs, logits_to_keep=keep).logits
+    decoder = model.get_decoder()
+
+    def run(keep: int, **inputs) -> torch.Tensor:
+        if whole_model:  # for one position's logits; its last hidden state is the decoder's
+            return model(**inputs, logits_to_keep=1, output_hidden_states=True).hidden_states[-1][:, -keep:]
+        return decoder(**inputs).last_hidden_state[:, -keep:]  # -0: every position
+
+    return run
 
 
 class _Seen:
@@ -271,12 +252,21 @@ class _Seen:
         return self.vision.continued(self.model, start, length)
 
 
+def _layout(model, prompt_mask: torch.Tensor, sequence_ids: torch.Tensor, queries_from: int = 0):
+    """The attention mask each of `model`'s layers takes (architecture.masks) for the rows of
+    sequence_layout, for its queries from `queries_from` on (every key), and their positions."""
+    allowed, positions = sequence_layout(prompt_mask, sequence_ids)  # (B, 1, L, L), (B, L)
+    queries = positions[:, queries_from:]
+    return masks(model, allowed[:, :, queries_from:], queries, positions), queries
+
+
 def _whole_sequence_pass(run, prompt_ids, prompt_mask, completion_ids, prompt_index, seen=None,
-                         layout=None) -> torch.Tensor:
+                         layout=None, routers=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`run`'s outputs (B, T, ...) at the positions that predict each completion token, every
-    completion run whole: its prompt (with its images, `seen`) and its tokens but the last, no cache.
+    completion run whole: its prompt (with its images, `seen`) and its tokens but the last, no cache;
+    and with `routers`, the router logits (layers, B, T, E) there (else None).
     run(keep, **inputs): the model's outputs at the last `keep` positions (0: all). layout(prompt_mask):
-    rows of several sequences' attention mask and positions (sequence_layout), or None."""
+    rows of several sequences' attention mask and positions (_layout), or None."""
     B, T = completion_ids.shape
     if prompt_index is None:
         prompt_index = torch.arange(B, device=completion_ids.device)
@@ -291,28 +281,12 @@ def _whole_sequence_pass(run, prompt_ids, prompt_mask, completion_ids, prompt_in
         inputs = seen.inputs(ids, attention, prompt_index)
         extra, positions = inputs.extra, inputs.position_ids
     # The last T positions, Lp - 1 .. Lp + T - 2, predict the T completion tokens.
-    return run(T, input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False, **extra)
-
-
-def cache_inputs(model: torch.nn.Module, cache: DynamicCache) -> dict:
-    """The keyword arguments that hand `model` (or its decoder) a key/value cache: `cache=` where its
-    forward takes one (transformers' name from 5.2x on, which warns at the older name), else
-    `past_key_values=`. Read from the first transformers model inside (under peft's or FSDP's
-    wrappers), with `use_cache`."""
-    from transformers import PreTrainedModel
-
-    inner = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), model)
-    return {_cache_keyword(type(inner)): cache, "use_cache": True}
-
-
-@functools.cache
-def _cache_keyword(model_class: type) -> str:
-    """Read once per model class: every generation and log-prob pass asks."""
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+    out = run(T, input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False, **extra)
+    return out, None if routers is None else routers.take(T)
 
 
 def _shared_prompt_pass(model, run, prompt_ids, prompt_mask, completion_ids, prompt_index, whole_model,
-                        seen=None, layout=None) -> torch.Tensor:
+                        seen=None, layout=None, routers=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """As _whole_sequence_pass, with each prompt run once and its key/value cache shared by the
     completions that continue it (the module docstring).
 
@@ -333,14 +307,17 @@ def _shared_prompt_pass(model, run, prompt_ids, prompt_mask, completion_ids, pro
     prefix_ids, prefix_mask = prompt_ids[:, :Lp - last], prompt_mask[:, :Lp - last]  # (P, Lp - last)
     # Left padding: every prompt's last token is in the last column.
     rest_ids = torch.cat([prompt_ids[:, Lp - last:].index_select(0, prompt_index), completion_ids[:, :-1]], dim=1)  # (B, T - 1 + last)
-    cache = DynamicCache()
+    cache = new_cache(model)
     cached = cache_inputs(model, cache)
     prefix_inputs = dict(attention_mask=prefix_mask, position_ids=position_ids(prefix_mask), **cached)
     if seen is not None:  # whole_model: the prompts with their images, once each
         inputs = seen.inputs(prefix_ids, prefix_mask)
         prefix_inputs.update(position_ids=inputs.position_ids, **inputs.extra)
+    routed = []  # with routers: the router logits (layers, B, ., E) of the positions kept
     if whole_model:
         first = run(1, input_ids=prefix_ids, **prefix_inputs).index_select(0, prompt_index)  # (B, 1, ...)
+        if routers is not None:
+            routed.append(routers.take(1).index_select(1, prompt_index))
         rest = {"input_ids": rest_ids}
     else:
         embeds = model.get_input_embeddings()(torch.cat([prefix_ids.reshape(-1), rest_ids.reshape(-1)]))  # (P*(Lp-1) + B*T, H)
@@ -348,29 +325,35 @@ def _shared_prompt_pass(model, run, prompt_ids, prompt_mask, completion_ids, pro
         if Lp > 1:
             model.get_decoder()(inputs_embeds=prefix_embeds.view(*prefix_ids.shape, -1), **prefix_inputs)
         rest = {"inputs_embeds": rest_embeds.view(B, T, -1)}
-    # (P, ...) -> (B, ...), differentiable. index_select, not Tensor[index] (what the cache's own
-    # batch_select_indices does): the backward of indexing sums the rows that share a prompt in an
-    # order that varies from run to run on several CPU threads; index_select's sums in a fixed
-    # order, so a run is bit for bit repeatable (and resumable).
-    for layer in cache.layers:
-        layer.keys, layer.values = layer.keys.index_select(0, prompt_index), layer.values.index_select(0, prompt_index)
+    select_rows(cache, prompt_index)  # (P, ...) -> (B, ...), differentiable, summed in a fixed order
     if rest_ids.shape[1] == 0:  # whole_model, one token per completion: the prompt's output is all
-        return first
+        return first, routed[0] if routed else None
     prompt_mask = prompt_mask.index_select(0, prompt_index)  # (B, Lp)
     # The prompt's last token, at position len(prompt) - 1, predicts completion token 0; completion
     # token t-1 at position len(prompt) + t - 1 predicts token t. Padding after an EOS is attended
     # only by later padding (causal), so a mask of ones changes no real token.
     attention = torch.cat([prompt_mask, prompt_mask.new_ones(B, T - 1)], dim=1)  # (B, Lp + T - 1)
     if layout is not None:  # rest's queries' rows of the mask (every key: the cached prefix's, then rest's)
-        attention, positions = layout(prompt_mask)  # (B, 1, L, L), (B, L)
-        attention, positions = attention[:, :, Lp - last:], positions[:, Lp - last:]
+        attention, positions = layout(prompt_mask, queries_from=Lp - last)  # (B, 1, L', L), (B, L')
     elif seen is None:
         start = prompt_mask.sum(-1, keepdim=True) - last  # (B, 1): the position of rest's first token
         positions = start + torch.arange(rest_ids.shape[1], device=start.device)  # (B, T - 1 + last)
     else:  # last == 0: rest starts after the prompt, where the model's positions say
         positions = seen.continued(inputs.next_position.index_select(0, prompt_index), rest_ids.shape[1])
     out = run(0, **rest, attention_mask=attention, position_ids=positions, **cached)  # (B, T - 1 + last, ...)
-    return torch.cat([first, out], dim=1) if whole_model else out  # (B, T, ...)
+    if routers is not None:
+        routed.append(routers.take(0))
+    return torch.cat([first, out], dim=1) if whole_model else out, torch.cat(routed, 2) if routed else None  # (B, T, ...)
+
+
+@dataclass
+class TrainPass:
+    """What the policy's training pass gives the loss (LogProbs.train), all with gradient."""
+
+    logps: torch.Tensor  # (M, T)
+    entropies: torch.Tensor | None = None  # (M, T) with algorithm.entropy_coef
+    balance: torch.Tensor | None = None  # (M,) each sequence's load-balancing term, with router_aux_loss_coef
+    expert_counts: torch.Tensor | None = None  # (E,) the experts' choices at the trained tokens (detached)
 
 
 class LogProbs:
@@ -380,7 +363,7 @@ class LogProbs:
 
     def __init__(self, policy, reference, temperature: float, chunk_size: int | None, checkpointing: bool,
                  whole_model: bool, micro_batch: int, device: torch.device, vision=None,
-                 micro_batch_tokens: int | str | None = None, lockstep: bool = False):
+                 micro_batch_tokens: int | str | None = None, lockstep: bool = False, routed: tuple[int, int] | None = None):
         """reference: the frozen reference model, or None (with LoRA, the policy without its
         adapters is the reference); checkpointing: the policy recomputes its activations in the
         backward pass; whole_model: see completion_logprobs; micro_batch: completions per micro-batch
@@ -388,12 +371,21 @@ class LogProbs:
         tokens instead (train.micro_batch_tokens, models/packing.py), or packing.AUTO: packed in
         batches where padding would be most of the positions, padded in the others; vision: a vision-language
         model's vision.Vision (the batches carry their prompts' images); lockstep: every process
-        makes every forward call (sharded weights), so packed micro-batches are as many on each."""
+        makes every forward call (sharded weights), so packed micro-batches are as many on each;
+        routed: (experts, experts each token is routed to) when the training pass computes the
+        load-balancing loss (algorithm.router_aux_loss_coef > 0), else None."""
         self.policy, self.reference, self.vision = policy, reference, vision
         self.temperature, self.chunk_size, self.checkpointing = temperature, chunk_size, checkpointing
         self.whole_model, self.micro_batch, self.device = whole_model, micro_batch, device
-        self.micro_batch_tokens, self.lockstep = micro_batch_tokens, lockstep
+        self.micro_batch_tokens, self.lockstep, self.routed = micro_batch_tokens, lockstep, routed
         self._picked = (None, None)  # with AUTO: the last batch and its budget, kept for all its passes
+        # Why no 4D mask is exact for this model (architecture.Layers): it is then never packed, and
+        # an agent's rows of several sequences are split into rows of one.
+        layers = layers_of(policy)
+        self.mask_problem, self.stateful = layers.mask_problem(), layers.stateful
+        if isinstance(micro_batch_tokens, int) and self.mask_problem:  # (config/checks.py says so at start-up)
+            raise ValueError(f"train.micro_batch_tokens packs completions into rows under one attention mask, but "
+                             f"{self.mask_problem}: use train.micro_batch_size")
         # Token positions the passes ran through the model, and those they needed (each
         # micro-batch's prompts once, each completion's tokens but its last): their ratio is the
         # passes' waste (padding). Counts since the start, read by training/metrics.py Waste.
@@ -417,8 +409,8 @@ class LogProbs:
         """The token budget of `batch`'s packed micro-batches, or None: padded ones. With AUTO,
         decided once per batch from its lengths, the same for all its passes; under sharded
         weights the same on every process (all pack if one does), as their forward calls pair up."""
-        if self.micro_batch_tokens != AUTO:
-            return self.micro_batch_tokens
+        if self.micro_batch_tokens != AUTO or self.mask_problem:
+            return None if self.mask_problem else self.micro_batch_tokens
         if self._picked[0] is not batch:
             ragged = padded_waste(batch.prompt_mask, batch.completion_mask, batch.prompt_index) > AUTO_WASTE
             if self.lockstep:
@@ -426,41 +418,73 @@ class LogProbs:
             self._picked = (batch, AUTO_TOKENS if ragged else None)
         return self._picked[1]
 
-    def of(self, model, batch, rows: torch.Tensor, entropies: bool = False):
+    def of(self, model, batch, rows: torch.Tensor, entropies: bool = False, routers=None):
         """Log-probs (len(rows), T) under `model` of the completions `rows` of `batch` (a
         rollout.RolloutBatch), each distinct prompt run once; with `entropies`, the pair of those
         and the entropies (len(rows), T) of the distributions they are drawn from, from the same
-        logits (algorithm.entropy_coef)."""
+        logits (algorithm.entropy_coef); with `routers` (a routers.RouterLogits, opened here), the
+        pair of that and the router logits (layers, len(rows), T, E) at the same positions."""
         groups, prompt_index = torch.unique(batch.prompt_index[rows], return_inverse=True)
         # One row per distinct prompt; which one does not matter, they hold the same prompt tokens.
         first = torch.empty_like(groups)
         first[prompt_index] = rows
         prompt_ids, prompt_mask = batch.prompt_ids[first], batch.prompt_mask[first]
-        completion_ids = batch.completion_ids[rows]
+        completion_ids, prompt_index = batch.completion_ids[rows], prompt_index.to(self.device)
+        completion_mask = batch.completion_mask[rows].to(self.device)
         sequence_ids = None if batch.sequence_ids is None or not batch.sequence_ids[rows].any() \
             else batch.sequence_ids[rows].to(self.device)
         # Summed on the device, read by the trainer once a step: no host synchronisation per pass.
-        self.needed += prompt_mask.sum() + batch.completion_mask[rows].sum() - len(rows)
-        if self.budget(batch) is not None:
-            packed = pack(prompt_ids, prompt_mask, completion_ids, batch.completion_mask[rows].to(self.device),
-                          prompt_index.to(self.device), sequence_ids)
-            self.computed += packed.input_ids.shape[1]
-            return packed_logprobs(model, packed, completion_ids.shape, self.temperature, self.chunk_size,
-                                   self.whole_model, entropies)
-        share_prompt = not (self.checkpointing and model.training)
+        self.needed += prompt_mask.sum() + completion_mask.sum() - len(rows)
+        with routers or contextlib.nullcontext():
+            if self.budget(batch) is not None:
+                packed = pack(prompt_ids, prompt_mask, completion_ids, completion_mask, prompt_index, sequence_ids)
+                self.computed += packed.input_ids.shape[1]
+                return packed_logprobs(model, packed, completion_ids.shape, self.temperature, self.chunk_size,
+                                       self.whole_model, entropies, routers)
+            images = None if batch.images is None else [batch.images[i] for i in first.tolist()]
+            if sequence_ids is None or self.mask_problem is None:
+                return self._padded(model, prompt_ids, prompt_mask, completion_ids, prompt_index, images,
+                                    sequence_ids, entropies, routers)
+            # No mask keeps this model's sequences apart (a layer with a state): each one a row of its own.
+            split = Split.of(prompt_ids, prompt_mask, completion_ids, completion_mask, prompt_index, sequence_ids)
+            out = self._padded(model, split.prompt_ids, split.prompt_mask, split.completion_ids, split.prompt_index,
+                               None, None, entropies, routers)
+        values, routed = out if routers is not None else (out, None)
+        values = tuple(map(split.back, values)) if entropies else split.back(values)
+        return values if routers is None else (values, split.back(routed.permute(1, 2, 0, 3)).permute(2, 0, 1, 3))
+
+    def train(self, batch, rows: torch.Tensor, mask: torch.Tensor, entropies: bool) -> TrainPass:
+        """The policy's training pass over completions `rows` of `batch`, with gradient: their
+        log-probs, with `entropies` their entropies, and with `routed` the load-balancing
+        loss's per-sequence terms over the trained tokens `mask` (len(rows), T) (algorithm/load_balancing.py)."""
+        routers = None if self.routed is None else RouterLogits(self.policy)
+        out = self.of(self.policy, batch, rows, entropies, routers)
+        values, routed = out if routers is not None else (out, None)
+        logps, entropy = values if entropies else (values, None)
+        if routers is None:
+            return TrainPass(logps, entropy)
+        balance, counts = sequence_balance(routed, mask, self.routed[1])
+        return TrainPass(logps, entropy, balance, counts)
+
+    def _padded(self, model, prompt_ids, prompt_mask, completion_ids, prompt_index, images, sequence_ids, entropies,
+                routers=None):
+        """completion_logprobs of one padded micro-batch, its positions counted."""
+        # Checkpointed layers drop the key/value cache in training mode, and a layer with a state
+        # updates it in place in the cache, which autograd cannot see through: run completions whole.
+        share_prompt = not (self.checkpointing and model.training) and not (self.stateful and torch.is_grad_enabled())
         (P, Lp), (B, T) = prompt_ids.shape, completion_ids.shape
         last = 0 if self.whole_model or self.vision is not None else 1  # as _shared_prompt_pass splits a row
         self.computed += P * (Lp - last) + B * (T - 1 + last) if share_prompt else B * (Lp + T - 1)
         return completion_logprobs(
-            model, prompt_ids, prompt_mask, completion_ids, prompt_index.to(self.device), self.temperature,
+            model, prompt_ids, prompt_mask, completion_ids, prompt_index, self.temperature,
             chunk_size=self.chunk_size,
-            # Checkpointed layers drop the key/value cache in training mode: run completions whole.
             share_prompt=share_prompt,
             whole_model=self.whole_model,
-            vision=self.vision, images=None if batch.images is None else [batch.images[i] for i in first.tolist()],
+            vision=self.vision, images=images,
             # Only rows of several sequences need the 4D mask (L x L per row).
             sequence_ids=sequence_ids,
             entropies=entropies,
+            routers=routers,
         )
 
     def old(self, batch, active: torch.Tensor) -> torch.Tensor:
@@ -500,12 +524,14 @@ def _sizes(batch, rows: torch.Tensor) -> tuple[list[int], list[int], list[int]]:
 
 
 def packed_logprobs(model, packed: Packed, shape: torch.Size, temperature: float, chunk_size: int | None,
-                    whole_model: bool, entropies: bool = False):
+                    whole_model: bool, entropies: bool = False, routers=None):
     """Log-probs (B, T) = `shape` of a packed row's completions (models/packing.py); 0 on padding
-    (with `entropies`, the pair of those and their distributions' entropies, as completion_logprobs).
+    (with `entropies`, the pair of those and their distributions' entropies, and with `routers`
+    the pair of that and the router logits (layers, B, T, E), as completion_logprobs).
     One call of the model on the row; only the positions that predict a completion token reach the
     output layer (the model's own head, or chunk by chunk, as completion_logprobs)."""
-    inputs = dict(input_ids=packed.input_ids, attention_mask=attention_form(model, packed.allowed),
+    inputs = dict(input_ids=packed.input_ids, attention_mask=masks(model, packed.allowed, packed.position_ids,
+                                                                   packed.position_ids),
                   position_ids=packed.position_ids, use_cache=False)
     if chunk_size is None:
         logits = model(**inputs, logits_to_keep=packed.predictors).logits[0]  # (K, V)
@@ -520,7 +546,11 @@ def packed_logprobs(model, packed: Packed, shape: torch.Size, temperature: float
         values = tuple(v[0] for v in values) if entropies else values[0]  # (K,)
     B, T = shape
 
-    def unpacked(v: torch.Tensor) -> torch.Tensor:
-        return v.new_zeros(B * T).index_put((packed.slots,), v).view(B, T)
+    def unpacked(v: torch.Tensor) -> torch.Tensor:  # (K, ...) -> (B, T, ...)
+        return v.new_zeros(B * T, *v.shape[1:]).index_put((packed.slots,), v).view(B, T, *v.shape[1:])
 
-    return tuple(unpacked(v) for v in values) if entropies else unpacked(values)
+    values = tuple(unpacked(v) for v in values) if entropies else unpacked(values)
+    if routers is None:
+        return values
+    routed = routers.take(0)[:, 0, packed.predictors]  # (layers, K, E)
+    return values, unpacked(routed.transpose(0, 1)).permute(2, 0, 1, 3)

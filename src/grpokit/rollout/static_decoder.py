@@ -9,7 +9,7 @@ import warnings
 import torch
 from transformers import DynamicCache
 
-from grpokit.models.logprobs import cache_inputs
+from grpokit.models.architecture import attention_form, cache_inputs
 from grpokit.rollout.batch import SamplingParams
 from grpokit.rollout.decoding import Decoded, all_ended, sample_next
 from grpokit.runtime import distributed
@@ -180,8 +180,6 @@ class StaticDecoder:
 
     def _forward(self, tok: torch.Tensor) -> torch.Tensor:
         """The tokens just sampled (N,) through the model at their slot; the logits (N, V) after them."""
-        from grpokit.models.logprobs import attention_form
-
         self.ids.copy_(tok[:, None])
         self.seen.index_fill_(3, self.slot, True)
         out = self.model(input_ids=self.ids, attention_mask=attention_form(self.model, self.seen),

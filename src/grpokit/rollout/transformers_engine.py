@@ -16,7 +16,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from grpokit.models.logprobs import cache_inputs, position_ids
+from grpokit.models.architecture import append_rows, cache_inputs, new_cache, rows, select_rows
+from grpokit.models.logprobs import position_ids
 from grpokit.rollout.batch import RolloutBatch, SamplingParams
 from grpokit.rollout.decoding import Decoded, all_ended, longest, sample_next
 from grpokit.rollout.static_decoder import StaticDecoder, static_decoding_problem
@@ -114,12 +115,12 @@ class TransformersEngine:
         device = self.device
         counts = _completion_counts(prompts, n)  # (P,)
         uniforms = _random_streams(params, seeds, int(counts.sum()), device)
-        cache = DynamicCache()
+        cache = new_cache(self.model)
         prompt_ids, prompt_mask, logits, next_pos = self._prefill(prompts, cache, device, images)
         prompt_index = torch.repeat_interleave(torch.arange(len(prompts)), counts)  # (N,)
         index = prompt_index.to(device)
         if self._decoder(device) == "static" and params.max_tokens > 1:
-            cache.batch_select_indices(index)  # index the cache instead of recomputing
+            select_rows(cache, index)  # index the cache instead of recomputing
             decoded = StaticDecoder(self.model, self.pad_id, self.eos_ids, self.lockstep, cache, prompt_mask[index],
                                     next_pos[index], params, uniforms).run(logits[index])
         else:
@@ -171,8 +172,8 @@ class TransformersEngine:
         slots = N if self.slots is None else min(self.slots, N)
         stops = None if self.vision is None else torch.tensor([self.vision.image_token_id], device=device)
         decoded = Decoded(N, T, self.pad_id, self.eos_ids.to(device), device, stops)
-        prompts = [(layer.keys, layer.values) for layer in cache.layers]  # each prompt's (P, H, Lp, D)
-        cache.batch_select_indices(prompt_index[:0])  # an empty batch: completions join it below
+        prompts = rows(cache)  # each prompt's entries: keys and values (P, H, Lp, D), states
+        select_rows(cache, prompt_index[:0])  # an empty batch: completions join it below
         live = prompt_index[:0]  # (n,) the completions in the batch
         tok, attn, pos, logits = live, prompt_mask[:0], next_pos[:0], None  # (n,), (n, L), (n,), (n, V)
         waiting, changed = 0, False  # completions waiting..N - 1 have not joined yet; the batch's rows changed
@@ -185,7 +186,7 @@ class TransformersEngine:
                 if waiting == N and len(keep) == 0 and self.lockstep:
                     keep = going.new_zeros(1, dtype=torch.long)  # a row for the forward calls still collective
                 if len(keep) < len(live):
-                    cache.batch_select_indices(keep)
+                    select_rows(cache, keep)
                     live, tok, attn, pos = live[keep], tok[keep], attn[keep], pos[keep]
                     changed = True
                 if waiting == N or len(live) >= slots:
@@ -193,7 +194,7 @@ class TransformersEngine:
                 new = torch.arange(waiting, min(N, waiting + slots - len(live)), device=device)  # (k,)
                 waiting += len(new)
                 p = prompt_index[new]
-                attn = _join(cache, attn, prompts, prompt_mask[p], p)
+                attn = append_rows(cache, attn, prompts, prompt_mask[p], p)
                 live, pos = torch.cat([live, new]), torch.cat([pos, next_pos[p]])
                 tok = torch.cat([tok, decoded.add(*sample_next(first[p], params, _draws(uniforms, new, decoded.count)),
                                                   new)])
@@ -242,30 +243,6 @@ def _draws(uniforms: torch.Tensor | None, rows: torch.Tensor, count: torch.Tenso
     if uniforms is None:
         return None
     return uniforms[rows, count[rows].clamp(max=uniforms.shape[1] - 1)]
-
-
-def _join(cache: DynamicCache, attn: torch.Tensor, prompts: list[tuple], mask: torch.Tensor,
-          p: torch.Tensor) -> torch.Tensor:
-    """Append prompts p's rows (k,) of the prefilled `prompts` [(keys, values) (P, H, Lp, D) per
-    layer], with their masks (k, Lp), to the batch in `cache` and its attention mask `attn` (n, L);
-    whichever is shorter is padded with zeros on the left (masked there). Returns the new mask."""
-    for layer, (keys, values) in zip(cache.layers, prompts):
-        if keys is None or keys.numel() == 0:  # a layer that holds no cache of its own
-            continue
-        width = max(layer.keys.shape[-2], keys.shape[-2])
-        layer.keys = torch.cat([_padded_left(layer.keys, width, -2), _padded_left(keys[p], width, -2)])
-        layer.values = torch.cat([_padded_left(layer.values, width, -2), _padded_left(values[p], width, -2)])
-    width = max(attn.shape[1], mask.shape[1])
-    return torch.cat([_padded_left(attn, width), _padded_left(mask, width)])
-
-
-def _padded_left(x: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
-    """`x` with zeros before its entries along `dim`, to `width` of them (`x` itself when it has them)."""
-    if x.shape[dim] == width:
-        return x
-    shape = list(x.shape)
-    shape[dim] = width - x.shape[dim]
-    return torch.cat([x.new_zeros(shape), x], dim=dim)
 
 
 def _trimmed(cache: DynamicCache, attn: torch.Tensor) -> torch.Tensor:

@@ -198,8 +198,12 @@ def load_weights(model: torch.nn.Module, folder: Path) -> None:
     state = {}
     for f in sorted(Path(folder).glob("*.safetensors")):
         state.update(load_file(f))
-    missing, unexpected = model.load_state_dict(state, strict=False)
     own = dict(model.named_parameters())  # a tied weight appears once, under the name that is saved
+    if not state.keys() <= model.state_dict().keys() and hasattr(type(model), "from_pretrained"):
+        # Saved in the checkpoint format transformers writes (save_pretrained's original format: a
+        # mixture of experts' fused weights one expert at a time); its loading converts them back.
+        state = type(model).from_pretrained(folder, dtype=next(iter(own.values())).dtype).state_dict()
+    missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k in own]
     if missing or unexpected:
         raise ValueError(f"checkpoint {folder} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")

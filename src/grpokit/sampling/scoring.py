@@ -66,11 +66,12 @@ class Rewarded:
 
 class Scorer:
     def __init__(self, config: Config, tokenizer, rewards: RewardSet, rows: torch.Tensor, device: torch.device,
-                 lockstep: bool):
+                 lockstep: bool, balanced: bool = False):
         """rows: the step's completions this process owns, in update order (distributed.shard_rows);
-        lockstep: every process must make every forward call (sharded weights): every row runs."""
+        lockstep: every process must make every forward call (sharded weights): every row runs;
+        balanced: the loss has a load-balancing term (algorithm/load_balancing.py), of every sequence."""
         self.config, self.tokenizer, self.rewards = config, tokenizer, rewards
-        self.rows, self.device, self.lockstep = rows, device, lockstep
+        self.rows, self.device, self.lockstep, self.balanced = rows, device, lockstep, balanced
 
     def score(self, examples: list[Example], batch: RolloutBatch, state) -> Scored:
         """Rewards of this process's completions `batch` of the prompts `examples`, and their
@@ -121,8 +122,8 @@ class Scorer:
         # need every process in every forward (training/sharding.py), so there every row runs.
         active = torch.ones_like(advantages, dtype=torch.bool)  # (n,)
         if not self.lockstep:
-            # (an entropy bonus and a teacher's signal are per token: every row has a gradient)
-            if a.beta == 0 and a.entropy_coef == 0 and self.config.distill.teacher is None:
+            # (an entropy bonus, a teacher's signal and a load-balancing term: every row has a gradient)
+            if a.beta == 0 and a.entropy_coef == 0 and self.config.distill.teacher is None and not self.balanced:
                 active &= advantages != 0
             active &= loss_mask(batch.trained_mask, batch.finish_reasons, a.mask_truncated_completions).cpu().any(-1)
         return Scored(rewarded.rewards, rewarded.per_function, advantages.to(self.device), active, rewarded.samples,

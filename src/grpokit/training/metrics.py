@@ -8,13 +8,16 @@ import math
 
 import torch
 
-from grpokit.algorithm.loss import IS_MAX, IS_MEAN, LossOutput
+from grpokit.algorithm.loss import AUX_LOSS, IS_MAX, IS_MEAN, LossOutput
 from grpokit.config.schema import Config
 from grpokit.models.vision import IMAGE_TOKEN
 from grpokit.multiturn.kinds import RolloutKind
 from grpokit.rollout.batch import RolloutBatch
 from grpokit.runtime import distributed
 from grpokit.sampling.scoring import Scored
+
+
+MAX_LOAD = "router/max_load"
 
 
 class LossMetrics:
@@ -25,11 +28,17 @@ class LossMetrics:
     over the updates, with every process's share summed. The rollout importance weight's mean and
     out-of-bounds share are over the tokens that had a forward pass, its max over all of them."""
 
-    def __init__(self, names: tuple[str, ...], outside: str | None):
+    def __init__(self, names: tuple[str, ...], outside: str | None, balanced: tuple[int, int] | None = None):
         """names: the loss's token-summed metrics (loss.token_metric_names); outside: the importance
-        weight's out-of-bounds metric (loss.IS_OUTSIDE) when the weight is on, else None."""
+        weight's out-of-bounds metric (loss.IS_OUTSIDE) when the weight is on, else None; balanced:
+        (the sequences of an update, the experts) when the loss has a load-balancing term (AUX_LOSS,
+        its mean over the sequences, and MAX_LOAD, the most chosen expert's choices over the mean
+        expert's), else None."""
         self.names = names
-        self.sums = dict.fromkeys(("loss", *names), 0.0)  # this process's shares
+        self.balanced = None if balanced is None else balanced[0]
+        self.sums = dict.fromkeys(("loss", *names, *((AUX_LOSS,) if balanced else ())), 0.0)  # this process's shares
+        # (E,) the experts' choices at the trained tokens, summed (with `balanced`)
+        self.expert_counts = None if balanced is None else torch.zeros(balanced[1], dtype=torch.float64)
         self.shared = {"grad_norm": 0.0, "learning_rate": 0.0}  # the same on every process
         self.corrected = () if outside is None else (IS_MEAN, outside)
         self.counted = dict.fromkeys(self.corrected, 0.0)  # summed over the tokens that had a forward pass
@@ -37,13 +46,18 @@ class LossMetrics:
         self.is_max = -math.inf
         self.updates = 0
 
-    def add_micro_batch(self, out: LossOutput, mask: torch.Tensor, num_tokens: float) -> None:
-        """mask: (M, T) the micro-batch's; num_tokens: its whole update's, all processes."""
+    def add_micro_batch(self, out: LossOutput, mask: torch.Tensor, num_tokens: float,
+                        expert_counts: torch.Tensor | None = None) -> None:
+        """mask: (M, T) the micro-batch's; num_tokens: its whole update's, all processes;
+        expert_counts: (E,) the experts' choices at its trained tokens (with a load-balancing term)."""
         undeclared = out.token_sums.keys() - {*self.names, *self.corrected}
         if undeclared:
             raise ValueError(f"the loss returned metrics {sorted(undeclared)} that loss.token_metric_names does not name")
         for name in self.names:
             self.sums[name] += (out.token_sums[name] / max(num_tokens, 1.0)).item()
+        if self.balanced:
+            self.sums[AUX_LOSS] += (out.sequence_sums[AUX_LOSS] / self.balanced).item()
+            self.expert_counts += expert_counts.detach().double().cpu()
         if self.corrected:
             for name in self.corrected:
                 self.counted[name] += out.token_sums[name].item()
@@ -60,6 +74,9 @@ class LossMetrics:
         """The metrics of the step (a collective)."""
         summed = distributed.all_reduce(torch.tensor(list(self.sums.values()), dtype=torch.float64)).tolist()
         out = {k: v / self.updates for k, v in (*zip(self.sums, summed), *self.shared.items())}
+        if self.balanced:
+            counts = distributed.all_reduce(self.expert_counts)  # (E,)
+            out[MAX_LOAD] = (counts.max() / counts.mean()).item() if counts.sum() > 0 else math.nan
         if self.corrected:
             *totals, count = distributed.all_reduce(
                 torch.tensor([*self.counted.values(), self.is_count], dtype=torch.float64)).tolist()

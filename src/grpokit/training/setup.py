@@ -107,14 +107,29 @@ def _check_prompt_lengths(config: Config, task, encoder: PromptEncoder, limit: i
             f"data.max_prompt_length={budget} (data.long_prompts=drop leaves them out, truncate keeps their end)")
 
 
-def loss_settings(config: Config) -> LossSettings:
-    """The loss's hyperparameters for a run: `config`'s algorithm.* and rollout.is_* (algorithm.kl_estimator null is k3)."""
+def loss_settings(config: Config, model=None) -> LossSettings:
+    """The loss's hyperparameters for a run: `config`'s algorithm.* and rollout.is_* (algorithm.kl_estimator null is k3;
+    algorithm.router_aux_loss_coef null is `model`'s own, router_balance)."""
     a, r = config.algorithm, config.rollout
     return LossSettings(beta=a.beta, epsilon=a.epsilon, epsilon_high=a.epsilon_high, kl_estimator=a.kl_estimator or "k3",
                         importance_sampling_level=a.importance_sampling_level, delta=a.delta,
                         sapo_temperature_pos=a.sapo_temperature_pos, sapo_temperature_neg=a.sapo_temperature_neg,
                         is_level=r.is_level, is_mode=r.is_mode, is_cap=r.is_cap, is_min=r.is_min,
-                        entropy_coef=a.entropy_coef, distill_coef=config.distill.coef)
+                        entropy_coef=a.entropy_coef, distill_coef=config.distill.coef,
+                        router_aux_loss_coef=router_balance(config, model)[0])
+
+
+def router_balance(config: Config, model=None) -> tuple[float, tuple[int, int] | None]:
+    """The load-balancing loss's weight in a run of `model` (algorithm.router_aux_loss_coef, null: the
+    model config's router_aux_loss_coef where it declares router logits, as TRL; else 0), and, when
+    it is on, (experts, experts each token is routed to) (None when off)."""
+    from grpokit.models.routers import routed_choices
+
+    routed = None if model is None else routed_choices(model.config)
+    coef = config.algorithm.router_aux_loss_coef
+    if coef is None:
+        coef = getattr(model.config.get_text_config(decoder=True), "router_aux_loss_coef", 0.0) if routed else 0.0
+    return coef, routed if coef and routed else None
 
 
 def micro_batch_tokens(config: Config, vision: bool) -> int | str | None:

@@ -153,8 +153,9 @@ class Trainer:
             chunk = chunk_size(config.train.logprob_chunk_size, self.policy, self.device, self.vision)
             self.rollouts = Rollouts(config, self.task, setup.make_kind(config, prepared, self.policy), self.tokenizer,
                                      self.policy, self.parallel, self.device, seed_stream, self.vision)
+            balance, routed = setup.router_balance(config, self.policy)  # the load-balancing term's weight, experts
             self.scorer = Scorer(config, self.tokenizer, self.rewards, self.rollouts.rows, self.device,
-                                 self.parallel.lockstep)
+                                 self.parallel.lockstep, balance > 0)
             self.checkpoint_size = self._checkpoint_size()  # counted while every process holds the whole model
             if resume_from is not None:  # into whole weights, before sharding spreads them
                 load_weights(self.policy, resume_from)
@@ -164,8 +165,9 @@ class Trainer:
             self.logprobs = LogProbs(self.policy, self.reference, config.rollout.temperature,
                                      chunk, config.model.gradient_checkpointing, whole_model,
                                      config.micro_batch_size(distributed.world_size()), self.device, self.vision,
-                                     setup.micro_batch_tokens(config, self.vision is not None), self.parallel.lockstep)
-            self.loss_settings = setup.loss_settings(config)
+                                     setup.micro_batch_tokens(config, self.vision is not None), self.parallel.lockstep,
+                                     routed)
+            self.loss_settings = setup.loss_settings(config, self.policy)
             self.waste = Waste(self.rollouts, self.logprobs)
             # The metrics.jsonl rows kept from before the checkpoint, and what to tell the user about them.
             self.resumed_rows, note = distributed.on_main(lambda: self._start_run_dir(resume_from))
@@ -354,7 +356,8 @@ class Trainer:
         # Only the model's own tokens are trained (not a conversation's tool results).
         mask = loss_mask(batch.trained_mask, batch.finish_reasons, a.mask_truncated_completions)  # (n, T)
         metrics = LossMetrics(token_metric_names(a.loss_type, self.loss_settings, teacher_logps is not None),
-                               IS_OUTSIDE[self.loss_settings.is_mode] if self.rollouts.is_correction else None)
+                               IS_OUTSIDE[self.loss_settings.is_mode] if self.rollouts.is_correction else None,
+                               self.logprobs.routed and (cfg.completions_per_update, self.logprobs.routed[0]))
         skipped, t_optimizer = 0, 0.0
         self.policy.train()
         for _ in range(a.num_iterations):
@@ -394,11 +397,11 @@ class Trainer:
         update_loss = 0.0
         micro_batches = self.logprobs.micro_batches(batch, rows)
         for i, mb in enumerate(micro_batches):
-            logps = self.logprobs.of(self.policy, batch, mb, entropies=a.entropy_coef > 0)  # (M, T), or a pair
-            logps, entropies = logps if a.entropy_coef > 0 else (logps, None)
+            policy = self.logprobs.train(batch, mb, mask[mb], entropies=a.entropy_coef > 0)
             out = compute_loss(a.loss_type, LossInputs(
-                logps=logps,
-                entropies=entropies,
+                logps=policy.logps,  # (M, T)
+                entropies=policy.entropies,
+                balance=policy.balance,
                 mask=mask[mb],
                 advantages=scored.advantages[mb],
                 old_logps=None if old_logps is None else old_logps[mb],
@@ -412,7 +415,7 @@ class Trainer:
             ), self.loss_settings)
             self.parallel.backward(out.loss, last=i == len(micro_batches) - 1)
             update_loss += out.loss.item()
-            metrics.add_micro_batch(out, mask[mb], num_tokens)
+            metrics.add_micro_batch(out, mask[mb], num_tokens, policy.expert_counts)
         return update_loss
 
     @torch.no_grad()
