@@ -7,7 +7,7 @@ A pass that cannot be exact for a family is refused, with the reason, and never 
 packed rows and an agent's rows of several sequences under one 4D mask for a model whose layers
 carry a state (its several sequences are split into rows of their own instead), the chunked head
 for a model whose head does more than its output layer, the static decoder for windowed and hybrid
-models. docs/models.md is this matrix, written by tools/architectures.py."""
+models. docs/models.md is this matrix, written by benchmarks/architectures.py."""
 
 import pytest
 import torch
@@ -254,12 +254,12 @@ def test_a_stopped_run_resumes_exactly(folders, tmp_path, family):
 def test_a_sampled_token_is_routed_in_training_as_when_it_was_sampled(models, family):
     """The in-process engine's routing of every sampled token (each MoE layer's top-k experts) is
     the training pass's routing of the position that predicts it (recorded from the routers)."""
-    from grpokit.models.routers import RouterLogits, router_class
+    from grpokit.models.routers import RouterLogits, router_modules
     from grpokit.rollout.batch import SamplingParams
     from grpokit.rollout.transformers_engine import TransformersEngine
 
     model, k = models(family), models(family).config.num_experts_per_tok
-    routers = [m for m in model.modules() if isinstance(m, router_class(model))]
+    routers = [m for _, m in router_modules(model)[0]]
     calls = []  # each forward call's router logits, layer by layer: (rows * positions, E)
     hooks = [r.register_forward_hook(lambda m, i, out: calls.append(out[0] if isinstance(out, tuple) else out))
              for r in routers]
@@ -281,8 +281,8 @@ def test_a_sampled_token_is_routed_in_training_as_when_it_was_sampled(models, fa
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_a_config_asking_for_router_logits_decodes(family):
-    """output_router_logits: true in a model's config (TRL's way to ask for the auxiliary loss)
-    made transformers' forward compute its loss against the decoding step's mask, and crash."""
+    """output_router_logits: true in a model's config (for transformers' own training, its auxiliary
+    loss) made its forward compute that loss against the decoding step's mask, and crash."""
     from grpokit.models.loading import fit_for_passes
 
     model = build(family, dtype=torch.float32)
@@ -330,7 +330,7 @@ def test_a_hybrid_and_a_windowed_model_train_with_tools(tmp_path, family):
      "attention mask, but for this model its linear_attention layers carry a state"),
     ("lfm2", ["train.micro_batch_tokens=512"], "its conv layers carry a state"),
     ("llama", ["algorithm.router_aux_loss_coef=0.01"], "algorithm.router_aux_loss_coef=0.01: the model has no routers"),
-    ("deepseek_v3", ["algorithm.router_aux_loss_coef=0.01"], "declares no router logits"),
+    ("deepseek_v3", ["algorithm.router_aux_loss_coef=0.01"], "has no output_router_logits"),
     ("gemma3", ["rollout.decoder=static"], "rollout.decoder=static: this model has layers of other kinds"),
 ])
 def test_the_start_up_checks_refuse_what_a_model_cannot_take(family, settings, refused):
@@ -343,3 +343,45 @@ def test_the_start_up_checks_refuse_what_a_model_cannot_take(family, settings, r
     with pytest.raises(ConfigError, match=refused):
         check(load_config(None, settings), Facts(model=model_facts("a model", model, tokenizer=object())))
     check(load_config(None, []), Facts(model=model_facts("a model", model, tokenizer=object())))  # the defaults pass
+
+
+def test_a_mixture_of_experts_checkpoint_that_does_not_fit_is_refused(tmp_path):
+    """transformers writes a mixture of experts' weights one expert at a time; resuming converts them
+    back, and a checkpoint with one missing is refused, not filled at random."""
+    from safetensors.torch import load_file, save_file
+
+    from grpokit.rundir.checkpoint import load_weights
+
+    saved = build("qwen3_moe", dtype=torch.float32)
+    saved.save_pretrained(tmp_path)
+    model = build("qwen3_moe", dtype=torch.float32, seed=1)
+    load_weights(model, tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), saved.state_dict().values()))
+    weights = load_file(tmp_path / "model.safetensors")
+    dropped = next(k for k in weights if ".experts.0." in k)
+    save_file({k: v for k, v in weights.items() if k != dropped}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="does not fit the model"):
+        load_weights(model, tmp_path)
+
+
+def test_all_linear_is_every_linear_layer_but_the_head_and_the_routers():
+    """peft's linear layers (transformers' Conv1D too: GPT-2), not the output layer, and not a
+    router that is a linear layer (Llama 4's, whose logits are the second of its outputs): routers
+    are model.lora_target_parameters=router's."""
+    import transformers
+
+    from grpokit.models.loading import lora_modules, lora_parameters
+    from grpokit.models.routers import router_modules
+
+    gpt2 = transformers.AutoModelForCausalLM.from_config(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4,
+                                                                                 vocab_size=96))
+    assert {n.split(".", 3)[-1] for n in lora_modules(gpt2, "all-linear")} == {"attn.c_attn", "attn.c_proj", "mlp.c_fc",
+                                                                                "mlp.c_proj"}
+    llama4 = transformers.AutoModelForCausalLM.from_config(transformers.Llama4TextConfig(
+        hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, vocab_size=96, num_local_experts=4, num_experts_per_tok=1))
+    routers, index = router_modules(llama4)
+    assert index == 1 and [n for n, _ in routers] == [f"model.layers.{i}.feed_forward.router" for i in range(2)]
+    modules = lora_modules(llama4, "all-linear")
+    assert "model.layers.0.feed_forward.shared_expert.up_proj" in modules and not any("router" in m for m in modules)
+    assert lora_parameters(llama4, "router") == [f"model.layers.{i}.feed_forward.router.weight" for i in range(2)]

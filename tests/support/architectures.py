@@ -2,7 +2,7 @@
 own config classes, each with what sets it apart switched on: a short sliding window beside global
 layers, attention sinks, q/k norms, layers without RoPE, experts with top-k routing, linear-attention
 (Gated DeltaNet) or convolution layers. Shared by the architecture matrix (tests/models/
-test_architectures.py) and the command that writes docs/models.md (tools/architectures.py)."""
+test_architectures.py) and the command that writes docs/models.md (benchmarks/architectures.py)."""
 
 from __future__ import annotations
 

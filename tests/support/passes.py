@@ -1,6 +1,6 @@
 """Every log-prob pass of grpokit, on one ragged batch, against a plain forward of each whole
 sequence: the architecture matrix's measurements (tests/models/test_architectures.py and the command
-that writes docs/models.md, tools/architectures.py)."""
+that writes docs/models.md, benchmarks/architectures.py)."""
 
 from __future__ import annotations
 

@@ -545,8 +545,8 @@ def _check_model(c: Config, model: ModelFacts | None) -> list[str]:
                  f"{model.mask_problem}: use train.micro_batch_size")
     if c.algorithm.router_aux_loss_coef and not model.routed:
         p.append(f"algorithm.router_aux_loss_coef={c.algorithm.router_aux_loss_coef}: the model has no routers whose "
-                 "logits a load-balancing loss reads (not a mixture-of-experts model, or one whose config declares no "
-                 "router logits, as DeepSeek-V3's bias-balanced routing): leave it null or 0")
+                 "logits a load-balancing loss reads (not a mixture-of-experts model, or one whose config has no "
+                 "output_router_logits, as DeepSeek-V3's bias-balanced routing): leave it null or 0")
     if model.max_positions is None:
         return p
     limit, length = model.max_positions, r.max_completion_length

@@ -281,7 +281,7 @@ class AlgorithmConfig:
         None, "a mixture-of-experts model's load-balancing loss: this times each sequence's balance term (DeepSeek-V3's "
         "sequence-wise form of transformers' load_balancing_loss_func, over the positions that predict its trained "
         "tokens), averaged over the update's sequences, is added to the loss (TRL's router_aux_loss_coef); null: "
-        "the model config's router_aux_loss_coef where it declares router logits (output_router_logits), else 0; "
+        "the model config's router_aux_loss_coef where it has an output_router_logits field (as TRL), else 0; "
         "0: none"
     )
     sync_ref_model: bool = _f(

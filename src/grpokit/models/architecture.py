@@ -27,9 +27,11 @@ from transformers import DynamicCache
 
 from grpokit.runtime.errors import ConfigError
 
-# The kinds of layer whose attention a 4D mask decides; any other kind carries a state (or, as
-# chunked attention, masks by absolute position), and takes no mask that grpokit builds.
+# The kinds of layer whose attention a 4D mask of grpokit's decides; the kinds that carry a state
+# from token to token (linear attention, convolution, Mamba), which no mask stops at a sequence's
+# end; any other kind (chunked attention masks by absolute position) takes no mask of grpokit's either.
 ATTENTION = ("full_attention", "sliding_attention")
+STATEFUL = ("linear_attention", "conv", "mamba", "hybrid", "hybrid_sliding")
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ class Layers:
     @property
     def stateful(self) -> bool:
         """Whether some layer carries a state from token to token (linear attention, convolution)."""
-        return any(kind not in ATTENTION for kind in self.kinds)
+        return any(kind in STATEFUL for kind in self.kinds)
 
     @property
     def window(self) -> int | None:
@@ -70,10 +72,13 @@ class Layers:
     def mask_problem(self) -> str | None:
         """Why no 4D attention mask gives every layer of this model the mask it sees in a plain
         forward (packed rows, an agent's rows of several sequences), or None."""
+        stateful = sorted({kind for kind in self.kinds if kind in STATEFUL})
+        if stateful:
+            return (f"its {', '.join(stateful)} layers carry a state from token to token, which would flow from one "
+                    "sequence of a row into the next")
         other = sorted({kind for kind in self.kinds if kind not in ATTENTION})
         if other:
-            return (f"its {', '.join(other)} layers carry a state from token to token, which would flow from one "
-                    "sequence of a row into the next")
+            return f"its {', '.join(other)} layers take no attention mask of grpokit's (only full and sliding attention)"
         if len({w for w in self.windows if w is not None}) > 1:
             return f"its sliding layers have windows of different sizes ({sorted({w for w in self.windows if w})})"
         return None
@@ -131,10 +136,20 @@ def attention_form(model, allowed: torch.Tensor) -> torch.Tensor:
 
 def new_cache(model) -> DynamicCache:
     """An empty cache for `model`'s passes: plain growing key/value layers for a model of attention
-    layers only (a sliding layer's keys are all kept; the mask gives it its window), and transformers'
-    cache made from the model's config where some layer keeps a state of another shape."""
+    layers only, and transformers' cache made from the model's config where some layer keeps a state,
+    its attention layers plain growing ones too. A sliding layer's keys are all kept (the mask gives
+    it its window), so that every attention layer's rows are as wide, as the decoder's joining and
+    dropping of rows takes them."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
     config = _inner(model).config
-    return DynamicCache(config=config) if Layers.of(config).stateful else DynamicCache()
+    if not Layers.of(config).stateful:
+        return DynamicCache()
+    cache = DynamicCache(config=config)
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is DynamicSlidingWindowLayer:
+            cache.layers[i] = DynamicLayer()
+    return cache
 
 
 def cache_inputs(model: torch.nn.Module, cache: DynamicCache) -> dict:

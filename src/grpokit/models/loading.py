@@ -16,7 +16,7 @@ import torch
 from grpokit.models.bundled import (BUNDLED, BUNDLED_VLM, TINY, TINY_VLM, bundled_model_path, bundled_tokenizer,
                                     bundled_vlm_path, cached_folder, over_the_same_read, tiny_config, tiny_random,
                                     tiny_random_vlm, tiny_vlm_processor)
-from grpokit.models.routers import quiet_routers, router_class
+from grpokit.models.routers import quiet_routers, router_modules
 from grpokit.runtime.errors import StartupError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -230,13 +230,16 @@ def apply_lora(model, m, base_name: str):
 
 def lora_modules(model, setting: str) -> list[str]:
     """The modules model.lora_target_modules = `setting` names: for "all-linear", every linear
-    layer of the language model but the output layer, by its full name; else the names given."""
+    layer (peft's: torch's Linear, transformers' Conv1D) of the language model but the output layer
+    and a mixture of experts' routers (lora_parameters' "router"), by its full name; else the names given."""
+    from transformers.pytorch_utils import Conv1D
+
     if setting != "all-linear":
         return [t.strip() for t in setting.split(",") if t.strip()]
     decoder, head = model.get_decoder(), model.get_output_embeddings()
-    inside = {id(module) for module in decoder.modules()}
+    inside = {id(module) for module in decoder.modules()} - {id(m) for _, m in router_modules(model)[0]}
     return [name for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear) and id(module) in inside and module is not head]
+            if isinstance(module, (torch.nn.Linear, Conv1D)) and id(module) in inside and module is not head]
 
 
 def lora_parameters(model, setting: str) -> list[str]:
@@ -249,9 +252,7 @@ def lora_parameters(model, setting: str) -> list[str]:
             found = [f"{name}.{p}" for name, module in model.named_modules() if hasattr(module, "_is_expert_parallel")
                      for p, w in module.named_parameters(recurse=False) if w.dim() == 3]
         elif word == "router":
-            router = router_class(model)
-            found = [f"{name}.weight" for name, module in model.named_modules()
-                     if router is not None and isinstance(module, router)]
+            found = [f"{name}.weight" for name, _ in router_modules(model)[0]]
         else:
             found = [word]
         if not found:

@@ -379,10 +379,11 @@ class LogProbs:
         self.whole_model, self.micro_batch, self.device = whole_model, micro_batch, device
         self.micro_batch_tokens, self.lockstep, self.routed = micro_batch_tokens, lockstep, routed
         self._picked = (None, None)  # with AUTO: the last batch and its budget, kept for all its passes
-        # Why no 4D mask is exact for this model (architecture.Layers): it is then never packed, and
-        # an agent's rows of several sequences are split into rows of one.
-        layers = layers_of(policy)
-        self.mask_problem, self.stateful = layers.mask_problem(), layers.stateful
+        # Each model's layers (architecture.Layers), by id: a model no 4D mask is exact for is never
+        # packed (the policy's decides the micro-batches), and its agents' rows of several sequences
+        # are split into rows of one; a teacher may be of another architecture than the policy.
+        self._layers = {}
+        self.mask_problem = self.layers(policy).mask_problem()
         if isinstance(micro_batch_tokens, int) and self.mask_problem:  # (config/checks.py says so at start-up)
             raise ValueError(f"train.micro_batch_tokens packs completions into rows under one attention mask, but "
                              f"{self.mask_problem}: use train.micro_batch_size")
@@ -404,6 +405,12 @@ class LogProbs:
         if self.lockstep:  # every process holds as many rows, so the most micro-batches can be made everywhere
             parts = split_to(parts, int(distributed.all_reduce(torch.tensor(len(parts)), "max")))
         return [rows[part] for part in parts]
+
+    def layers(self, model):
+        """architecture.Layers of `model`, read once."""
+        if id(model) not in self._layers:
+            self._layers[id(model)] = layers_of(model)
+        return self._layers[id(model)]
 
     def budget(self, batch) -> int | None:
         """The token budget of `batch`'s packed micro-batches, or None: padded ones. With AUTO,
@@ -435,14 +442,15 @@ class LogProbs:
             else batch.sequence_ids[rows].to(self.device)
         # Summed on the device, read by the trainer once a step: no host synchronisation per pass.
         self.needed += prompt_mask.sum() + completion_mask.sum() - len(rows)
+        problem = self.layers(model).mask_problem()
         with routers or contextlib.nullcontext():
-            if self.budget(batch) is not None:
+            if self.budget(batch) is not None and not problem:  # (a teacher's may be refused: padded then)
                 packed = pack(prompt_ids, prompt_mask, completion_ids, completion_mask, prompt_index, sequence_ids)
                 self.computed += packed.input_ids.shape[1]
                 return packed_logprobs(model, packed, completion_ids.shape, self.temperature, self.chunk_size,
                                        self.whole_model, entropies, routers)
             images = None if batch.images is None else [batch.images[i] for i in first.tolist()]
-            if sequence_ids is None or self.mask_problem is None:
+            if sequence_ids is None or problem is None:
                 return self._padded(model, prompt_ids, prompt_mask, completion_ids, prompt_index, images,
                                     sequence_ids, entropies, routers)
             # No mask keeps this model's sequences apart (a layer with a state): each one a row of its own.
@@ -471,7 +479,8 @@ class LogProbs:
         """completion_logprobs of one padded micro-batch, its positions counted."""
         # Checkpointed layers drop the key/value cache in training mode, and a layer with a state
         # updates it in place in the cache, which autograd cannot see through: run completions whole.
-        share_prompt = not (self.checkpointing and model.training) and not (self.stateful and torch.is_grad_enabled())
+        share_prompt = not (self.checkpointing and model.training) and not (self.layers(model).stateful
+                                                                            and torch.is_grad_enabled())
         (P, Lp), (B, T) = prompt_ids.shape, completion_ids.shape
         last = 0 if self.whole_model or self.vision is not None else 1  # as _shared_prompt_pass splits a row
         self.computed += P * (Lp - last) + B * (T - 1 + last) if share_prompt else B * (Lp + T - 1)

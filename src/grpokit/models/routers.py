@@ -13,17 +13,27 @@ from __future__ import annotations
 import torch
 
 
-def router_class(model) -> type | None:
-    """The class of a mixture-of-experts model's routers (the module its decoder records router
-    logits from), or None for a model without one."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    recorders = getattr(type(decoder), "_can_record_outputs", None) or {}
-    return getattr(recorders.get("router_logits"), "target_class", None)
+def router_modules(model) -> tuple[list[tuple[str, torch.nn.Module]], int]:
+    """A mixture-of-experts model's routers, (name, module) each, and the index of their logits in a
+    router's output, as the model records them (transformers' `_can_record_outputs["router_logits"]`,
+    read from the first module inside that declares one); no routers: ([], 0)."""
+    recorder = next((r for m in model.modules() if (r := (getattr(type(m), "_can_record_outputs", None) or {})
+                                                     .get("router_logits")) is not None), None)
+    if recorder is None:
+        return [], 0
+    target, index = (recorder, 0) if isinstance(recorder, type) else (
+        recorder.target_class or recorder.class_name, recorder.index)
+
+    def routes(module) -> bool:
+        return isinstance(module, target) if isinstance(target, type) else type(module).__name__.endswith(target)
+
+    return [(name, m) for name, m in model.named_modules() if routes(m)], index
 
 
 def routed_choices(config) -> tuple[int, int] | None:
-    """(experts, experts per token) of a model whose config declares router logits it can return
-    (`output_router_logits`, as TRL asks), or None."""
+    """(experts, experts per token) of a model whose config has `output_router_logits` (a model
+    whose routers' logits it can return: what TRL asks of a model to add its load-balancing loss),
+    or None."""
     text = config.get_text_config(decoder=True)
     if not hasattr(text, "output_router_logits"):
         return None
@@ -45,13 +55,16 @@ class RouterLogits:
     call's (layers, B, keep, E), of its last `keep` positions (0: all)."""
 
     def __init__(self, model):
-        self.model, self.router = model, router_class(model)
+        self.model = model
+        self.routers, self.index = router_modules(model)
+        if not self.routers:
+            raise ValueError(f"{type(model).__name__} declares no routers whose logits it records")
         self._hooks, self._layers, self._shape = [], [], None
 
     def __enter__(self) -> RouterLogits:
         decoder = self.model.get_decoder()
         self._hooks.append(decoder.register_forward_pre_hook(self._call, with_kwargs=True))
-        self._hooks += [m.register_forward_hook(self._routed) for m in self.model.modules() if isinstance(m, self.router)]
+        self._hooks += [m.register_forward_hook(self._routed) for _, m in self.routers]
         return self
 
     def __exit__(self, *exc) -> None:
@@ -64,7 +77,7 @@ class RouterLogits:
         self._shape, self._layers = tuple(inputs.shape[:2]), []
 
     def _routed(self, module, args, output) -> None:
-        self._layers.append(output[0] if isinstance(output, tuple) else output)  # (B * L, E)
+        self._layers.append(output[self.index] if isinstance(output, (tuple, list)) else output)  # (B * L, E)
 
     def take(self, keep: int = 0) -> torch.Tensor:
         """The last forward call's router logits (layers, B, L', E), L' its last `keep` positions (0: all)."""

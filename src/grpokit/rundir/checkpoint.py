@@ -202,7 +202,15 @@ def load_weights(model: torch.nn.Module, folder: Path) -> None:
     if not state.keys() <= model.state_dict().keys() and hasattr(type(model), "from_pretrained"):
         # Saved in the checkpoint format transformers writes (save_pretrained's original format: a
         # mixture of experts' fused weights one expert at a time); its loading converts them back.
-        state = type(model).from_pretrained(folder, dtype=next(iter(own.values())).dtype).state_dict()
+        try:
+            loaded, info = type(model).from_pretrained(folder, dtype=next(iter(own.values())).dtype,
+                                                       output_loading_info=True)
+        except (RuntimeError, OSError, ValueError) as e:
+            raise ValueError(f"checkpoint {folder} does not fit the model: {str(e).splitlines()[0]}") from None
+        unread = [*info["missing_keys"], *info["unexpected_keys"], *info["mismatched_keys"]]
+        if unread:  # (from_pretrained draws what it cannot read at random, and only warns)
+            raise ValueError(f"checkpoint {folder} does not fit the model: {sorted(map(str, unread))[:5]}")
+        state = loaded.state_dict()
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k in own]
     if missing or unexpected:

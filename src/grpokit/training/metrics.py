@@ -32,7 +32,8 @@ class LossMetrics:
         """names: the loss's token-summed metrics (loss.token_metric_names); outside: the importance
         weight's out-of-bounds metric (loss.IS_OUTSIDE) when the weight is on, else None; balanced:
         (the sequences of an update, the experts) when the loss has a load-balancing term (AUX_LOSS,
-        its mean over the sequences, and MAX_LOAD, the most chosen expert's choices over the mean
+        its terms summed over the update's sequences and divided by their number, a sequence without
+        a trained token adding 0; MAX_LOAD, the most chosen expert's choices over the mean
         expert's), else None."""
         self.names = names
         self.balanced = None if balanced is None else balanced[0]

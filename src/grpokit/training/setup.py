@@ -121,14 +121,20 @@ def loss_settings(config: Config, model=None) -> LossSettings:
 
 def router_balance(config: Config, model=None) -> tuple[float, tuple[int, int] | None]:
     """The load-balancing loss's weight in a run of `model` (algorithm.router_aux_loss_coef, null: the
-    model config's router_aux_loss_coef where it declares router logits, as TRL; else 0), and, when
-    it is on, (experts, experts each token is routed to) (None when off)."""
-    from grpokit.models.routers import routed_choices
+    model config's router_aux_loss_coef where it has output_router_logits, as TRL; else 0), and, when
+    it is on, (experts, experts each token is routed to) (None when off). StartupError: a weight set
+    for a model whose routers grpokit cannot read."""
+    from grpokit.models.routers import routed_choices, router_modules
 
     routed = None if model is None else routed_choices(model.config)
+    if routed and not router_modules(model)[0]:  # it has output_router_logits, but no router it records
+        routed = None
     coef = config.algorithm.router_aux_loss_coef
     if coef is None:
         coef = getattr(model.config.get_text_config(decoder=True), "router_aux_loss_coef", 0.0) if routed else 0.0
+    if coef and not routed and model is not None:
+        raise StartupError(f"algorithm.router_aux_loss_coef={coef}: {type(model).__name__} records no routers' logits "
+                           "for a load-balancing loss: leave it null or 0")
     return coef, routed if coef and routed else None
 
 
