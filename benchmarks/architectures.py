@@ -47,7 +47,8 @@ def _cell(compute) -> str:
 
 
 def pass_cells(model) -> list[str]:
-    """Per pass: the worst difference over a batch of one sequence per row and one of several."""
+    """Per pass: the worst difference over a batch of one sequence per row and of several (a later
+    one from position 0, or after the prompt)."""
     cells = []
     for name in PASSES:
         if name == "chunked":
@@ -59,8 +60,8 @@ def pass_cells(model) -> list[str]:
 
         def worst(name=name):
             diffs = []
-            for several in (False, True):
-                batch = ragged_batch(several_sequences=several)
+            for several, after in ((False, False), (True, False), (True, True)):
+                batch = ragged_batch(several_sequences=several, after_prompt=after)
                 got = pass_logprobs(model, batch, name, 0.7)
                 diffs.append(((got.double() - plain_logprobs(model, batch, 0.7)).abs() * mask_of(batch)).max().item())
             return max(diffs)

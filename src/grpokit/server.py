@@ -50,6 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from grpokit.models.teacher import vocabulary_digest
 from grpokit.multiturn.endpoint import KEEP_ALIVE_S, Endpoint
+from grpokit.multiturn.tool_formats import Replies
 from grpokit.rollout.batch import SamplingParams, alternatives
 from grpokit.rollout.protocols import ServedEngine
 from grpokit.rollout.weights import WeightGroup, device_id, fingerprint_differences, layout_hash
@@ -106,6 +107,8 @@ class AgentsRequest(BaseModel):
     sampling: Sampling
     seeds: list[int] | None = None  # one per rollout
     chat_template: str | None = None  # the trainer's, which renders the agents' messages (None: the model's own)
+    tool_call_format: str = "auto"  # the trainer's rollout.tool_call_format and model.reasoning_parser, which
+    reasoning_parser: str = "auto"  # read the replies
 
 
 class FinishedRequest(BaseModel):
@@ -302,6 +305,11 @@ class RolloutService:
             self._check_weights(request.session, request.weights_version)
             self.endpoint.open(request.rollouts, params)  # an earlier generation's requests are refused from now
             self.endpoint.tokenizer.chat_template = request.chat_template or self.chat_template
+            try:
+                self.endpoint.replies = Replies.of(self.endpoint.tokenizer, request.tool_call_format,
+                                                   request.reasoning_parser)
+            except ValueError as e:
+                raise Refused(422, str(e)) from None
             self.agents = _Agents(self, request.rollouts, params, request.seeds)
             return {"generation": self.agents.generation, "weights_step": self.weights_step}
 

@@ -103,8 +103,8 @@ FIELDS: dict[str, Field] = {
     "shuffle_dataset": Field(None, True, DATALOADER),
     "pad_to_multiple_of": Field(None, None, SPEED),
     "remove_unused_columns": Field(None, False, "grpokit passes every column to the reward functions"),
-    "chat_template_kwargs": Field(None, None, "grpokit renders prompts with the chat template's defaults (a template "
-                                  "of your own: model.chat_template)", math=True),
+    "chat_template_kwargs": Field("model.chat_template_kwargs", None, "every rendering of the template gets them, "
+                                  "as TRL's prompts do", convert=lambda value: dict(value or {})),
     # -------- generation
     "num_generations": Field("rollout.num_generations", 8),
     "num_generations_eval": Field(None, None, "grpokit evaluates greedily, one completion per prompt (grpokit eval "

@@ -43,6 +43,7 @@ CASES = {
     "rollout.is_min": ("0.5", ["rollout.is_correction=false", "rollout.engine=vllm"], "rollout.is_correction=false",
                        ["rollout.is_correction=true", "rollout.engine=vllm"]),
     "rollout.max_turns": ("3", [], "rollout.tools=null", ["data.task=calculator"]),  # the task's own tools
+    "rollout.tool_call_format": ("mistral", [], "rollout.tools=null", ["data.task=calculator"]),
     "rollout.tool_timeout": ("null", ["data.task=calculator", "rollout.tools=[]"], "rollout.tools=[]",
                              ["rollout.tools=[my_tools.py:add]"]),
     "rollout.agent_timeout": ("60", [], "rollout.agent=null", ["rollout.agent=my_agent.py:agent"]),

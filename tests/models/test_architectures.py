@@ -52,11 +52,11 @@ def _chunkable(model) -> bool:
 def test_every_log_prob_pass_is_a_plain_forward(models, family):
     model = models(family)
     problem = layers_of(model).mask_problem()
-    for several in (False, True):
-        batch = ragged_batch(several_sequences=several)
+    for several, after in ((False, False), (True, False), (True, True)):
+        batch = ragged_batch(several_sequences=several, after_prompt=after)
         plain, where = plain_logprobs(model, batch, 0.7), mask_of(batch)
         for name in PASSES:
-            label = f"{family}, {name}{', several sequences' if several else ''}"
+            label = f"{family}, {name}{', several sequences' if several else ''}{' after the prompt' if after else ''}"
             if name.startswith("packed") and problem:  # refused, with the reason
                 with pytest.raises(ValueError, match="train.micro_batch_tokens packs completions"):
                     pass_logprobs(model, batch, name, 0.7)

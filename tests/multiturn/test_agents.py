@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.exact import update_difference
-from support.conversations import FOLLOW_UP_AGENT, tool_call
+from support.conversations import ADD_TOOL, FOLLOW_UP_AGENT, WITH_TOOLS_AGENT, tool_call
 from support.processes import grpokit, run_worker
 from support.trained_replies import answerer
 from support.runs import assert_close_metrics, completions_log, measured, metric_rows, training_rows, untimed_metrics
@@ -33,32 +33,7 @@ AGENT_PY = '''
 import asyncio
 import json
 import pathlib
-
-
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: The first.
-        b: The second.
-    """
-    return a + b
-
-
-async def with_tools(client, model, row):
-    """grpokit's own multi-turn loop, written against the openai client."""
-    from transformers.utils import get_json_schema
-
-    messages = list(row["prompt"])
-    for turn in range(5):
-        reply = await client.chat.completions.create(model=model, messages=messages, tools=[get_json_schema(add)])
-        message = reply.choices[0].message
-        messages.append(message.model_dump(exclude_none=True))
-        if not message.tool_calls or reply.choices[0].finish_reason == "length" or turn == 4:
-            return 0.0
-        for call in message.tool_calls:
-            messages.append({"role": "tool", "tool_call_id": call.id,
-                             "content": str(add(**json.loads(call.function.arguments)))})
+''' + ADD_TOOL + WITH_TOOLS_AGENT + '''
 
 
 def with_tools_sync(client, model, row):
@@ -936,17 +911,7 @@ def test_a_textarena_game_is_played_by_its_own_agent(scripted, monkeypatch):
 VERIFIERS_ENVS = '''
 import verifiers as vf
 from datasets import Dataset
-
-
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: The first.
-        b: The second.
-    """
-    return a + b
-
+''' + ADD_TOOL + '''
 
 def correct(completion, answer, **kwargs) -> float:
     return 1.0 if answer in (completion[-1]["content"] or "") else 0.0

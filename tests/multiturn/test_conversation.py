@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 from support.exact import rmsnorm_in_input_dtype
-from support.conversations import tool_call
+from support.conversations import ADD_TOOL, tool_call
 from support.runs import training_rows
 from transformers.models.llama import modeling_llama
 
@@ -22,7 +22,8 @@ from grpokit.models.loading import load_model, load_tokenizer
 from grpokit.models.logprobs import completion_logprobs
 from grpokit.models.templates import TOOLS_TEMPLATE, speaks_tools, use_chat_template
 from grpokit.multiturn.conversation import MultiTurn
-from grpokit.multiturn.tools import Tools, parse_calls
+from grpokit.multiturn.tool_formats import hermes
+from grpokit.multiturn.tools import Tools
 from grpokit.rollout.batch import SamplingParams
 from grpokit.rollout.prompts import PromptEncoder
 from grpokit.rollout.protocols import ENGINES
@@ -33,16 +34,7 @@ from grpokit.tasks.task import Example
 
 TOOLS_PY = '''
 import time
-
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: The first.
-        b: The second.
-    """
-    return a + b
-
+''' + ADD_TOOL + '''
 def boom(x: str) -> str:
     """Always fails.
 
@@ -313,17 +305,15 @@ def test_max_turns_and_the_token_budget_end_a_conversation(scripted, monkeypatch
 
 
 def test_calls_are_parsed_in_the_hermes_format():
-    tokenizer = load_tokenizer("tiny-random")
-    content, calls, problems = parse_calls(tokenizer, "Let me add. " + tool_call("add", a=1, b=2)
-                                           + '<tool_call>{"name": 3}</tool_call>'
-                                           + "<tool_call>{nope}</tool_call><tool_call>")
+    content, calls, problems = hermes("Let me add. " + tool_call("add", a=1, b=2) + '<tool_call>{"name": 3}</tool_call>'
+                                      + "<tool_call>{nope}</tool_call><tool_call>")
     assert content == "Let me add. <tool_call>"  # an unclosed call stays text
     assert [(c.name, c.arguments) for c in calls] == [("add", {"a": 1, "b": 2})]
     assert len(problems) == 3
     assert problems[0].startswith('error: a tool call is {"name": <tool name>, "arguments": {<argument>')
     assert problems[1].startswith("error: the tool call is not valid JSON (Expecting")
     assert problems[2] == "error: a <tool_call> without its </tool_call>"
-    assert parse_calls(tokenizer, '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')[1][0].arguments == {"x": 1}
+    assert hermes('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')[1][0].arguments == {"x": 1}
 
 
 def test_a_run_with_tools_counts_every_failure_and_finishes(scripted, monkeypatch, capsys):

@@ -16,10 +16,13 @@ LENGTHS = [16, 3, 11, 7, 14, 9]
 GROUP = 3
 
 
-def ragged_batch(vocab: int = 96, seed: int = 0, several_sequences: bool = False, lengths=LENGTHS) -> RolloutBatch:
+def ragged_batch(vocab: int = 96, seed: int = 0, several_sequences: bool = False, lengths=LENGTHS,
+                 after_prompt: bool = False) -> RolloutBatch:
     """The matrix's batch: PROMPTS x GROUP completions of LENGTHS (right-padded, random tokens
     from 20 up), or of `lengths`. With `several_sequences`, completions 0 and 4 are an agent's rows of two
-    sequences: their second sequence (from token 6) begins anew, at position 0."""
+    sequences: their second sequence (from token 6) begins anew, at position 0, or with
+    `after_prompt` after the prompt's first tokens (all for row 0, all but one for row 4: it sees
+    them, not the first sequence)."""
     g = torch.Generator().manual_seed(seed)
     N, T, Lp = len(lengths), max(lengths), max(map(len, PROMPTS))
     prompt_index = torch.arange(len(PROMPTS)).repeat_interleave(GROUP)
@@ -37,6 +40,10 @@ def ragged_batch(vocab: int = 96, seed: int = 0, several_sequences: bool = False
         batch.sequence_ids = torch.zeros_like(completion_mask)
         for i in (0, 4):
             batch.sequence_ids[i, 6:lengths[i]] = 1
+        if after_prompt:  # the second sequence begins with the prompt (all of it, or all but its last token)
+            batch.sequence_prefix = torch.zeros_like(completion_mask)
+            for i in (0, 4):
+                batch.sequence_prefix[i, 6:lengths[i]] = len(PROMPTS[prompt_index[i]]) - (i == 4)
     return batch
 
 
@@ -44,8 +51,8 @@ def ragged_batch(vocab: int = 96, seed: int = 0, several_sequences: bool = False
 def plain_logprobs(model, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:
     """(N, T) log-probs of each completion token from a plain forward of its whole sequence, one
     sequence at a time, no padding, no cache: token t is predicted from the sequence of token t-1
-    (the prompt and the completion's first sequence, or a later sequence alone from its start);
-    0 on padding."""
+    (the prompt and the completion's first sequence, a later sequence alone from its start, or the
+    prompt and a later sequence after it); 0 on padding."""
     N, T = batch.completion_ids.shape
     out = torch.zeros(N, T, dtype=torch.float64)
     for i in range(N):
@@ -53,9 +60,10 @@ def plain_logprobs(model, batch: RolloutBatch, temperature: float = 1.0) -> torc
         prompt = batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist()
         tokens = batch.completion_ids[i, :n].tolist()
         seqs = [0] * n if batch.sequence_ids is None else batch.sequence_ids[i, :n].tolist()
+        shared = [0] * n if batch.sequence_prefix is None else batch.sequence_prefix[i, :n].tolist()
         starts = [t for t in range(n) if t == 0 or seqs[t] != seqs[t - 1]]
         for a, b in zip(starts, [*starts[1:], n]):
-            context = (prompt if seqs[a] == 0 else []) + tokens[a:b]  # this sequence's inputs
+            context = (prompt if seqs[a] == 0 else prompt[:shared[a]]) + tokens[a:b]  # this sequence's inputs
             logits = model(input_ids=torch.tensor([context])).logits[0].double() / temperature  # (L, V)
             logp = torch.log_softmax(logits, -1)
             offset = len(context) - (b - a)  # the row index of tokens[a]

@@ -1,13 +1,15 @@
 """A rollout engine that replies from a script, for tests of multi-turn rollouts on tiny-random
 (whose random weights never write a tool call). Registered by tests as ENGINES["scripted"].
 
-Reply k of SCRIPT answers a context that holds k tool results; a reply is text (encoded) or token
-ids (kept as they are), followed by EOS, cut to the turn's max_tokens. The trainer computes the
+Reply k of SCRIPT answers a context that holds k tool results (k times TURN_MARK, how the chat
+template begins one); a reply is text (encoded) or token ids (kept as they are), followed by EOS,
+cut to the turn's max_tokens. The trainer computes the
 log-probs itself (exact_logprobs), so the script's tokens train like sampled ones."""
 
 from grpokit.rollout.batch import from_completions
 
 SCRIPT: list = []
+TURN_MARK = "<tool_response>"
 
 
 class ScriptedEngine:
@@ -28,7 +30,7 @@ class ScriptedEngine:
         counts = [n] * len(prompts) if isinstance(n, int) else list(n)
         completions = []
         for prompt, count in zip(prompts, counts):
-            turn = self.tokenizer.decode(prompt).count("<tool_response>")
+            turn = self.tokenizer.decode(prompt).count(TURN_MARK)
             reply = SCRIPT[min(turn, len(SCRIPT) - 1)]
             ids = (self.tokenizer(reply, add_special_tokens=False)["input_ids"] if isinstance(reply, str)
                    else list(reply)) + [self.eos_id]

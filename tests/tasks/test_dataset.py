@@ -280,7 +280,7 @@ def test_reasoning_gym_missing_is_named_with_its_install_command(monkeypatch):
 @pytest.mark.parametrize("overrides,problem", [
     (["data.task=reasoning_gym:chain_summ"], "reasoning-gym has no dataset 'chain_summ' \\(did you mean chain_sum"),
     (["data.task=reasoning_gym:chain_sum", "data.task_args={min_termz: 2}"], "data.task_args=.*min_termz"),
-    (["data.task_args={min_terms: 2}"], "data.task_args=.* is only read by data.task=reasoning_gym"),
+    (["data.task=calculator", "data.task_args={min_terms: 2}"], "data.task_args=.* is only read by data.task=reasoning_gym"),
     (["data.task=reasoning"], "data.task='reasoning': must be one of arithmetic, calculator, environment, shapes, reasoning_gym:"),
 ])
 def test_reasoning_gym_mistakes_are_named_at_start_up(tmp_path, overrides, problem, capsys):

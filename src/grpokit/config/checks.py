@@ -125,11 +125,15 @@ def choices() -> dict[str, tuple]:
     from grpokit.algorithm.loss import IS_MODES, KL_ESTIMATORS, LEVELS, LOSSES
     from grpokit.algorithm.schedule import SCHEDULES
     from grpokit.models.loading import DTYPES
+    from grpokit.models.reasoning import PARSERS
+    from grpokit.multiturn.tool_formats import CHOICES as TOOL_CALL_FORMATS
     from grpokit.rollout.protocols import ENGINES
     from grpokit.tasks.dataset import LONG_PROMPTS
 
     return {
         "model.dtype": tuple(DTYPES),
+        "model.reasoning_parser": PARSERS,
+        "rollout.tool_call_format": TOOL_CALL_FORMATS,
         "data.long_prompts": LONG_PROMPTS,
         "rollout.engine": tuple(ENGINES),
         "rollout.is_level": LEVELS,
@@ -209,9 +213,9 @@ def _check_task(c: Config) -> list[str]:
     p.need(task_problem is None, task_problem)
     p.need(not c.data.task_args or (c.data.path is None and (c.data.task.startswith(("reasoning_gym:", "textarena:",
                                                                                       "verifiers:"))
-                                                             or c.data.task == "shapes")),
+                                                             or c.data.task in ("shapes", "arithmetic"))),
            f"data.task_args={c.data.task_args!r} is only read by data.task=reasoning_gym:<name>, textarena:<env id>, "
-           "verifiers:<module>:<load_environment> and shapes, and data.path is null")
+           "verifiers:<module>:<load_environment>, shapes and arithmetic, and data.path is null")
     return p
 
 

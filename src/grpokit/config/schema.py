@@ -56,6 +56,17 @@ class ModelConfig:
         "the model's own, except that the bundled model with tools uses grpokit's ChatML template with tools in the "
         "Hermes format"
     )
+    chat_template_kwargs: dict = _f(
+        {}, "arguments every rendering of the chat template gets (TRL's chat_template_kwargs), e.g. {enable_thinking: "
+        "false} for Qwen3: prompts, tool results, an agent's requests; saved in the trained model's template"
+    )
+    reasoning_parser: str = _f(
+        "auto", "how a completion's reasoning is told apart from its answer (reward functions get the answer as "
+        "content and the reasoning as reasoning_content, as vLLM's reasoning parsers and TRL): think "
+        "(<think>...</think>, the opening tag written or the generation prompt's), harmony (GPT-OSS's analysis "
+        "channel), none; auto: harmony where the chat template writes <|channel|>, think where it writes <think>, "
+        "else none"
+    )
     gradient_checkpointing: bool = _f(
         False, "recompute each layer's activations in the backward pass instead of keeping them: less memory, "
         "about a third more compute; the policy's training pass then runs every completion whole (checkpointed "
@@ -201,6 +212,14 @@ class RolloutConfig:
         "named after the class"
     )
     max_turns: int = _f(5, "model turns per rollout at most, with tools or an environment")
+    tool_call_format: str = _f(
+        "auto", "how the model writes a tool call, read in its turns (and by the agents' endpoint): hermes "
+        "(<tool_call>{json}</tool_call>: Qwen, grpokit's ChatML template), llama3 ({\"name\", \"parameters\"} JSON, "
+        "after <|python_tag|> or alone), mistral ([TOOL_CALLS][{...}] or [TOOL_CALLS]name[ARGS]{...}), harmony "
+        "(GPT-OSS's commentary channel, to=functions.<name>), template (the tokenizer's own parse_response); auto: "
+        "template where the tokenizer has a response template, else the format its chat template writes, hermes "
+        "where it writes none of them"
+    )
     tool_timeout: float | None = _f(
         30.0, "seconds one tool call may take; a call that takes longer answers the model with an error (counted in "
         "tools/failures), as a raising one does; null: no limit"

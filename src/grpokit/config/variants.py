@@ -99,6 +99,8 @@ class _Correction(Variant):
 _CORRECTION = _Correction("rollout.is_correction", _corrected, "rollout.is_correction=true")
 _TOOLS = Variant("rollout.tools", has_tools,
                  "rollout.tools (or rollout.environment, or a data.task with tools of its own)")
+_CALLS = Variant("rollout.tools", lambda c: has_tools(c) or c.rollout.agent is not None,
+                 "rollout.tools, rollout.environment or rollout.agent (a data.task with tools of its own)")
 _DYNAMIC = Variant("rollout.dynamic_sampling", lambda c: c.rollout.dynamic_sampling, "rollout.dynamic_sampling=true")
 _KL = Variant("algorithm.beta", lambda c: c.algorithm.beta > 0, "algorithm.beta > 0 (e.g. 0.001)",
               "turns the KL term off (and no reference model is loaded)")
@@ -128,6 +130,7 @@ VARIANT_SETTINGS: dict[str, Variant] = {
     "rollout.is_cap": _CORRECTION,
     "rollout.is_min": _CORRECTION,
     "rollout.max_turns": _TOOLS,
+    "rollout.tool_call_format": _CALLS,
     "rollout.tool_timeout": _TOOLS,
     "rollout.agent_timeout": Variant("rollout.agent", lambda c: c.rollout.agent is not None,
                                      "rollout.agent=<module:function>"),

@@ -176,6 +176,7 @@ def completion_logprobs(
     sequence_ids: torch.Tensor | None = None,
     entropies: bool = False,
     routers=None,
+    sequence_prefix: torch.Tensor | None = None,
 ):
     """log pi(completion token t | prompt, tokens < t), shape (B, T); with `entropies`, the pair
     of those and the entropies (B, T) of the distributions they are drawn from (token_entropies).
@@ -193,7 +194,7 @@ def completion_logprobs(
     vision, images: a vision-language model's vision.Vision, and each prompt row's images (a tuple
     each): the passes that run a prompt get its images' inputs and the model's position ids. Its
     prompts run through the whole model (which merges the image features into the embeddings).
-    sequence_ids: (B, T) rows that hold several sequences (sequence_layout), or None.
+    sequence_ids, sequence_prefix: (B, T) rows that hold several sequences (sequence_layout), or None.
     """
     if sequence_ids is not None and vision is not None:
         raise ValueError("rows of several sequences are text rows")
@@ -206,7 +207,8 @@ def completion_logprobs(
         completion_ids = vision.as_text(completion_ids)  # inputs: a sampled image token ends its completion
     run = _runner(model, chunk_size, whole_model)
     seen = None if vision is None else _Seen(model, vision, images)
-    layout = None if sequence_ids is None else functools.partial(_layout, model, sequence_ids=sequence_ids)
+    layout = None if sequence_ids is None else functools.partial(_layout, model, sequence_ids=sequence_ids,
+                                                                   prefix=sequence_prefix)
     if share_prompt:
         out, routed = _shared_prompt_pass(model, run, prompt_ids, prompt_mask, completion_ids, prompt_index,
                                           whole_model, seen, layout, routers)
@@ -252,10 +254,11 @@ class _Seen:
         return self.vision.continued(self.model, start, length)
 
 
-def _layout(model, prompt_mask: torch.Tensor, sequence_ids: torch.Tensor, queries_from: int = 0):
+def _layout(model, prompt_mask: torch.Tensor, sequence_ids: torch.Tensor, prefix: torch.Tensor | None = None,
+            queries_from: int = 0):
     """The attention mask each of `model`'s layers takes (architecture.masks) for the rows of
     sequence_layout, for its queries from `queries_from` on (every key), and their positions."""
-    allowed, positions = sequence_layout(prompt_mask, sequence_ids)  # (B, 1, L, L), (B, L)
+    allowed, positions = sequence_layout(prompt_mask, sequence_ids, prefix)  # (B, 1, L, L), (B, L)
     queries = positions[:, queries_from:]
     return masks(model, allowed[:, :, queries_from:], queries, positions), queries
 
@@ -440,23 +443,24 @@ class LogProbs:
         completion_mask = batch.completion_mask[rows].to(self.device)
         sequence_ids = None if batch.sequence_ids is None or not batch.sequence_ids[rows].any() \
             else batch.sequence_ids[rows].to(self.device)
+        prefix = None if sequence_ids is None or batch.sequence_prefix is None else batch.sequence_prefix[rows].to(self.device)
         # Summed on the device, read by the trainer once a step: no host synchronisation per pass.
         self.needed += prompt_mask.sum() + completion_mask.sum() - len(rows)
         problem = self.layers(model).mask_problem()
         with routers or contextlib.nullcontext():
             if self.budget(batch) is not None and not problem:  # (a teacher's may be refused: padded then)
-                packed = pack(prompt_ids, prompt_mask, completion_ids, completion_mask, prompt_index, sequence_ids)
+                packed = pack(prompt_ids, prompt_mask, completion_ids, completion_mask, prompt_index, sequence_ids, prefix)
                 self.computed += packed.input_ids.shape[1]
                 return packed_logprobs(model, packed, completion_ids.shape, self.temperature, self.chunk_size,
                                        self.whole_model, entropies, routers)
             images = None if batch.images is None else [batch.images[i] for i in first.tolist()]
             if sequence_ids is None or problem is None:
                 return self._padded(model, prompt_ids, prompt_mask, completion_ids, prompt_index, images,
-                                    sequence_ids, entropies, routers)
+                                    (sequence_ids, prefix), entropies, routers)
             # No mask keeps this model's sequences apart (a layer with a state): each one a row of its own.
-            split = Split.of(prompt_ids, prompt_mask, completion_ids, completion_mask, prompt_index, sequence_ids)
+            split = Split.of(prompt_ids, prompt_mask, completion_ids, completion_mask, prompt_index, sequence_ids, prefix)
             out = self._padded(model, split.prompt_ids, split.prompt_mask, split.completion_ids, split.prompt_index,
-                               None, None, entropies, routers)
+                               None, (None, None), entropies, routers)
         values, routed = out if routers is not None else (out, None)
         values = tuple(map(split.back, values)) if entropies else split.back(values)
         return values if routers is None else (values, split.back(routed.permute(1, 2, 0, 3)).permute(2, 0, 1, 3))
@@ -474,9 +478,10 @@ class LogProbs:
         balance, counts = sequence_balance(routed, mask, self.routed[1])
         return TrainPass(logps, entropy, balance, counts)
 
-    def _padded(self, model, prompt_ids, prompt_mask, completion_ids, prompt_index, images, sequence_ids, entropies,
+    def _padded(self, model, prompt_ids, prompt_mask, completion_ids, prompt_index, images, sequences, entropies,
                 routers=None):
-        """completion_logprobs of one padded micro-batch, its positions counted."""
+        """completion_logprobs of one padded micro-batch, its positions counted; sequences: its rows'
+        (sequence_ids, sequence_prefix), or Nones."""
         # Checkpointed layers drop the key/value cache in training mode, and a layer with a state
         # updates it in place in the cache, which autograd cannot see through: run completions whole.
         share_prompt = not (self.checkpointing and model.training) and not (self.layers(model).stateful
@@ -491,7 +496,8 @@ class LogProbs:
             whole_model=self.whole_model,
             vision=self.vision, images=images,
             # Only rows of several sequences need the 4D mask (L x L per row).
-            sequence_ids=sequence_ids,
+            sequence_ids=sequences[0],
+            sequence_prefix=sequences[1],
             entropies=entropies,
             routers=routers,
         )

@@ -13,7 +13,8 @@ completion after its prompt), so each token's log-prob is the one it has run alo
 last token predicts every completion's first token; completion token t-1 predicts token t. Only
 those positions reach the output layer (`predictors`). An agent's row of several sequences
 (RolloutBatch.sequence_ids) keeps its layout inside the pack: a later sequence attends only to
-itself, at positions from 0 (models/logprobs.py `sequence_layout`).
+itself, at positions from 0, or also to the prompt's first tokens it begins with, after them
+(models/sequences.py).
 
 The row costs its length in the model's linear layers (no padding); its attention is computed
 over the whole row and masked (L x L per micro-batch, where padded rows cost rows x T x T).
@@ -96,16 +97,18 @@ class Packed:
 
 
 def pack(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
-         completion_mask: torch.Tensor, prompt_index: torch.Tensor, sequence_ids: torch.Tensor | None = None) -> Packed:
+         completion_mask: torch.Tensor, prompt_index: torch.Tensor, sequence_ids: torch.Tensor | None = None,
+         prefix: torch.Tensor | None = None) -> Packed:
     """The packed row of completions (B, T) after their prompts (P, Lp) (left-padded; completion
     b continues prompt prompt_index[b]; completions of one prompt follow it in the row in their
-    order). completion_mask (B, T): 1 on each completion's tokens (right-padded); sequence_ids
-    (B, T) or None: RolloutBatch.sequence_ids."""
+    order). completion_mask (B, T): 1 on each completion's tokens (right-padded); sequence_ids,
+    prefix (B, T) or None: RolloutBatch.sequence_ids and sequence_prefix."""
     B, T = completion_ids.shape
     lengths = completion_mask.sum(-1).tolist()
     prompt_lengths = prompt_mask.sum(-1).tolist()
     order = prompt_index.tolist()
-    ids, positions, group, owner, sequence = [], [], [], [], []  # per row position
+    ids, positions, group, owner, sequence, sees = [], [], [], [], [], []  # per row position
+    index_in_prompt = []  # per row position: a prompt token's index in its prompt (a completion token's: -1)
     predictors, targets, slots = [], [], []
     last_of = {}  # prompt -> the row position of its last token
     for b in range(B):
@@ -118,29 +121,36 @@ def pack(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: to
             group += [p] * n
             owner += [-1] * n
             sequence += [0] * n
+            sees += [0] * n
+            index_in_prompt += range(n)
             last_of[p] = start + n - 1
         n = lengths[b]
         seqs = [0] * n if sequence_ids is None else sequence_ids[b, :n].tolist()
+        shared = [0] * n if prefix is None else prefix[b, :n].tolist()
         start = len(ids)
         # Inputs: tokens 0 .. n-2; token t at position prompt length + t, or, in a later sequence
-        # of an agent's row, at t minus that sequence's first token.
+        # of the row, at t minus that sequence's first token (plus the prompt length, after it).
         first = 0
         for t in range(n - 1):
             if t == 0 or seqs[t] != seqs[t - 1]:
                 first = t
-            positions.append(prompt_lengths[p] + t if seqs[t] == 0 else t - first)
+            positions.append(prompt_lengths[p] + t if seqs[t] == 0 else t - first + shared[t])
         ids += completion_ids[b, : n - 1].tolist()
         group += [p] * (n - 1)
         owner += [b] * (n - 1)
         sequence += seqs[: n - 1]
+        sees += [prompt_lengths[p] if seqs[t] == 0 else shared[t] for t in range(n - 1)]
+        index_in_prompt += [-1] * (n - 1)
         predictors += [last_of[p]] + list(range(start, start + n - 1))
         targets += completion_ids[b, :n].tolist()
         slots += [b * T + t for t in range(n)]
     device = completion_ids.device
-    group_, owner_, sequence_ = (torch.tensor(x, device=device) for x in (group, owner, sequence))
+    group_, owner_, sequence_, sees_, in_prompt = (torch.tensor(x, device=device)
+                                                   for x in (group, owner, sequence, sees, index_in_prompt))
     index = torch.arange(len(ids), device=device)
     same = (owner_[:, None] == owner_) & (sequence_[:, None] == sequence_)  # (L, L) one sequence
-    from_prompt = (owner_ == -1)[None, :] & (sequence_ == 0)[:, None]  # a first sequence sees its prompt
+    # a query sees its prompt's first `sees` tokens: all of it in a first sequence, a later one's prefix
+    from_prompt = (owner_ == -1)[None, :] & (in_prompt[None, :] < sees_[:, None])
     allowed = (index[:, None] >= index) & (group_[:, None] == group_) & (same | from_prompt)  # (L, L)
     as_long = dict(dtype=torch.long, device=device)
     return Packed(torch.tensor([ids], **as_long), torch.tensor([positions], **as_long), allowed[None, None],

@@ -7,6 +7,7 @@ trained with, with tools in the Hermes format.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from grpokit.models.bundled import BUNDLED, TINY
@@ -15,22 +16,45 @@ from grpokit.runtime.errors import ConfigError
 TOOLS_TEMPLATE = Path(__file__).parents[1] / "templates" / "chatml_tools.jinja"
 
 
-def use_chat_template(tokenizer, path: str | None, model_name: str, tools: bool, agent: bool = False) -> None:
+def use_chat_template(tokenizer, path: str | None, model_name: str, tools: bool, agent: bool = False,
+                      kwargs: dict | None = None) -> None:
     """Give `tokenizer` model.chat_template (`path`), or with `tools` (or an `agent`, whose requests
-    may carry tools) on the bundled model grpokit's template with tools; with `tools`, a template
-    that cannot express them is refused."""
+    may carry tools) on the bundled model grpokit's template with tools, and model.chat_template_kwargs
+    (`kwargs`: with_arguments); with `tools`, a template that cannot express them is refused."""
     if path is not None:
         if not Path(path).is_file():
             raise ConfigError(f"model.chat_template={path}: no such file")
         tokenizer.chat_template = Path(path).read_text()
     elif (tools or agent) and model_name in (BUNDLED, TINY) and not speaks_tools(tokenizer):
         tokenizer.chat_template = TOOLS_TEMPLATE.read_text()
+    if kwargs:
+        tokenizer.chat_template = with_arguments(tokenizer.chat_template, kwargs)
     if tools and not speaks_tools(tokenizer):
         where = f"the template in {path}" if path is not None else f"{model_name}'s chat template"
         raise ConfigError(f"{where} cannot express tools (their schemas, the assistant's tool calls and the tool "
                           "results do not all appear when it renders them), and rollout.tools / rollout.environment "
                           f"are set: set model.chat_template to a template file that can (grpokit's ChatML one is "
                           f"{TOOLS_TEMPLATE})")
+
+
+def with_arguments(template, kwargs: dict):
+    """`template` (a Jinja chat template, or a dict of named ones) rendering as if every call passed
+    `kwargs` (model.chat_template_kwargs, as TRL's chat_template_kwargs do): each set first, so that
+    every rendering (prompts, tool results, an agent's requests, the trained model's) gets them."""
+    if template is None:
+        raise ConfigError("model.chat_template_kwargs is set, and the model has no chat template to pass them to")
+    if isinstance(template, dict):
+        return {name: with_arguments(t, kwargs) for name, t in template.items()}
+    for key in kwargs:
+        if not str(key).isidentifier():
+            raise ConfigError(f"model.chat_template_kwargs: {key!r} is not a name a template can read")
+    sets = "".join(f"{{%- set {key} = {_literal(value)} %}}" for key, value in kwargs.items())
+    return sets + template
+
+
+def _literal(value) -> str:
+    """`value` as a Jinja literal (JSON's, but None)."""
+    return "none" if value is None else json.dumps(value)
 
 
 def speaks_tools(tokenizer) -> bool:

@@ -50,6 +50,7 @@ import torch
 
 from grpokit.multiturn.conversation import Conversation, RolloutTokens, sequences_batch
 from grpokit.multiturn.endpoint import Endpoint, MODEL_NAME
+from grpokit.multiturn.tool_formats import Replies
 from grpokit.multiturn.transcript import Transcript
 from grpokit.multiturn.tools import EnvironmentFailed
 from grpokit.rollout.batch import RolloutBatch, SamplingParams
@@ -105,8 +106,10 @@ class AgentWarning(UserWarning):
 class Agents:
     """The rollout kind of agents (kinds.RolloutKind): each rollout one run of the user's agent."""
 
-    def __init__(self, agent, name: str, tokenizer, eos_ids: list[int], timeout: float | None, encoder: PromptEncoder):
-        """encoder: the run's prompts as token ids (a rollout whose agent sent nothing is its prompt)."""
+    def __init__(self, agent, name: str, tokenizer, eos_ids: list[int], timeout: float | None, encoder: PromptEncoder,
+                 replies: Replies | None = None):
+        """encoder: the run's prompts as token ids (a rollout whose agent sent nothing is its prompt);
+        replies: how a reply is read (tool_formats.Replies; default: as the template says)."""
         try:
             inspect.signature(agent).bind(None, None, None)
         except TypeError as e:
@@ -120,7 +123,7 @@ class Agents:
             if self.sync else None
         self.openai = import_openai()
         self.agent, self.name, self.tokenizer, self.eos_ids = agent, name, tokenizer, list(eos_ids)
-        self.timeout, self.encoder = timeout, encoder
+        self.timeout, self.encoder, self.replies = timeout, encoder, replies
         # One endpoint per thread that generates: with rollout.max_staleness, the pipeline's worker
         # generates the steps ahead while an evaluation generates in the trainer's thread.
         self.endpoints: dict[int, Endpoint] = {}
@@ -131,10 +134,10 @@ class Agents:
         self.failed_in_a_row = 0  # steps in a row in which every rollout's agent failed
 
     @classmethod
-    def from_config(cls, config, tokenizer, eos_ids, encoder: PromptEncoder) -> Agents:
+    def from_config(cls, config, tokenizer, eos_ids, encoder: PromptEncoder, replies: Replies | None = None) -> Agents:
         r = config.rollout
         return cls(user_code.find(f"rollout.agent {r.agent!r}", r.agent), r.agent, tokenizer, eos_ids,
-                   r.agent_timeout, encoder)
+                   r.agent_timeout, encoder, replies)
 
     @staticmethod
     def rewards(config, tools=None) -> tuple:
@@ -157,7 +160,7 @@ class Agents:
         """This thread's endpoint (started on first use)."""
         thread = threading.get_ident()
         if thread not in self.endpoints:
-            self.endpoints[thread] = Endpoint(self.tokenizer, self.eos_ids)
+            self.endpoints[thread] = Endpoint(self.tokenizer, self.eos_ids, replies=self.replies)
         return self.endpoints[thread]
 
     def metrics(self, batch: RolloutBatch, num_rows: int, rows_per_update: int) -> dict[str, float]:
@@ -192,7 +195,8 @@ class Agents:
         rows = [e for e, count in zip(examples, counts) for _ in range(count)]
         outcomes = [AgentOutcome() for _ in rows]
         if isinstance(engine, AgentsEngine):
-            urls = engine.open_agents(counts, params, seeds, self.tokenizer.chat_template)
+            reading = ("auto", "auto") if self.replies is None else (self.replies.format.name, self.replies.reasoning.kind)
+            urls = engine.open_agents(counts, params, seeds, self.tokenizer.chat_template, reading)
             # The servers' endpoints are remote: the wait is timed on the agents' client.
             runs = self._start(urls, rows, outcomes, [functools.partial(self.waits.of, url) for url in urls])
             reported = set()

@@ -15,7 +15,17 @@ samples depends neither on the other rollouts of its batch nor on the process or
 
 A tool segment is the text the chat template puts between the end of an assistant turn and the
 start of the next one: it is found by rendering a stand-in conversation with and without the tool
-results, so that any template that can express tools works.
+results, so that any template that can express tools works (a stand-in turn with reasoning where
+the template renders a last turn otherwise: a thinking model's).
+
+Some templates render the history otherwise once a turn follows (Qwen3's drops an earlier turn's
+empty think block; others drop earlier reasoning). Before each next turn, the conversation is
+rendered as the template would: where that is not the context so far followed by the tool
+segment, the next turn is sampled in the context the template renders, a sequence of its own
+(RolloutBatch.sequence_ids) that begins with the prompt's tokens it shares (sequence_prefix), so
+every turn is trained in exactly the context it was sampled in, and the shared prefix is computed
+once. A turn's text is read by the run's Replies (tool_formats.py): its reasoning apart from its
+answer, its tool calls in the model family's format.
 """
 
 from __future__ import annotations
@@ -24,7 +34,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from grpokit.multiturn.tools import ToolResult, Tools, call_message, parse_calls
+from grpokit.multiturn.tool_formats import Replies
+from grpokit.multiturn.tools import ToolResult, Tools, call_message
 from grpokit.rollout.batch import RolloutBatch, SamplingParams, consecutive_groups, from_completions
 from grpokit.rollout.prompts import PromptEncoder
 from grpokit.runtime import distributed
@@ -62,20 +73,27 @@ class RolloutTokens:
     entropies: list[float] | None = field(default_factory=list)
     finish: str = "stop"
     sequence_ids: list[int] = field(default_factory=list)  # which sequence each token is of (RolloutBatch.sequence_ids)
+    prefix: list[int] = field(default_factory=list)  # the prompt tokens its sequence begins with (sequence_prefix)
     sequence: int = 0  # the sequence tokens are added to
+    shared: int = 0  # the prompt tokens that sequence begins with (a later sequence's)
+    history: list[dict] = field(default_factory=list)  # the conversation after the prompt, as the template takes it
+    rendered: str | None = None  # the context the last turn was sampled in, as the template renders it
 
     def add(self, ids: list[int], trained: bool, logps=None, entropies=None) -> None:
         self.ids += ids
         self.trained += [int(trained)] * len(ids)
         self.sequence_ids += [self.sequence] * len(ids)
+        self.prefix += [self.shared] * len(ids)
         self.logps += logps if logps is not None else [0.0] * len(ids)
         if self.entropies is not None:
             self.entropies = None if trained and entropies is None else self.entropies + (entropies or [0.0] * len(ids))
 
-    def begin_sequence(self, context: list[int]) -> None:
+    def begin_sequence(self, context: list[int], shared: int = 0) -> None:
         """A sequence of its own from here: `context` (never trained), then what is added after it;
-        the tokens before it are not in its context."""
+        the tokens before it are not in its context, but the prompt's first `shared`, which it
+        begins with (and `context` goes on from)."""
         self.sequence += 1
+        self.shared = shared
         self.add(context, False)
 
 
@@ -92,9 +110,13 @@ def turn_segment(tokenizer, messages: list[dict], tools: list[dict] | None, afte
         return tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
                                              add_generation_prompt=add_generation_prompt)
 
-    stand_in = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
-    base, full = render(stand_in), render([*stand_in, *messages], add_generation_prompt=True)
-    if not full.startswith(base):  # at start-up for tools (MultiTurn probes it); an agent's own messages tell later
+    for turn in ({"role": "assistant", "content": _MARK}, {"role": "assistant", "content": _MARK,
+                                                           "reasoning_content": "?"}):
+        stand_in = [{"role": "user", "content": "?"}, turn]
+        base, full = render(stand_in), render([*stand_in, *messages], add_generation_prompt=True)
+        if full.startswith(base):  # (a template that renders a last turn otherwise, unless it reasoned: Qwen3's)
+            break
+    else:  # at start-up for tools (MultiTurn probes it); an agent's own messages tell later
         raise ConfigError("the chat template renders an assistant turn differently once tool results follow it; "
                           "grpokit cannot tell where the tool results start: set model.chat_template to one that "
                           "does not (for example grpokit's chatml_tools.jinja)")
@@ -109,9 +131,12 @@ def turn_segment(tokenizer, messages: list[dict], tools: list[dict] | None, afte
 class MultiTurn:
     """The rollout kind of conversations with tools or an environment (kinds.RolloutKind)."""
 
-    def __init__(self, tokenizer, tools: Tools, max_turns: int, eos_ids: list[int], encoder: PromptEncoder):
-        """encoder: the run's prompts as token ids, with the tools' schemas (data.max_prompt_length)."""
+    def __init__(self, tokenizer, tools: Tools, max_turns: int, eos_ids: list[int], encoder: PromptEncoder,
+                 replies: Replies | None = None):
+        """encoder: the run's prompts as token ids, with the tools' schemas (data.max_prompt_length);
+        replies: how a turn is read (rollout.tool_call_format, model.reasoning_parser; default auto)."""
         self.tokenizer = tokenizer
+        self.replies = replies or Replies.of(tokenizer)
         self.tools = tools
         self.max_turns = max_turns
         self.eos_ids = set(eos_ids)
@@ -190,11 +215,11 @@ class MultiTurn:
         entropies = None if batch.entropies is None else batch.entropies[row, :n].tolist()
         rollout.add(ids, True, batch.sampling_logps[row, :n].tolist(), entropies)
         c.turns += 1
-        content, calls, problems = parse_calls(self.tokenizer, self.tokenizer.decode(ids, skip_special_tokens=True))
-        message = {"role": "assistant", "content": content}
+        message, calls, problems = self.replies.read(self.replies.text(ids))
         if calls:
             message["tool_calls"] = [call_message(call) for call in calls]
         c.messages.append(message)
+        rollout.history.append(message)
         if finish == "length":
             rollout.finish, c.stop = "length", "length"
             return False
@@ -209,14 +234,38 @@ class MultiTurn:
         c.calls += len(results)
         c.failures += sum(r.failed for r in results)
         segment = self.tool_segment([r.message() for r in results], ids[-1] if ids and ids[-1] in self.eos_ids else None)
+        context = self._rendered_otherwise(rollout, [r.message() for r in results])
         room = budget - len(rollout.ids)
-        if len(segment) >= room:  # no room left for the model to read them: the rollout ends
+        needed = len(segment) if context is None else len(context) - _common(context, rollout.prompt)
+        if needed >= room:  # no room left for the model to read them: the rollout ends
             rollout.finish, c.stop = "length", "length"
             c.messages += self._cut(c, results, room - 1 - (len(segment) - self._tokens(results)))
             return False
-        rollout.add(segment, False)
+        if context is None:
+            rollout.add(segment, False)
+        else:  # the next turn in the context the template renders, after the prompt tokens it shares
+            shared = _common(context, rollout.prompt)
+            rollout.begin_sequence(context[shared:], shared)
         c.messages += [r.record() for r in results]
+        rollout.history += [r.message() for r in results]
         return True
+
+    def _rendered_otherwise(self, rollout: RolloutTokens, results: list[dict]) -> list[int] | None:
+        """The token ids of the conversation so far as the template renders it, with the generation
+        prompt, where that is not the context the turn was sampled in, followed by the turn and
+        `results` (its tool results): the template renders the history otherwise (the module
+        docstring). None where it is that context (checked on the rendered text, as the agents'
+        transcript does)."""
+        def render(messages: list[dict], prompt: bool) -> str:
+            return self.tokenizer.apply_chat_template([*rollout.conversation.prompt, *messages], tools=self.tools.schemas,
+                                                      tokenize=False, add_generation_prompt=prompt)
+
+        before = rollout.rendered if rollout.rendered is not None else render([], True)
+        rendered = render([*rollout.history, *results], True)
+        rollout.rendered = rendered
+        if rendered.startswith(before) and rendered.startswith(render(rollout.history, False)):
+            return None
+        return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
     def _tokens(self, results: list[ToolResult]) -> int:
         return sum(len(self.tokenizer(r.text, add_special_tokens=False)["input_ids"]) for r in results)
@@ -237,6 +286,16 @@ class MultiTurn:
             room -= len(ids)
         return messages
 
+def _common(a: list[int], b: list[int]) -> int:
+    """How many first tokens `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def sequences_batch(rollouts: list[RolloutTokens], pad_id: int) -> RolloutBatch:
     """The batch of `rollouts` (those in a row with the same prompt sharing it): every token after
     the prompt in completion_mask, the model's in trained_mask."""
@@ -252,4 +311,8 @@ def sequences_batch(rollouts: list[RolloutTokens], pad_id: int) -> RolloutBatch:
         batch.sequence_ids = torch.zeros_like(batch.completion_mask)  # (N, T)
         for i, r in enumerate(rollouts):
             batch.sequence_ids[i, : len(r.sequence_ids)] = torch.tensor(r.sequence_ids, dtype=torch.long)
+    if any(any(r.prefix) for r in rollouts):  # some later sequence begins with its prompt's tokens
+        batch.sequence_prefix = torch.zeros_like(batch.completion_mask)  # (N, T)
+        for i, r in enumerate(rollouts):
+            batch.sequence_prefix[i, : len(r.prefix)] = torch.tensor(r.prefix, dtype=torch.long)
     return batch

@@ -21,7 +21,7 @@ run's, and a forced tool call or a JSON schema is refused; `max_tokens` can only
 OpenAI's does, and a conversation the agent continues from that text goes on token in, token out
 from the tokens kept, stop string included); `logprobs` gives the sampled tokens' (`top_logprobs` the alternatives beside each, kept by the sampling pass). Tool calls come
 back in OpenAI's `tool_calls` shape, parsed from the model's text by the chat template's format
-(tools.parse_calls); a reply with a malformed call has the model's whole text as its content (the
+(tool_formats.Replies); a reply with a malformed call has the model's whole text as its content (the
 well-formed calls still as `tool_calls`), and the problem is recorded with the rollout.
 
 Token in, token out: transcript.py.
@@ -41,7 +41,7 @@ from grpokit.multiturn import request_fields, responses_api
 from grpokit.multiturn.conversation import turn_seed
 from grpokit.multiturn.request_fields import Asked, RequestError
 from grpokit.multiturn.transcript import Exchange, Transcript
-from grpokit.multiturn.tools import parse_calls
+from grpokit.multiturn.tool_formats import Replies
 from grpokit.rollout.batch import alternatives, consecutive_groups
 
 
@@ -103,8 +103,11 @@ class Endpoint:
     HTTP server of its own on 127.0.0.1 (the trainer's, `listen`), or added to another app (a
     rollout server's: `add_routes`)."""
 
-    def __init__(self, tokenizer, eos_ids, listen: bool = True):
+    def __init__(self, tokenizer, eos_ids, listen: bool = True, replies: Replies | None = None):
+        """replies: how a reply is read, its reasoning and tool calls (tool_formats.Replies; default:
+        as the tokenizer's chat template says)."""
         self.tokenizer, self.eos_ids = tokenizer, set(eos_ids)
+        self.replies = replies or Replies.of(tokenizer)
         self.transcripts: dict[int, Transcript] = {}
         self.waiting: list[Waiting] = []
         self.changed = threading.Condition()
@@ -381,12 +384,14 @@ class Endpoint:
         is recorded."""
         ids, extends = t.chat(messages, tools)  # handlers run on one event loop: no other request interleaves
         exchange = await self._generate(r, t, ids, extends, asked)
-        text = self.tokenizer.decode(exchange.sampled, skip_special_tokens=True)[:exchange.text_end]
-        content, calls, problems = parse_calls(self.tokenizer, text)
+        # (a stop string's place is in the text without special tokens: a format whose marks are
+        # special tokens reads a reply cut at one as that text)
+        text = self.replies.text(exchange.sampled) if exchange.text_end is None else \
+            self.tokenizer.decode(exchange.sampled, skip_special_tokens=True)[:exchange.text_end]
+        message, calls, problems = self.replies.read(text)
         if problems:  # nothing the model wrote vanishes: the agent reads the malformed call as written
-            content = text
+            message["content"] = text
             t.problems += problems
-        message = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [{"id": f"call_{len(t.exchanges)}_{i}", "type": "function",
                                       "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}

@@ -17,6 +17,7 @@ from typing import Protocol, runtime_checkable
 
 from grpokit.multiturn.agents import Agents
 from grpokit.multiturn.conversation import MultiTurn
+from grpokit.multiturn.tool_formats import Replies
 from grpokit.multiturn.tools import Tools
 from grpokit.rollout.batch import RolloutBatch, SamplingParams
 from grpokit.rollout.prompts import PromptEncoder, images_of
@@ -75,8 +76,9 @@ def kind_of(config, tools: Tools | None) -> type[SingleTurn] | type[MultiTurn] |
 def make_kind(config, tokenizer, tools: Tools | None, encoder: PromptEncoder, eos_ids: list[int]) -> RolloutKind:
     """The run's rollout kind (`kind_of`), built for `tokenizer` and a model of EOS ids `eos_ids`."""
     kind = kind_of(config, tools)
+    replies = Replies.of(tokenizer, config.rollout.tool_call_format, config.model.reasoning_parser)
     if kind is Agents:
-        return Agents.from_config(config, tokenizer, eos_ids, encoder)
+        return Agents.from_config(config, tokenizer, eos_ids, encoder, replies)
     if kind is MultiTurn:
-        return MultiTurn(tokenizer, tools, config.rollout.max_turns, eos_ids, encoder)
+        return MultiTurn(tokenizer, tools, config.rollout.max_turns, eos_ids, encoder, replies)
     return SingleTurn(encoder)

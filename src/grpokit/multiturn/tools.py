@@ -6,9 +6,9 @@
   that is appended to the prompt's last message; its public methods (not `reset`, not
   `get_reward`, no leading underscore) are the rollout's tools; an optional `get_reward()` is one
   more reward source, named after the class.
-- The model calls tools in its chat template's format: transformers' response parsing where the
-  tokenizer has a `response_template`, else the Hermes / Qwen format
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+- The model calls tools in its family's format (rollout.tool_call_format: Hermes / Qwen's
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, Llama 3's, Mistral's, GPT-OSS's
+  harmony, or transformers' response parsing): tool_formats.py.
 - A call that raises, takes longer than rollout.tool_timeout, names no known tool, has the wrong
   arguments or is not valid JSON answers the model with the error as the tool's result (that is
   how agents learn to recover) and counts as a failure; the run goes on. A tool (or an
@@ -25,7 +25,6 @@ import asyncio
 import copy
 import inspect
 import json
-import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,8 +34,6 @@ from grpokit.runtime.errors import ConfigError
 
 # An environment's methods that are not tools (TRL's rule, plus names starting with "_").
 NOT_TOOLS = ("reset", "get_reward")
-# Hermes / Qwen tool calls.
-_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 
 
 @dataclass
@@ -144,7 +141,7 @@ class Tools:
         names = tool_names(config)
         tools = cls(names, r.environment, r.tool_timeout) if names or r.environment else None
         use_chat_template(tokenizer, config.model.chat_template, model_name or config.model.name, tools is not None,
-                          agent=r.agent is not None)
+                          agent=r.agent is not None, kwargs=config.model.chat_template_kwargs)
         return tools
 
     def check(self, row: dict, prompt_from_reset: bool = False) -> None:
@@ -256,60 +253,6 @@ def _as_text(value) -> str:
         return json.dumps(value)
     except (TypeError, ValueError):
         return str(value)
-
-
-def parse_calls(tokenizer, text: str) -> tuple[str, list[ToolCall], list[str]]:
-    """A model turn's text -> (its content without the calls, its well-formed calls, a problem
-    for each malformed one)."""
-    if getattr(tokenizer, "response_template", None) is not None:
-        return _parse_with_template(tokenizer, text)
-    calls, problems = [], []
-    for body in _CALL.findall(text):
-        try:
-            obj = json.loads(body)
-        except json.JSONDecodeError as e:
-            problems.append(f"error: the tool call is not valid JSON ({e.msg}): {body.strip()[:200]}")
-            continue
-        call = _call_from(obj)
-        if isinstance(call, str):
-            problems.append(call)
-        else:
-            calls.append(call)
-    if text.count("<tool_call>") > text.count("</tool_call>"):
-        problems.append("error: a <tool_call> without its </tool_call>")
-    content = _CALL.sub("", text).strip()
-    return content, calls, problems
-
-
-def _call_from(obj) -> ToolCall | str:
-    """A call from its JSON ({"name": ..., "arguments": {...}}, arguments possibly a JSON string),
-    or the problem with it."""
-    shape = 'a tool call is {"name": <tool name>, "arguments": {<argument>: <value>, ...}}'
-    if isinstance(obj, dict) and isinstance(obj.get("function"), dict):  # OpenAI's {"type": "function", "function": {...}}
-        obj = obj["function"]
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return f"error: {shape}; got {json.dumps(obj)[:200]}"
-    arguments = obj.get("arguments") or {}
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return f"error: the arguments of the call to {obj['name']!r} are not valid JSON: {arguments[:200]}"
-    if not isinstance(arguments, dict):
-        return f"error: {shape}; the arguments of {obj['name']!r} are {type(arguments).__name__}"
-    return ToolCall(obj["name"], arguments)
-
-
-def _parse_with_template(tokenizer, text: str) -> tuple[str, list[ToolCall], list[str]]:
-    try:
-        message = tokenizer.parse_response(text, prefix="")
-    except Exception as e:  # noqa: BLE001 - the model's output did not fit its own format
-        return text.strip(), [], [f"error: the reply could not be parsed ({type(e).__name__}: {e})"]
-    calls, problems = [], []
-    for obj in message.get("tool_calls") or []:
-        call = _call_from(obj)
-        (problems if isinstance(call, str) else calls).append(call)
-    return (message.get("content") or "").strip(), calls, problems
 
 
 def call_message(call: ToolCall) -> dict:

@@ -45,7 +45,7 @@ class Transcript:
         self.exchanges: list[Exchange] = []
         self.start = 0  # the exchange that begins the current sequence (the token budget counts from its prompt)
         self.errors: list[str] = []  # requests refused (messages the template cannot render, ...)
-        self.problems: list[str] = []  # the replies' malformed tool calls (tools.parse_calls)
+        self.problems: list[str] = []  # the replies' malformed tool calls (tool_formats.Replies)
         self.first_messages: list[dict] | None = None
         self.last_messages: list[dict] | None = None  # the last chat request's
         self._tools: list[dict] | None = None

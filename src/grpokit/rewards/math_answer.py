@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from grpokit.rewards.reward_set import completion_text
+from grpokit.rewards.reward_set import completion_text, written_text
 
 _LAST_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
 DEFAULT_FORMAT = r"<think>.*?</think>\s*.*\\boxed\{.*\}.*"
@@ -52,11 +52,25 @@ def math_accuracy(completions, answer, **columns) -> list[float | None]:
     return rewards
 
 
+def think_format(completions, **columns) -> list[float]:
+    """1.0 when the reply reasoned, ended its reasoning and then answered: its message has reasoning
+    (model.reasoning_parser told it apart: reasoning_content), not cut inside it, and an answer
+    after it; else 0.0. (TRL's think_format_reward checks the tags in the text; here the parser has
+    taken the reasoning out of the content.)"""
+    rewards = []
+    for c in completions:
+        reply = [m for m in c if m.get("role", "assistant") == "assistant"][-1:] if isinstance(c, list) else []
+        rewards.append(float(bool(reply) and reply[0].get("reasoning_content") is not None
+                             and not reply[0].get("reasoning_cut") and bool((reply[0].get("content") or "").strip())))
+    return rewards
+
+
 def format_reward(completions, pattern: str = DEFAULT_FORMAT, **columns) -> list[float]:
     """1.0 when the whole reply matches `pattern` (a regex; dot matches newlines), else 0.0.
 
     The default asks for R1's shape: reasoning in <think>...</think>, then an answer in \\boxed{}.
-    Registered as `format`; set another pattern with {name: format, pattern: '...'}.
+    Registered as `format`; set another pattern with {name: format, pattern: '...'}. The reply is
+    read as written (reward_set.written_text: a reasoning parser's split undone).
     """
     regex = re.compile(pattern, re.DOTALL)
-    return [float(regex.fullmatch(completion_text(c).strip()) is not None) for c in completions]
+    return [float(regex.fullmatch(written_text(c).strip()) is not None) for c in completions]

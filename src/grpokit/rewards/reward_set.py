@@ -44,9 +44,22 @@ def completion_text(completion) -> str:
     return replies[-1]["content"] if replies else ""
 
 
+def written_text(completion) -> str:
+    """The reply as the model wrote it: completion_text, with its reasoning back in <think> tags
+    before it where model.reasoning_parser took it apart (what a format reward reads)."""
+    if isinstance(completion, str):
+        return completion
+    replies = [m for m in completion if m.get("role", "assistant") == "assistant"]
+    if not replies or replies[-1].get("reasoning_content") is None:
+        return completion_text(completion)
+    reasoning, answer = replies[-1]["reasoning_content"], replies[-1]["content"] or ""
+    return f"<think>\n{reasoning}" + ("" if replies[-1].get("reasoning_cut") else f"\n</think>\n\n{answer}")
+
+
 # The built-in reward functions: name -> module:function, imported when a run names them.
 BUILTIN_REWARDS = {
     "math_accuracy": "grpokit.rewards.math_answer:math_accuracy",
+    "think_format": "grpokit.rewards.math_answer:think_format",
     "format": "grpokit.rewards.math_answer:format_reward",
     "length": "grpokit.rewards.length:length",
     "overlong": "grpokit.rewards.length:overlong",
@@ -160,12 +173,14 @@ class RewardSet:
     """Reward functions called with TRL's convention and summed with weights (see module doc)."""
 
     def __init__(self, specs: tuple[tuple[str, float, dict], ...], timeout: float | None = None,
-                 extra: tuple[tuple[str, Callable], ...] = (), teacher: bool = False):
+                 extra: tuple[tuple[str, Callable], ...] = (), teacher: bool = False, reasoning=None):
         """specs: (name, weight, arguments) of the functions configured; extra: (name, function)
         of others the run brings (an environment's get_reward), weight 1; teacher: a teacher's
         per-token signal is the run's (distill.teacher), so no function is needed: without one,
-        every completion's reward is 0."""
+        every completion's reward is 0; reasoning: how a completion's reasoning is told apart from
+        its answer for the functions (models.reasoning.Reasoning; None: it is not)."""
         self.timeout = timeout  # seconds one call may take (reward.timeout); None: no limit
+        self.reasoning = reasoning
         # Metric keys (rewards/<name>/mean) name a file's function without its folders.
         self.names = [name.rsplit("/", 1)[-1] for name, _, _ in specs] + [name for name, _ in extra]
         if not self.names and not teacher:

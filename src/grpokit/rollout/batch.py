@@ -58,6 +58,11 @@ class RolloutBatch:
     # is the k-th of an agent's requests that began a sequence of their own (multiturn/agents.py), whose
     # tokens attend only to each other, at positions from 0 (models/logprobs.py). None: all continue the prompt.
     sequence_ids: torch.Tensor | None = None
+    # (N, T) of each token of a later sequence (sequence_ids > 0), how many of its row's first prompt
+    # tokens that sequence begins with: it attends to them, its positions after theirs, and they are
+    # computed once for the row (a rollout's history that its chat template renders otherwise:
+    # multiturn/conversation.py). 0: none, the sequence stands alone. None: 0 everywhere.
+    sequence_prefix: torch.Tensor | None = None
     # With SamplingParams.top_logprobs = k > 0: the k most likely tokens at each sampled token's
     # position under the sampling distribution, their log-probs (N, T, k) (-inf where a filter
     # dropped one) and ids (N, T, k). None: not asked (training never asks).
@@ -119,7 +124,7 @@ class RolloutBatch:
 
         def joined(name: str, left: bool):
             values = [getattr(b, name) for b in batches]
-            if name == "sequence_ids" and any(v is not None for v in values):  # a batch without: all continue the prompt
+            if name in ("sequence_ids", "sequence_prefix") and any(v is not None for v in values):  # a batch without: 0
                 values = [torch.zeros_like(b.completion_ids) if v is None else v for v, b in zip(values, batches)]
             if values[0] is None:
                 return None
@@ -138,10 +143,12 @@ class RolloutBatch:
 
 
 
-def decode_completions(tokenizer, batch: RolloutBatch, prompts: list) -> list:
-    """Completions in TRL's shapes: [{"role": "assistant", "content": text}] after a chat prompt,
-    the plain text after a plain-text prompt; a conversation's messages after its prompt (assistant
-    turns with their tool calls, tool results). prompts: the prompt of each completion."""
+def decode_completions(tokenizer, batch: RolloutBatch, prompts: list, reasoning=None) -> list:
+    """Completions in TRL's shapes: [{"role": "assistant", "content": text}] after a chat prompt
+    (with `reasoning`, a models.reasoning.Reasoning, the content is the answer and the reasoning is
+    apart: models/reasoning.py), the plain text after a plain-text prompt; a conversation's messages
+    after its prompt (assistant turns with their tool calls, tool results). prompts: the prompt of
+    each completion."""
     if batch.conversations is not None:
         return [c.messages for c in batch.conversations]
     lengths = batch.completion_mask.sum(-1).tolist()
@@ -149,8 +156,12 @@ def decode_completions(tokenizer, batch: RolloutBatch, prompts: list) -> list:
         tokenizer.decode(ids[:n], skip_special_tokens=True)
         for ids, n in zip(batch.completion_ids.tolist(), lengths)
     ]
-    return [text if isinstance(prompt, str) else [{"role": "assistant", "content": text}]
-            for text, prompt in zip(texts, prompts)]
+    if reasoning is None or reasoning.kind == "none":
+        return [text if isinstance(prompt, str) else [{"role": "assistant", "content": text}]
+                for text, prompt in zip(texts, prompts)]
+    if reasoning.kind == "harmony":  # its channels are special tokens
+        texts = [tokenizer.decode(ids[:n]) for ids, n in zip(batch.completion_ids.tolist(), lengths)]
+    return [text if isinstance(prompt, str) else [reasoning.split(text).message()] for text, prompt in zip(texts, prompts)]
 
 
 

@@ -341,7 +341,7 @@ class ServerEngine:
     # ---------------------------------------------------------------- agents (multiturn/agents.py)
 
     def open_agents(self, counts: list[int], params: SamplingParams, seeds: Sequence[int] | None,
-                    chat_template: str | None) -> list[str]:
+                    chat_template: str | None, reading: tuple[str, str] = ("auto", "auto")) -> list[str]:
         """An agents' generation on the servers' OpenAI routes (server.py): counts[i] rollouts of
         prompt i, whole groups split among the servers in order. Each rollout's base URL."""
         up = self.up
@@ -356,6 +356,7 @@ class ServerEngine:
         def open_on(server: RolloutServer, rollouts: list[int]) -> dict:
             return server.with_weights("/agents/open", {
                 "rollouts": len(rollouts), "sampling": sampling, "chat_template": chat_template,
+                "tool_call_format": reading[0], "reasoning_parser": reading[1],
                 "seeds": None if seeds is None else [int(seeds[r]) for r in rollouts]})
 
         answers = _concurrently(open_on, jobs)

@@ -122,9 +122,10 @@ class AgentsEngine(RolloutEngine, Protocol):
     ServerEngine (client.py)."""
 
     def open_agents(self, counts: list[int], params: SamplingParams, seeds: Sequence[int] | None,
-                    chat_template: str | None) -> list[str]:
+                    chat_template: str | None, reading: tuple[str, str] = ("auto", "auto")) -> list[str]:
         """Open a generation of counts[i] rollouts of prompt i (seeds[r]: rollout r's), their
-        messages rendered with `chat_template` (None: the model's own): each rollout's base URL.
+        messages rendered with `chat_template` (None: the model's own), the replies read with
+        `reading` (rollout.tool_call_format, model.reasoning_parser): each rollout's base URL.
         It says which weights it samples with (PipelineEngine.weights_step), as `generate` does."""
         ...
 

@@ -35,7 +35,7 @@ def score(kind: RolloutKind, engine, tokenizer, rewards: RewardSet, examples: li
         batch = kind.generate(engine, chunk, [num_samples] * len(chunk), params, seeds)
         grouped = [e for e in chunk for _ in range(num_samples)]
         prompts = batch.prompts(grouped)
-        completions = decode_completions(tokenizer, batch, prompts)
+        completions = decode_completions(tokenizer, batch, prompts, rewards.reasoning)
         log = RewardLog(len(completions))
         total, by_name = rewards(grouped, completions, batch.finish_reasons, batch.completion_id_lists(),
                                  batch.environments(), prompts=prompts, state=state, log=log)

@@ -84,8 +84,11 @@ class Scorer:
         N, U = cfg.completions_per_step, cfg.completions_per_update
         owned = [examples[r // G] for r in self.rows.tolist()]
         prompts = batch.prompts(owned)  # as the model saw them
-        completions = decode_completions(self.tokenizer, batch, prompts)
+        completions = decode_completions(self.tokenizer, batch, prompts, self.rewards.reasoning)
         log = RewardLog(len(completions))
+        cut = [isinstance(c, list) and any(m.get("reasoning_cut") for m in c) for c in completions]
+        if self.rewards.reasoning is not None and self.rewards.reasoning.kind != "none":  # cut inside its reasoning
+            log.metrics["completions/reasoning_cut_ratio"] = [(sum(cut) / max(len(cut), 1), len(cut))]
         local_rewards, local_per_function = self.rewards(
             owned, completions, batch.finish_reasons, batch.completion_id_lists(), batch.environments(),
             prompts=prompts, state=state, log=log)  # (n,)

@@ -3,6 +3,10 @@
 Problems are drawn from a fixed mix of kinds (see KINDS); example i of the train stream is a pure
 function of (seed, i), so a run can resume at any position. The held-out split is drawn first,
 from its own seed, and the train stream skips every held-out problem.
+
+With `thinking` (data.task_args: {thinking: true}) each question comes after two worked
+exchanges that reason inside <think> tags before the bare number (WORKED): the bundled 135M model
+never closes a think block on its own, and closes one in most samples after two examples.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from collections.abc import Callable, Iterator
 from grpokit.tasks.task import Example, stream_from
 
 INSTRUCTION = "Answer with just the number."
+# (question, reply) shown before each question with `thinking`: the format to learn.
+WORKED = (("3 + 4", "<think>\n3 + 4 = 7\n</think>\n\n7"), ("6 * 5", "<think>\n6 * 5 = 30\n</think>\n\n30"))
 
 
 def _add1(rng: random.Random) -> tuple[str, int]:
@@ -49,9 +55,12 @@ class ArithmeticTask:
     # (name, weight): full marks for the bare right number, partial credit for leading with it.
     reward_functions = (("exact_answer", 1.0), ("leading_number", 0.5))
 
-    def __init__(self, seed: int = 0, eval_size: int = 100, kinds: tuple[str, ...] = tuple(KINDS)):
+    def __init__(self, seed: int = 0, eval_size: int = 100, kinds: tuple[str, ...] = tuple(KINDS),
+                 thinking: bool = False):
         self.seed = seed
         self.kinds = kinds
+        self.shown = [m for q, reply in (WORKED if thinking else ()) for m in (
+            {"role": "user", "content": f"What is {q}? {INSTRUCTION}"}, {"role": "assistant", "content": reply})]
         rng = random.Random(f"arithmetic-eval-{seed}")
         held_out: dict[str, Example] = {}
         for _ in range(100 * eval_size):
@@ -65,10 +74,9 @@ class ArithmeticTask:
     def _draw(self, rng: random.Random) -> tuple[str, int]:
         return KINDS[rng.choice(self.kinds)](rng)
 
-    @staticmethod
-    def _example(question: str, answer: int, rng: random.Random) -> Example:
+    def _example(self, question: str, answer: int, rng: random.Random) -> Example:
         content = f"What is {question}? {INSTRUCTION}"
-        return Example(prompt=[{"role": "user", "content": content}], columns={"answer": answer})
+        return Example(prompt=[*self.shown, {"role": "user", "content": content}], columns={"answer": answer})
 
     def train_example(self, index: int) -> Example:
         """Example `index` of the train stream (a pure function of seed and index)."""

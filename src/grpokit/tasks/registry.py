@@ -72,7 +72,7 @@ def make_task(data, seed: int, prompt_length, image_tokens=lambda example: 0):
     if data.task.startswith(textarena.PREFIX):
         return textarena.TextArenaTask(data.task.removeprefix(textarena.PREFIX), data.task_args, seed=seed,
                                        eval_size=data.eval_size)
-    try:  # task_args: the shapes task's (the config refuses them for the others)
+    try:  # task_args: the shapes and arithmetic tasks' (the config refuses them for the others)
         return _task_class(data.task)(seed=seed, eval_size=data.eval_size, **data.task_args)
     except TypeError as e:
         raise ConfigError(f"data.task_args={data.task_args!r} for data.task={data.task}: {e}") from None

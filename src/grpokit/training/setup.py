@@ -22,6 +22,7 @@ from grpokit.config.loading import settle
 from grpokit.config.schema import Config, reward_specs
 from grpokit.models.loading import eos_token_ids, load_model
 from grpokit.models.packing import AUTO
+from grpokit.models.reasoning import Reasoning
 from grpokit.models.vision import Vision, check_vision, processing
 from grpokit.multiturn import kinds
 from grpokit.multiturn.kinds import RolloutKind
@@ -71,8 +72,8 @@ def prepare(config: Config, tokenizer=None, model_name: str | None = None, model
     if model is not None:  # a model given with the wrong one of tokenizer and processor: said before its data
         check_vision(model, vision)
     tools = Tools.from_config(config, tokenizer, model_name)
-    if vision is not None and config.model.chat_template:  # the template prompts are rendered with
-        vision.processor.chat_template = tokenizer.chat_template
+    if vision is not None and (config.model.chat_template or config.model.chat_template_kwargs):
+        vision.processor.chat_template = tokenizer.chat_template  # the template prompts are rendered with
     encoder = PromptEncoder(tokenizer, None if tools is None else tools.schemas, config.data.max_prompt_length, vision)
     task = make_task(config.data, config.train.seed, encoder.length, encoder.image_tokens)
     kind = kinds.kind_of(config, tools)
@@ -81,7 +82,8 @@ def prepare(config: Config, tokenizer=None, model_name: str | None = None, model
         if tools is not None:
             tools.check({"prompt": first.prompt, **first.columns}, getattr(task, "prompts_from_reset", False))
     rewards = RewardSet(reward_specs(config, task.reward_functions), config.reward.timeout,
-                        extra=kind.rewards(config, tools), teacher=config.distill.teacher is not None)
+                        extra=kind.rewards(config, tools), teacher=config.distill.teacher is not None,
+                        reasoning=Reasoning.of(config.model.reasoning_parser, tokenizer))
     if train:
         rewards.check_arguments(first.columns, environments=(tools is not None and tools.environment is not None)
                                 or config.rollout.agent is not None)
