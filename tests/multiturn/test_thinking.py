@@ -54,6 +54,8 @@ def test_the_reasoning_is_told_apart_from_the_answer():
                                          "<|channel|>final<|message|>8470<|return|>")
     assert (harmony.answer, harmony.reasoning, harmony.cut) == ("8470", "add them", False)
     assert Reasoning("harmony").split("<|channel|>analysis<|message|>add th").cut
+    call = Reasoning("harmony").split("<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}<|call|>")
+    assert (call.answer, call.reasoning, call.cut) == ("", None, False)  # a call alone: no answer, nothing cut
 
 
 def test_auto_reads_the_template():
@@ -80,6 +82,7 @@ def test_the_built_in_answer_rewards_read_what_follows_the_reasoning():
     assert exact_answer(completions, [20126] * 3, ["stop"] * 3) == [1.0, 0.0, 1.0]
     assert leading_number(completions, [20126] * 3) == [1.0, 0.0, 1.0]
     assert think_format(completions) == [1.0, 0.0, 0.0]
+    assert think_format([[{"role": "assistant", "content": "3", "reasoning_content": ""}]]) == [0.0]  # an empty block
     assert format_reward(completions, pattern=r"<think>.*</think>\s*\d+") == [1.0, 0.0, 0.0]
     assert completions[1][0]["reasoning_cut"] is True
     plain = decode_completions(tokenizer, batch, [[{"role": "user", "content": "?"}]] * 3)  # no parser: as written
@@ -105,6 +108,16 @@ def test_chat_template_kwargs_reach_every_rendering_and_the_saved_template(tmp_p
     saved = AutoTokenizer.from_pretrained(tmp_path)
     assert saved.apply_chat_template([{"role": "user", "content": "?"}], add_generation_prompt=True,
                                      tokenize=False) == prompt
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "?"}], add_generation_prompt=True, tokenize=False,
+                                         enable_thinking=True).endswith("<|im_start|>assistant\n")  # a caller still decides
+    echo = with_arguments("{{ extra | tojson }}", {"extra": {"a": None, "b": [True, "é😀"]}})
+    from jinja2 import Environment
+
+    assert json.loads(Environment().from_string(echo).render()) == {"a": None, "b": [True, "é😀"]}
+    from grpokit.runtime.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="'add_generation_prompt' is not an argument of the template's own"):
+        with_arguments(QWEN3, {"add_generation_prompt": True})
     config = load_config(None, ["model.chat_template_kwargs={enable_thinking: false}"])
     assert config.model.chat_template_kwargs == {"enable_thinking": False}
     from grpokit import from_trl
@@ -127,25 +140,28 @@ def thinking(monkeypatch, tmp_path):
     return tmp_path
 
 
-def _rollouts(tmp_path, template: str, kwargs: dict, replies: list[str], monkeypatch) -> tuple[RolloutBatch, object]:
-    """Two rollouts of the calculator question with `template` (and chat_template_kwargs), the
-    scripted engine replying `replies` turn by turn."""
+def _rollouts(tmp_path, template: str, kwargs: dict, replies: list[str], monkeypatch, *settings) -> tuple:
+    """Two rollouts of the calculator question with `template` (and chat_template_kwargs, and
+    config `settings`), the scripted engine replying `replies` turn by turn: the batch, the
+    tokenizer, the engine (its `calls`: each turn's contexts)."""
     monkeypatch.setattr(scripted_engine, "SCRIPT", replies)
     config = load_config(None, [f"model.chat_template={tmp_path / template}", "rollout.tools=[grpokit.tasks.calculator:calculator]",
-                                f"model.chat_template_kwargs={json.dumps(kwargs)}"])
+                                f"model.chat_template_kwargs={json.dumps(kwargs)}", *settings])
     tokenizer = load_tokenizer("tiny-random")
     tools = Tools.from_config(config, tokenizer)
-    encoder = PromptEncoder(tokenizer, tools.schemas)
+    encoder = PromptEncoder(tokenizer, tools.schemas, config.data.max_prompt_length)
     kind = MultiTurn(tokenizer, tools, 5, [tokenizer.eos_token_id], encoder, Replies.of(tokenizer))
     example = Example([{"role": "user", "content": question(347, 58)}], {"answer": 20126})
-    return kind.generate(scripted_engine.ScriptedEngine(tokenizer, tokenizer.eos_token_id), [example], [2],
-                         SamplingParams(400, 1.0), [1, 2]), tokenizer
+    engine = scripted_engine.ScriptedEngine(tokenizer, tokenizer.eos_token_id)
+    return kind.generate(engine, [example], [2], SamplingParams(config.rollout.max_completion_length, 1.0), [1, 2]), \
+        tokenizer, engine
 
 
 def test_qwen3_s_real_history_rule_trains_with_tools_and_the_rewards_read_the_answer(thinking, monkeypatch):
     """Thinking on: every turn after the question keeps its reasoning, so the next turn's context is
     the one sampled, followed by the tool's result: one sequence per row."""
-    batch, _ = _rollouts(thinking, "qwen3.jinja", {}, [THINKING_CALL, THINKING_ANSWER], monkeypatch)
+    batch, _, _ = _rollouts(thinking, "qwen3.jinja", {}, [THINKING_CALL, THINKING_ANSWER], monkeypatch,
+                            "rollout.max_completion_length=400")
     c = batch.conversations[0]
     assert batch.sequence_ids is None and (c.turns, c.calls, c.failures) == (2, 1, 0)
     assert c.messages[0]["reasoning_content"] == "I multiply with the calculator."
@@ -167,23 +183,25 @@ def test_qwen3_s_real_history_rule_trains_with_tools_and_the_rewards_read_the_an
 ], ids=["qwen3-no-thinking", "reasoning-dropped"])
 def test_a_history_the_template_renders_otherwise_is_a_sequence_of_its_own_after_the_shared_prompt(
         thinking, monkeypatch, template, kwargs, replies):
-    """Each later turn is sampled in the context the template renders (the scripted engine was asked
-    for exactly that), a sequence after the prompt's tokens that context shares; the passes give
-    every turn the log-probs of its own sequence alone, in float64; the shared prefix is computed
-    once (the positions saved counted)."""
-    batch, tokenizer = _rollouts(thinking, template, kwargs, replies, monkeypatch)
+    """Each later turn is sampled in the context the template renders (what the engine was asked
+    for), a sequence after the prompt's tokens that context shares; the passes give every turn the
+    log-probs of its own sequence alone, in float64, which is the context it was sampled in; the
+    shared prefix is computed once (the positions saved counted)."""
+    batch, tokenizer, engine = _rollouts(thinking, template, kwargs, replies, monkeypatch,
+                                         "rollout.max_completion_length=400")
     c = batch.conversations[0]
     assert (c.turns, c.calls, c.failures) == (3, 2, 0) and c.messages[-1]["content"] == "20126"
     assert batch.sequence_ids is not None and batch.sequence_ids.max() == 2  # the two later turns
     shared = batch.sequence_prefix[batch.sequence_ids > 0].unique().tolist()
     prompt = int(batch.prompt_mask[0].sum())
     assert len(shared) == 1 and 0 < shared[0] <= prompt  # the prompt's tokens the rendering begins with
-    # what the engine was asked for each later turn: the prompt's shared tokens, then the row's own sequence
-    rendered = tokenizer.apply_chat_template(
-        [*c.prompt, *[{k: v for k, v in m.items() if k != "reasoning_cut"} for m in c.messages[:2]]],
-        tools=[*Tools.from_config(load_config(None, ["rollout.tools=[grpokit.tasks.calculator:calculator]"]),
-                                  tokenizer).schemas], tokenize=False, add_generation_prompt=True)
-    assert rendered in tokenizer.decode(scripted_engine_contexts(batch, tokenizer)[1])
+    schemas = Tools.from_config(load_config(None, ["rollout.tools=[grpokit.tasks.calculator:calculator]"]),
+                                tokenizer).schemas
+    for turn in (1, 2):  # what the engine was asked: the conversation as the template renders it
+        rendered = tokenizer.apply_chat_template([*c.prompt, *_as_template_takes(c.messages[:2 * turn])], tools=schemas,
+                                                 tokenize=False, add_generation_prompt=True)
+        assert engine.calls[turn][0] == tokenizer(rendered, add_special_tokens=False)["input_ids"], turn
+        assert engine.calls[turn][0] == contexts(batch)[turn], turn  # and the row's sequence of that turn
     model = load_model("tiny-random", "float64").eval()
     plain, where = plain_logprobs(model, batch), mask_of(batch)
     for budget in (None, 64, 10**6):  # padded, packed in rows of 64 tokens, packed whole
@@ -195,16 +213,35 @@ def test_a_history_the_template_renders_otherwise_is_a_sequence_of_its_own_after
     assert saved == 2 * 2 * shared[0]  # two later sequences a row, two rows
 
 
-def scripted_engine_contexts(batch: RolloutBatch, tokenizer) -> list[list[int]]:
-    """Row 0's context of each turn: its prompt, or its later sequence's shared prompt tokens and own tokens."""
+def _as_template_takes(messages: list[dict]) -> list[dict]:
+    return [{k: v for k, v in m.items() if k != "reasoning_cut"} for m in messages]
+
+
+def contexts(batch: RolloutBatch) -> list[list[int]]:
+    """Row 0's context of each turn from the batch: its prompt, then each later sequence's shared
+    prompt tokens and its own tokens before its turn (the trained tokens)."""
     ids = batch.completion_ids[0][batch.completion_mask[0].bool()].tolist()
+    trained = batch.trained_mask[0].tolist()
     seqs, shared = batch.sequence_ids[0].tolist(), batch.sequence_prefix[0].tolist()
     prompt = batch.prompt_ids[0][batch.prompt_mask[0].bool()].tolist()
-    contexts = [prompt]
+    out = [prompt]
     for s in sorted(set(seqs[:len(ids)]) - {0}):
         first = seqs.index(s)
-        contexts.append(prompt[:shared[first]] + [t for t, k in zip(ids, seqs) if k == s])
-    return contexts
+        own = [t for t, k, m in zip(ids, seqs, trained) if k == s]
+        untrained = next(i for i, (k, m) in enumerate(zip(seqs[first:], trained[first:])) if m)  # the context's end
+        out.append(prompt[:shared[first]] + own[:untrained])
+    return out
+
+
+def test_a_prompt_cut_by_max_prompt_length_is_cut_alike_in_a_new_sequence(thinking, monkeypatch):
+    """data.max_prompt_length keeps a prompt's end: a later sequence's context loses the same front,
+    so it shares the cut prompt's tokens as the first turn's context did."""
+    batch, tokenizer, engine = _rollouts(thinking, "qwen3.jinja", {"enable_thinking": False},
+                                         [PLAIN_CALL, PLAIN_CALL, "20126"], monkeypatch, "data.max_prompt_length=100",
+                                         "rollout.max_completion_length=400")
+    assert int(batch.prompt_mask[0].sum()) == 100
+    assert batch.sequence_prefix is not None and batch.sequence_prefix.max() > 90  # most of the cut prompt, shared
+    assert engine.calls[1][0][:90] == engine.calls[0][0][:90]
 
 
 def test_the_arithmetic_task_shows_two_worked_thinking_exchanges_when_asked():

@@ -50,6 +50,8 @@ def test_several_calls_and_malformed_ones_in_each_format():
     assert _calls(llama3('<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}; '
                          '{"name": "add", "parameters": {"a": 3, "b": 4}}')) == [ADD, {"name": "add", "arguments": {"a": 3, "b": 4}}]
     assert llama3('{"answer": 3}') == ('{"answer": 3}', [], [])  # JSON that is no call is an answer
+    trailing = llama3('{"name": "add", "parameters": {"a": 1, "b": 2}} Calling add.')
+    assert (trailing[0], _calls(trailing), trailing[2]) == ("Calling add.", [ADD], [])
     assert llama3("The sum is 3.") == ("The sum is 3.", [], [])
     assert llama3('<|python_tag|>{"name": "add", "parameters": {"a": 1')[2][0].startswith("error: the tool call is not valid JSON")
     assert _calls(mistral('[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}')) == [ADD, ADD]

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 PARSERS = ("auto", "think", "harmony", "none")
 THINK, END = "<think>", "</think>"
-_CHANNEL = re.compile(r"<\|channel\|>(\w+)(?:[^<]*)<\|message\|>(.*?)(?=<\|end\|>|<\|return\|>|<\|call\|>|<\|start\|>|$)",
-                      re.DOTALL)
+_CHANNEL = re.compile(r"<\|channel\|>(\w+)(?:[^<]|<\|constrain\|>)*<\|message\|>(.*?)"
+                      r"(?=<\|end\|>|<\|return\|>|<\|call\|>|<\|start\|>|$)", re.DOTALL)
 
 
 @dataclass(frozen=True)

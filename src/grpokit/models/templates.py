@@ -37,24 +37,38 @@ def use_chat_template(tokenizer, path: str | None, model_name: str, tools: bool,
                           f"{TOOLS_TEMPLATE})")
 
 
+# What transformers passes every rendering itself: not a chat_template_kwargs key.
+RENDERING = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "bos_token",
+             "eos_token", "pad_token", "unk_token", "raise_exception", "strftime_now")
+
+
 def with_arguments(template, kwargs: dict):
     """`template` (a Jinja chat template, or a dict of named ones) rendering as if every call passed
-    `kwargs` (model.chat_template_kwargs, as TRL's chat_template_kwargs do): each set first, so that
-    every rendering (prompts, tool results, an agent's requests, the trained model's) gets them."""
+    `kwargs` (model.chat_template_kwargs, as TRL's chat_template_kwargs do): each the default of its
+    variable, set first, so that every rendering (prompts, tool results, an agent's requests, the
+    trained model's) gets them, and a caller that passes one (at inference) still decides it."""
     if template is None:
         raise ConfigError("model.chat_template_kwargs is set, and the model has no chat template to pass them to")
     if isinstance(template, dict):
         return {name: with_arguments(t, kwargs) for name, t in template.items()}
     for key in kwargs:
-        if not str(key).isidentifier():
-            raise ConfigError(f"model.chat_template_kwargs: {key!r} is not a name a template can read")
-    sets = "".join(f"{{%- set {key} = {_literal(value)} %}}" for key, value in kwargs.items())
+        if not str(key).isidentifier() or key in RENDERING:
+            raise ConfigError(f"model.chat_template_kwargs: {key!r} is not an argument of the template's own (the "
+                              f"rendering passes {', '.join(RENDERING[:5])}, ... itself)")
+    sets = "".join(f"{{%- if {key} is not defined %}}{{%- set {key} = {_literal(value)} %}}{{%- endif %}}"
+                   for key, value in kwargs.items())
     return sets + template
 
 
 def _literal(value) -> str:
-    """`value` as a Jinja literal (JSON's, but None)."""
-    return "none" if value is None else json.dumps(value)
+    """`value` as a Jinja literal."""
+    if value is None:
+        return "none"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_literal(str(k))}: {_literal(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(map(_literal, value)) + "]"
+    return json.dumps(value, ensure_ascii=False)  # true, false, numbers, strings
 
 
 def speaks_tools(tokenizer) -> bool:

@@ -37,7 +37,7 @@ import torch
 from grpokit.multiturn.tool_formats import Replies
 from grpokit.multiturn.tools import ToolResult, Tools, call_message
 from grpokit.rollout.batch import RolloutBatch, SamplingParams, consecutive_groups, from_completions
-from grpokit.rollout.prompts import PromptEncoder
+from grpokit.rollout.prompts import PromptEncoder, encode_prompt
 from grpokit.runtime import distributed
 from grpokit.runtime.errors import ConfigError
 
@@ -76,8 +76,10 @@ class RolloutTokens:
     prefix: list[int] = field(default_factory=list)  # the prompt tokens its sequence begins with (sequence_prefix)
     sequence: int = 0  # the sequence tokens are added to
     shared: int = 0  # the prompt tokens that sequence begins with (a later sequence's)
+    start: int = 0  # where in `ids` that sequence begins
     history: list[dict] = field(default_factory=list)  # the conversation after the prompt, as the template takes it
     rendered: str | None = None  # the context the last turn was sampled in, as the template renders it
+    cut: int = 0  # the tokens data.max_prompt_length cut off the prompt's front
 
     def add(self, ids: list[int], trained: bool, logps=None, entropies=None) -> None:
         self.ids += ids
@@ -93,8 +95,17 @@ class RolloutTokens:
         the tokens before it are not in its context, but the prompt's first `shared`, which it
         begins with (and `context` goes on from)."""
         self.sequence += 1
-        self.shared = shared
+        self.shared, self.start = shared, len(self.ids)
         self.add(context, False)
+
+    def context(self) -> list[int]:
+        """What the next turn is sampled after: the prompt and every token after it, or a later
+        sequence's shared prompt tokens and its own."""
+        return self.prompt + self.ids if self.sequence == 0 else self.prompt[:self.shared] + self.ids[self.start:]
+
+    def spent(self) -> int:
+        """The tokens of the current sequence after the prompt (rollout.max_completion_length's count)."""
+        return len(self.ids) - self.start
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -182,8 +193,12 @@ class MultiTurn:
                 messages = [dict(m) for m in example.prompt]
                 if appended:  # TRL's rule: reset's text is appended to the last message of the prompt
                     messages[-1]["content"] += appended
-                rollouts.append(RolloutTokens(self.encoder.messages(messages), self.tools.callables(environment),
-                                         Conversation([], environment=environment, prompt=messages)))
+                rollout = RolloutTokens(self.encoder.messages(messages), self.tools.callables(environment),
+                                        Conversation([], environment=environment, prompt=messages))
+                if self.encoder.max_length is not None:  # the front it lost, which a new sequence's loses too
+                    whole = encode_prompt(self.encoder.tokenizer, messages, None, self.encoder.schemas)
+                    rollout.cut = len(whole) - len(rollout.prompt)
+                rollouts.append(rollout)
         # Rollouts in a row with the same prompt (all of a group, unless reset() told them apart)
         # share one prefill.
         prompts, counts = consecutive_groups([r.prompt for r in rollouts])
@@ -192,14 +207,13 @@ class MultiTurn:
         for turn in range(self.max_turns):
             if not active:
                 break
-            room = [budget - len(rollouts[r].ids) for r in active]
+            room = [budget - rollouts[r].spent() for r in active]
             turn_params = replace(params, max_tokens=max(room))
             turn_seeds = None if seeds is None else [turn_seed(int(seeds[r]), turn) for r in active]
             if turn == 0:
                 batch = engine.generate(prompts, counts, turn_params, turn_seeds)
             else:
-                batch = engine.generate([rollouts[r].prompt + rollouts[r].ids for r in active], 1, turn_params,
-                                        turn_seeds)
+                batch = engine.generate([rollouts[r].context() for r in active], 1, turn_params, turn_seeds)
             active = [r for j, r in enumerate(active) if self._take_turn(rollouts[r], batch, j, room[j], turn, budget)]
         return sequences_batch(rollouts, self.tokenizer.pad_token_id)
 
@@ -219,7 +233,9 @@ class MultiTurn:
         if calls:
             message["tool_calls"] = [call_message(call) for call in calls]
         c.messages.append(message)
-        rollout.history.append(message)
+        # (GPT-OSS's template reads an earlier turn's reasoning as `thinking`)
+        rollout.history.append({**message, "thinking": message["reasoning_content"]} if "reasoning_content" in message
+                               else message)
         if finish == "length":
             rollout.finish, c.stop = "length", "length"
             return False
@@ -235,16 +251,18 @@ class MultiTurn:
         c.failures += sum(r.failed for r in results)
         segment = self.tool_segment([r.message() for r in results], ids[-1] if ids and ids[-1] in self.eos_ids else None)
         context = self._rendered_otherwise(rollout, [r.message() for r in results])
-        room = budget - len(rollout.ids)
-        needed = len(segment) if context is None else len(context) - _common(context, rollout.prompt)
+        if context is None:  # after the turn: the tool segment, in the budget's room left
+            needed, room, shared = len(segment), budget - rollout.spent(), 0
+        else:  # a sequence of its own, after the prompt tokens it shares: a budget of its own
+            shared = _common(context, rollout.prompt)
+            needed, room = len(context) - shared, budget
         if needed >= room:  # no room left for the model to read them: the rollout ends
             rollout.finish, c.stop = "length", "length"
-            c.messages += self._cut(c, results, room - 1 - (len(segment) - self._tokens(results)))
+            c.messages += self._cut(c, results, room - 1 - (needed - self._tokens(results)))
             return False
         if context is None:
             rollout.add(segment, False)
-        else:  # the next turn in the context the template renders, after the prompt tokens it shares
-            shared = _common(context, rollout.prompt)
+        else:  # the next turn in the context the template renders
             rollout.begin_sequence(context[shared:], shared)
         c.messages += [r.record() for r in results]
         rollout.history += [r.message() for r in results]
@@ -265,7 +283,7 @@ class MultiTurn:
         rollout.rendered = rendered
         if rendered.startswith(before) and rendered.startswith(render(rollout.history, False)):
             return None
-        return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(rendered, add_special_tokens=False)["input_ids"][rollout.cut:]  # as the prompt was cut
 
     def _tokens(self, results: list[ToolResult]) -> int:
         return sum(len(self.tokenizer(r.text, add_special_tokens=False)["input_ids"]) for r in results)

@@ -101,6 +101,8 @@ def llama3(text: str) -> Parsed:
         at = end
         while at < len(body) and body[at] in " \n\t;":
             at += 1
+        if at < len(body) and body[at] != "{":  # text after the calls: what the turn says besides them
+            return body[at:].strip(), calls, problems
     return "", calls, problems
 
 

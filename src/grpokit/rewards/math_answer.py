@@ -54,13 +54,13 @@ def math_accuracy(completions, answer, **columns) -> list[float | None]:
 
 def think_format(completions, **columns) -> list[float]:
     """1.0 when the reply reasoned, ended its reasoning and then answered: its message has reasoning
-    (model.reasoning_parser told it apart: reasoning_content), not cut inside it, and an answer
-    after it; else 0.0. (TRL's think_format_reward checks the tags in the text; here the parser has
+    that is not empty (model.reasoning_parser told it apart: reasoning_content), not cut inside
+    it, and an answer after it; else 0.0. (TRL's think_format_reward checks the tags in the text; here the parser has
     taken the reasoning out of the content.)"""
     rewards = []
     for c in completions:
         reply = [m for m in c if m.get("role", "assistant") == "assistant"][-1:] if isinstance(c, list) else []
-        rewards.append(float(bool(reply) and reply[0].get("reasoning_content") is not None
+        rewards.append(float(bool(reply) and bool((reply[0].get("reasoning_content") or "").strip())
                              and not reply[0].get("reasoning_cut") and bool((reply[0].get("content") or "").strip())))
     return rewards
 

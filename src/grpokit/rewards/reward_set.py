@@ -45,8 +45,8 @@ def completion_text(completion) -> str:
 
 
 def written_text(completion) -> str:
-    """The reply as the model wrote it: completion_text, with its reasoning back in <think> tags
-    before it where model.reasoning_parser took it apart (what a format reward reads)."""
+    """The reply with its reasoning back in <think> tags before it, where model.reasoning_parser
+    took it apart (what a format reward reads): completion_text otherwise."""
     if isinstance(completion, str):
         return completion
     replies = [m for m in completion if m.get("role", "assistant") == "assistant"]
