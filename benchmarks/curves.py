@@ -83,6 +83,8 @@ RUNS = {
     "reasoning-gym-seed0": ("--config", "examples/reasoning_gym.yaml"),
     "reasoning-gym-seed1": ("--config", "examples/reasoning_gym.yaml", "train.seed=1"),
     "calculator-seed0": ("--config", "examples/calculator.yaml"),
+    "thinking-seed0": ("--config", "examples/thinking.yaml"),
+    "thinking-seed1": ("--config", "examples/thinking.yaml", "train.seed=1"),
 }
 EXACT = "eval/rewards/exact_answer/mean"
 GRAD_NORM = over_steps("grad_norm", statistics.median)
@@ -105,6 +107,15 @@ CURVES = (
         Row("`tools/calls_per_rollout`", "calculator-seed0", at_step("tools/calls_per_rollout")),
         Row("`tools/failures_per_rollout`", "calculator-seed0", at_step("tools/failures_per_rollout")),
         Row("`completions/clipped_ratio`", "calculator-seed0", at_step("completions/clipped_ratio")))),
+    Curve("thinking", "docs/thinking.md", (
+        Row("exact accuracy (`exact_answer`), seed 0", "thinking-seed0", at_step(EXACT)),
+        Row("exact accuracy (`exact_answer`), seed 1", "thinking-seed1", at_step(EXACT)),
+        Row("`think_format`, seed 0", "thinking-seed0", at_step("eval/rewards/think_format/mean")),
+        Row("`think_format`, seed 1", "thinking-seed1", at_step("eval/rewards/think_format/mean")),
+        Row("held-out reply length (tokens), seed 0", "thinking-seed0", at_step("eval/completions/mean_length"), ".1f"),
+        Row("samples' `think_format` (T = 1), seed 0", "thinking-seed0", at_step("rewards/think_format/mean")),
+        Row("samples cut in their reasoning, seed 0", "thinking-seed0", at_step("completions/reasoning_cut_ratio")),
+        Row("samples' length (tokens), seed 0", "thinking-seed0", at_step("completions/mean_length"), ".1f"))),
     Curve("reasoning-gym", "docs/tasks.md", (
         Row("eval/reward (held out, greedy), seed 0", "reasoning-gym-seed0", at_step("eval/reward")),
         Row("eval/reward (held out, greedy), seed 1", "reasoning-gym-seed1", at_step("eval/reward")),
