@@ -261,7 +261,11 @@ def _take_model(config: Config, model, tokenizer) -> None:
                           "it was trained with (grpokit renders prompts with its chat template)")
     if getattr(model, "hf_device_map", None) or getattr(model, "hf_quantizer", None):
         raise ConfigError(f"model= is a {type(model).__name__} loaded with device_map= or quantized: grpokit places "
-                          "the model itself and trains its weights in model.dtype: load it without them")
+                          "the model itself and trains its weights in model.dtype: load it without them (to train "
+                          "on a quantized base, pass its name or folder with model.quantization and model.lora_rank)")
+    if config.model.quantization != "none":
+        raise ConfigError(f"model.quantization={config.model.quantization} quantizes the weights as model.name loads, "
+                          f"but model= is a {type(model).__name__} already loaded: pass its name or folder instead")
     from grpokit.models.loading import DTYPES
 
     dtype = next((name for name, d in DTYPES.items() if d == model.dtype), None)

@@ -126,11 +126,44 @@ def _config(args) -> int:
     except ConfigError as e:
         print(f"{args.check}: {e}")
         return 1
-    model = (f"{config.model.name}'s config" if model_facts(config.model.name, local_only=True) is not None else
+    known = model_facts(config.model.name, local_only=True) is not None
+    model = (f"{config.model.name}'s config" if known else
              f"not {config.model.name}'s, which is not on this machine yet (a run checks it once fetched)")
     print(f"{args.check}: no problems (the settings against each other, this launch's processes and {model}; the "
           "data is checked when a run starts)")
+    if known:
+        return _memory(config, args.memory)
+    if args.memory:
+        print(f"--memory: {config.model.name}'s config is not on this machine: its memory cannot be estimated")
+        return 1
     return 0
+
+
+def _memory(config, memory: str | None) -> int:
+    """grpokit config --check's estimate of a process's peak memory, and with --memory whether the run
+    fits (exit status 1 when it does not)."""
+    from grpokit.config.memory import estimate, fits_line, parse_memory
+    from grpokit.models.loading import model_config
+    from grpokit.runtime.launch import read_launch
+
+    import torch
+
+    launch = read_launch(int(os.environ.get("WORLD_SIZE", "1")))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where a run would train; a GPU named: that GPU
+    if memory is not None:
+        try:
+            size, named = parse_memory(memory)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        device = named or device
+    settings = dict(world_size=launch.world_size, sharded=launch.sharding, device=device)
+    hf = model_config(config.model.name, local_only=True)
+    print(estimate(config, hf, **settings).line())
+    if memory is None:
+        return 0
+    verdict = fits_line(config, hf, size, **settings)
+    print(f"this run {verdict}")
+    return 0 if verdict.startswith("fits") else 1
 
 
 def _report(args) -> int:
@@ -204,6 +237,8 @@ def _parser() -> argparse.ArgumentParser:
                                            "every problem of a config")
     p.add_argument("--check", metavar="my.yaml", help="print every problem of this config file (with the overrides "
                    "that follow) without loading a model, or that it has none; exit status 1 when it has")
+    p.add_argument("--memory", metavar="24GB|H100", help="with --check: whether the run fits this memory per process "
+                   "(a size: on the CPU; a GPU's name: on that GPU), and which settings would make it fit")
     p.add_argument("overrides", nargs="*", metavar="section.field=value")
     p.set_defaults(run=_config)
     return parser

@@ -26,6 +26,7 @@ CASES = {
     "model.lora_dropout": ("0.1", [], "model.lora_rank=0", ["model.lora_rank=8"]),
     "model.lora_target_modules": ("q_proj,v_proj", [], "model.lora_rank=0", ["model.lora_rank=8"]),
     "model.lora_target_parameters": ("experts", [], "model.lora_rank=0", ["model.lora_rank=8"]),
+    "model.quantization": ("nf4", [], "model.lora_rank=0", ["model.lora_rank=8"]),
     "data.long_prompts": ("truncate", [], "data.max_prompt_length=null", ["data.max_prompt_length=64"]),
     "rollout.server_url": ("http://127.0.0.1:8000", [], "rollout.engine=transformers", ["rollout.engine=server"]),
     "rollout.server_timeout": ("60", ["rollout.engine=vllm"], "rollout.engine=vllm",

@@ -205,6 +205,9 @@ def test_a_loaded_model_the_api_cannot_use_is_named(tiny):
     unnamed.hf_device_map = {"": "cpu"}
     with pytest.raises(ConfigError, match="loaded with device_map= or quantized"):
         grpokit.train(model=unnamed, tokenizer=tokenizer, dataset=ROWS, progress=False)
+    with pytest.raises(ConfigError, match="model.quantization=nf4 quantizes the weights as model.name loads, but model="):
+        grpokit.train(model=model, tokenizer=tokenizer, dataset=ROWS, progress=False,
+                      **{"model.quantization": "nf4", "model.lora_rank": 4})
 
 
 def test_a_config_given_is_never_changed(tmp_path):

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
-from grpokit.config.schema import DECODERS, Config, setting
+from grpokit.config.schema import DECODERS, QUANTIZATIONS, Config, setting
 from grpokit.config.variants import VARIANT_SETTINGS, has_tools, unused_settings
 from grpokit.runtime.errors import ConfigError
 from grpokit.runtime.launch import Launch
@@ -364,6 +364,13 @@ def _check_train(c: Config) -> list[str]:
     p.need(not (m.freeze_language_model and m.lora_rank),
            f"model.freeze_language_model with model.lora_rank={m.lora_rank}: LoRA's adapters are the language model's, "
            "which would then train after all; drop one of them")
+    p.need(m.quantization in QUANTIZATIONS, f"model.quantization={m.quantization}: must be one of {', '.join(QUANTIZATIONS)}")
+    if m.quantization != "none":
+        p.need(m.dtype != "float64", f"model.quantization={m.quantization} with model.dtype=float64: bitsandbytes "
+               "computes in float32, bfloat16 or float16")
+        p.need(c.rollout.engine == "transformers", f"model.quantization={m.quantization} with rollout.engine="
+               f"{c.rollout.engine}: the in-process engine samples with the quantized model itself; another engine "
+               "would need the adapters pushed on a quantized base of its own (not built yet)")
     p.need(t.logprob_chunk_size is None or t.logprob_chunk_size >= 0,
            f"train.logprob_chunk_size={t.logprob_chunk_size}: must be >= 0 (0: all at once), or null")
     p.need(t.keep_checkpoints is None or t.keep_checkpoints >= 1,

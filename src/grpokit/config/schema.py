@@ -42,6 +42,11 @@ class ModelConfig:
         "'experts' (every routed expert's weights of a mixture-of-experts model), 'router' (each router's weight), "
         "or parameter names, e.g. mlp.experts.gate_up_proj; empty: none"
     )
+    quantization: str = _f(
+        "none", "the base model's weights held quantized through bitsandbytes, LoRA's adapters training on them "
+        "(QLoRA; needs model.lora_rank > 0): nf4 | fp4 (4 bits, their scales quantized again) | int8 (LLM.int8()) | "
+        "none; computed in model.dtype"
+    )
     freeze_vision_tower: bool = _f(
         False, "a vision-language model's vision encoder keeps its weights (the connector to the language model and "
         "the language model train)"
@@ -142,6 +147,7 @@ class RewardConfig:
 
 
 DECODERS = ("auto", "dynamic", "static")  # rollout.decoder (rollout/transformers_engine.py)
+QUANTIZATIONS = ("none", "nf4", "fp4", "int8")  # model.quantization (models/loading.py)
 
 
 @dataclass

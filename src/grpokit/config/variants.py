@@ -57,6 +57,9 @@ def _read_by_loss(name: str) -> Variant:
 
 
 _LORA = Variant("model.lora_rank", lambda c: c.model.lora_rank > 0, "model.lora_rank > 0")
+# (quantized weights are fixed codes: only adapters beside them can train)
+_QLORA = Variant("model.lora_rank", lambda c: c.model.lora_rank > 0, "model.lora_rank > 0 (QLoRA: LoRA's adapters "
+                 "train on the quantized base)", "trains every weight, which quantized weights cannot")
 _PROMPT_LIMIT = Variant("data.max_prompt_length", lambda c: c.data.max_prompt_length is not None,
                         "data.max_prompt_length (in tokens)")
 _SERVER = Variant("rollout.engine", lambda c: c.rollout.engine == "server", "rollout.engine=server")
@@ -118,6 +121,7 @@ VARIANT_SETTINGS: dict[str, Variant] = {
     "model.lora_dropout": _LORA,
     "model.lora_target_modules": _LORA,
     "model.lora_target_parameters": _LORA,
+    "model.quantization": _QLORA,
     "data.long_prompts": _PROMPT_LIMIT,
     "rollout.server_url": _SERVER,
     "rollout.server_timeout": _SERVER,

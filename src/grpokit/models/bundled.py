@@ -57,11 +57,12 @@ def _bundled_gguf_folder() -> str:
 
 
 # Where each bundled model is cached once made; bump a version when how it is made changes.
-_CACHED = {BUNDLED: f"{BUNDLED}-v2", BUNDLED_VLM: f"{BUNDLED_VLM}-v1"}
+_CACHED = {BUNDLED: f"{BUNDLED}-v2", BUNDLED_VLM: f"{BUNDLED_VLM}-v1", TINY: f"{TINY}-v1", TINY_VLM: f"{TINY_VLM}-v1"}
 
 
 def cached_folder(name: str) -> Path:
-    """The folder the bundled model `name` (BUNDLED or BUNDLED_VLM) is cached in, made or not yet."""
+    """The folder the built-in model `name` is cached in, made or not yet (the tiny ones are built in
+    memory, and written only for a loader that reads a folder: tiny_model_path)."""
     return cache_dir() / _CACHED[name]
 
 
@@ -101,6 +102,17 @@ def _cached(target: Path, model, processing) -> Path:
             raise
     return target
 
+
+
+def tiny_model_path(name: str) -> Path:
+    """A folder holding tiny-random or tiny-random-vlm (float32), for loading through from_pretrained
+    (a quantized load), written once."""
+    target = cached_folder(name)
+    if (target / "config.json").exists():
+        return target
+    if name == TINY:
+        return _cached(target, tiny_random(bundled_tokenizer(), torch.float32), bundled_tokenizer())
+    return _cached(target, tiny_random_vlm(torch.float32), tiny_vlm_processor())
 
 
 @functools.cache
@@ -241,6 +253,7 @@ def tiny_config(vision: bool = False):
     tokenizer's ids: what the start-up checks read of a model (its positions, its layers)."""
     from transformers import Idefics3Config, LlamaConfig
 
-    return Idefics3Config(text_config=_TINY_TEXT, vision_config=_TINY_VISION, scale_factor=2) if vision else \
-        LlamaConfig(**_TINY_TEXT)
+    if vision:
+        return Idefics3Config(text_config=_TINY_TEXT, vision_config=_TINY_VISION, scale_factor=2)
+    return LlamaConfig(**_TINY_TEXT, vocab_size=len(bundled_tokenizer()))  # (its vocabulary: memory estimates)
 

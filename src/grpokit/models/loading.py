@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,10 +15,15 @@ from pathlib import Path
 import torch
 
 from grpokit.models.bundled import (BUNDLED, BUNDLED_VLM, TINY, TINY_VLM, bundled_model_path, bundled_tokenizer,
-                                    bundled_vlm_path, cached_folder, over_the_same_read, tiny_config, tiny_random,
-                                    tiny_random_vlm, tiny_vlm_processor)
+                                    bundled_vlm_path, cached_folder, over_the_same_read, tiny_config, tiny_model_path,
+                                    tiny_random, tiny_random_vlm, tiny_vlm_processor)
 from grpokit.models.routers import quiet_routers, router_modules
 from grpokit.runtime.errors import StartupError
+
+# bitsandbytes, where installed, is imported by transformers and peft whether or not a model is
+# quantized, and warns on import, where the CPU has AVX-512 BF16, that an optional faster kernel from
+# the Hub is absent; its own kernel runs instead (and is the one grpokit keeps: fit_for_passes).
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -140,33 +146,85 @@ def load_processor(name: str):
 
 
 
-def load_model(name: str, dtype: str = "float32"):
+def load_model(name: str, dtype: str = "float32", quantization: str = "none", device: torch.device | None = None):
     """The causal LM for `model.name`, in `dtype`, in train mode. A folder holding a LoRA adapter
-    (a LoRA run's final/ or checkpoint) loads as its base model with the adapter merged in."""
-    from transformers import AutoModelForCausalLM
-
+    (a LoRA run's final/ or checkpoint) loads as its base model with the adapter merged in (on a
+    quantized base: into its weights as the adapters saw them, dequantized). `quantization`
+    (model.quantization) loads the weights quantized, onto `device`."""
     torch_dtype = DTYPES[dtype]
     adapter = Path(name) / "adapter_config.json"
     if adapter.is_file():  # a plain model from here on: evaluation, merging, or training from it
-        base = load_model(json.loads(adapter.read_text())["base_model_name_or_path"], dtype)
+        base = load_model(json.loads(adapter.read_text())["base_model_name_or_path"], dtype, saved_quantization(name))
+        if is_quantized(base):
+            base = base.dequantize()
         return load_adapter(base, name).merge_and_unload().train()
-    if name == TINY:
+    if quantization != "none":
+        model = _load_quantized(name, torch_dtype, quantization, device or torch.device("cpu"))
+    elif name == TINY:
         model = tiny_random(bundled_tokenizer(), torch_dtype)  # read only: no copy
     elif name == TINY_VLM:
         model = tiny_random_vlm(torch_dtype)
-    elif is_vision_model(name):
-        from transformers import AutoModelForImageTextToText
-
-        with _loading(name):
-            source = bundled_vlm_path() if name == BUNDLED_VLM else name
-            model = AutoModelForImageTextToText.from_pretrained(source, dtype=torch_dtype)
     else:
         with _loading(name):
-            source = bundled_model_path() if name == BUNDLED else name
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+            model = _model_class(name).from_pretrained(_source(name), dtype=torch_dtype)
     fit_for_passes(model)
     model.train()
     return model
+
+
+def _model_class(name: str):
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision_model(name) else AutoModelForCausalLM
+
+
+def _source(name: str) -> str | Path:
+    """What from_pretrained reads for `model.name`: a built-in model's folder, or the name itself."""
+    if name in (TINY, TINY_VLM):
+        return tiny_model_path(name)
+    return {BUNDLED: bundled_model_path, BUNDLED_VLM: bundled_vlm_path}.get(name, lambda: name)()
+
+
+def _load_quantized(name: str, dtype: torch.dtype, quantization: str, device: torch.device):
+    """model.quantization through bitsandbytes, as transformers loads it: every linear layer of the
+    model but its output layer holds 4-bit codes (NF4 or FP4, with QLoRA's double quantization of
+    their scales) or int8 (LLM.int8()), computing in `dtype`; placed on `device` as it loads."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise StartupError(f"model.quantization={quantization} needs bitsandbytes: pip install 'grpokit[quantization]'") from None
+    from transformers import BitsAndBytesConfig
+
+    settings = (BitsAndBytesConfig(load_in_8bit=True) if quantization == "int8" else
+                BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quantization, bnb_4bit_use_double_quant=True,
+                                   bnb_4bit_compute_dtype=dtype))
+    with _loading(name):
+        return _model_class(name).from_pretrained(_source(name), dtype=dtype, quantization_config=settings,
+                                                  device_map={"": device})
+
+
+def is_quantized(model) -> bool:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(base, "is_quantized", False)
+
+
+def quantization_of(model) -> str:
+    """The model.quantization `model` was loaded with ("none" when it was not)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not is_quantized(base):
+        return "none"
+    settings = base.config.quantization_config
+    settings = settings.to_dict() if hasattr(settings, "to_dict") else settings
+    return "int8" if settings.get("load_in_8bit") else settings["bnb_4bit_quant_type"]
+
+
+# An adapter folder of a quantized base says so in this file: the base it loads onto.
+QUANTIZATION_FILE = "grpokit_quantization.json"
+
+
+def saved_quantization(folder: str | Path) -> str:
+    path = Path(folder) / QUANTIZATION_FILE
+    return json.loads(path.read_text())["quantization"] if path.is_file() else "none"
 
 
 def load_adapter(base, folder: str):
@@ -180,10 +238,17 @@ def load_adapter(base, folder: str):
 
 
 def fit_for_passes(model) -> None:
-    """What grpokit sets on a loaded model before its passes: a float64 model's mixture-of-experts
+    """What grpokit sets on a loaded model before its passes: a quantized model's 4-bit layers keep
+    the kernel that has a backward; a float64 model's mixture-of-experts
     layers run transformers' eager loop over the experts (the default grouped kernel,
     torch._grouped_mm, has no float64 kernel); the model's forward returns no router logits
     (models/routers.py reads them where the load-balancing loss needs them)."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            # bitsandbytes' 4-bit layers on a CPU with AVX-512 BF16 repack their weights for a faster
+            # kernel the first time they run in eval mode, and keep that kernel in training, where it
+            # has no backward: gradients would not flow through them. One kernel for every pass.
+            module.support_avx512bf16_for_cpu = False
     implementations = getattr(model, "get_experts_implementation", lambda: {})()
     if model.dtype == torch.float64 and "grouped_mm" in implementations.values():
         model.set_experts_implementation("eager")
@@ -344,6 +409,8 @@ def save_model(model, tokenizer, folder: Path, weights: list | None = None) -> N
     try:
         if hasattr(model, "peft_config"):  # the adapters alone; embeddings are not adapted, no Hub lookup to check
             model.save_pretrained(folder, save_embedding_layers=False)
+            if is_quantized(model):
+                (Path(folder) / QUANTIZATION_FILE).write_text(json.dumps({"quantization": quantization_of(model)}) + "\n")
         else:
             model.save_pretrained(folder, state_dict=None if weights is None else dict(weights))
         tokenizer.save_pretrained(folder)
@@ -359,7 +426,11 @@ def load_policy(config, device: torch.device, model=None):
     from grpokit.runtime import distributed
 
     m = config.model
-    policy = (load_model(m.name, m.dtype) if model is None else model.train()).to(device)
+    if model is None:
+        policy = load_model(m.name, m.dtype, m.quantization, device)
+        policy = policy if m.quantization != "none" else policy.to(device)  # (a quantized one loads in place)
+    else:
+        policy = model.train().to(device)
     fit_for_passes(policy)
     distributed.broadcast_parameters(policy)
     # The reference model is the initial policy, so it is copied before a checkpoint's weights

@@ -62,6 +62,8 @@ def model_card(config: dict, eval_history: list[dict], reward_names: list[str], 
         "- reward functions: " + ", ".join(f"`{n}`" for n in reward_names),
         "",
     ]
+    if model.get("lora_rank"):
+        lines += _adapter_section(model)
     keys = list(dict.fromkeys(k for row in eval_history for k in row if k.startswith("eval/")))
     if eval_history and keys:
         lines += ["## Evaluation", "", "Held-out prompts, greedy, at each evaluation:", "",
@@ -74,6 +76,17 @@ def model_card(config: dict, eval_history: list[dict], reward_names: list[str], 
               "tool and environment is a built-in or named by `module:name` or a file):", "", "```yaml",
               yaml.safe_dump(config, sort_keys=False).strip(), "```", ""]
     return "\n".join(lines)
+
+
+def _adapter_section(model: dict) -> list[str]:
+    """How to load and merge a LoRA run's adapter (a quantized base: onto that base)."""
+    quantization = model.get("quantization", "none")
+    base = f"`{model['name']}`" + (f" quantized to {quantization} by bitsandbytes (QLoRA)" if quantization != "none" else "")
+    return ["## Loading", "",
+            f"This folder is a LoRA adapter (peft) trained on {base}. `grpokit eval --model <this folder>` loads it "
+            "merged into its base" + (", the base's weights dequantized as the adapters saw them in training"
+                                      if quantization != "none" else "") + "; `grpokit train --merge` (on the run's "
+            "command) also writes `merged/`, a plain transformers model folder with the adapter merged in.", ""]
 
 
 def write_model_card(run_dir: Path, config: dict, eval_history: list[dict], reward_names: list[str]) -> Path:

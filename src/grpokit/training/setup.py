@@ -12,6 +12,7 @@ of rollout, task or engine is wired once.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +108,36 @@ def _check_prompt_lengths(config: Config, task, encoder: PromptEncoder, limit: i
             f"{len(over)} of the {len(lengths)} prompts are longer than the {budget} tokens that the model's {limit} "
             f"positions leave beside rollout.max_completion_length={length} (the longest: {max(over)}): set "
             f"data.max_prompt_length={budget} (data.long_prompts=drop leaves them out, truncate keeps their end)")
+
+
+def memory_line(config: Config, found: Facts, prepared: Prepared, device: torch.device, model=None) -> str:
+    """The start-up line of a process's estimated peak memory (config/memory.py), its prompts at the
+    longest the data holds; ConfigError, before any weight loads, where it cannot fit the memory this
+    process has (a GPU's, or the machine's shared by its processes; memory.refused)."""
+    import os
+
+    from grpokit.config.memory import GB, estimate, fits_line, refused
+    from grpokit.models.loading import model_config
+
+    hf = model.config if model is not None else model_config(config.model.name)
+    task = prepared.task  # a dataset's rows, or a generated stream's first ones (an environment's reset: one)
+    listed = getattr(task, "train_examples", None)
+    read = listed[:256] if listed is not None else itertools.islice(
+        task.train_stream(), 1 if getattr(task, "prompts_from_reset", False) else 64)
+    examples = [*read, *task.eval_examples]
+    longest = max((prepared.encoder.length(e) for e in examples), default=None)
+    launch = dict(world_size=distributed.world_size(), sharded=found.launch.sharding, device=device.type,
+                  prompt_tokens=config.data.max_prompt_length or longest)
+    estimated = estimate(config, hf, **launch)
+    if device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory
+    else:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / local
+    if refused(estimated, memory):
+        raise ConfigError(f"{estimated.line()}\n  this run {fits_line(config, hf, memory, **launch)} (this {device.type}'s "
+                          f"{memory / GB:.1f} GB per process)")
+    return estimated.line()
 
 
 def loss_settings(config: Config, model=None) -> LossSettings:

@@ -135,6 +135,7 @@ class Trainer:
         prepared = setup.prepare(config, tokenizer, model_facts=facts.model, model=model)
         self.tokenizer, self.vision, self.task, self.rewards = (prepared.tokenizer, prepared.vision, prepared.task,
                                                                 prepared.rewards)
+        memory = setup.memory_line(config, facts, prepared, self.device, model)  # refused here when it cannot fit
         # Process 0 alone owns the run directory; the others learn its path (a default one is
         # stamped with process 0's clock) or its refusal, and stop with the same message.
         existed = config.train.output_dir is not None and Path(config.train.output_dir).exists()
@@ -173,7 +174,7 @@ class Trainer:
             self.resumed_rows, note = distributed.on_main(lambda: self._start_run_dir(resume_from))
         self.progress = Progress() if resume_from is None else self.resume(resume_from)
         self.monitor = self._make_monitor(progress)
-        for line in (*damaged, note, self.parallel.describe(self.policy), *getattr(self.task, "notes", ())):
+        for line in (*damaged, note, memory, self.parallel.describe(self.policy), *getattr(self.task, "notes", ())):
             if line:
                 self.monitor.write(line)
 
