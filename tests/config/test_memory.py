@@ -67,6 +67,9 @@ def test_the_activations_per_token_are_what_autograd_keeps_on_the_cpu(dtype):
         model.get_decoder()(input_ids=torch.arange(5, 5 + T)[None])
     real = sum(kept.values()) / T / model.config.num_hidden_layers
     assert _saved_per_token(model.config, dtype) == pytest.approx(real, rel=0.15)
+    # Counted on a copy of the model's config: the model itself keeps its attention.
+    assert model.config._attn_implementation != "grpokit_memory"
+    model.get_decoder()(input_ids=torch.arange(5, 5 + T)[None]).last_hidden_state.sum().backward()
 
 
 def test_a_run_that_cannot_fit_is_told_what_would_make_it():

@@ -22,6 +22,7 @@ start-up reads it), else at PROMPT_TOKENS.
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import re
@@ -195,9 +196,6 @@ def fitting(config, model_config, memory: float, **launch) -> tuple[bool, list[s
     """Whether the run fits `memory` per process (`launch`: estimate's other arguments); if not, the
     settings (in REMEDIES' order, each kept where it lowers the peak) that bring it under, with the
     peak they give, or none where they do not."""
-    import copy
-
-
     if estimate(config, model_config, **launch).peak <= memory:
         return True, []
     def peak_with(changes):
@@ -251,8 +249,8 @@ def _on_meta(model_config):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     kind = AutoModelForImageTextToText if getattr(model_config, "vision_config", None) is not None else AutoModelForCausalLM
-    with torch.device("meta"):
-        return kind.from_config(model_config)
+    with torch.device("meta"):  # (a copy: the attention set on it must not reach the model that trains)
+        return kind.from_config(copy.deepcopy(model_config))
 
 
 def model_shape(model_config, lora_targets: str = "all-linear") -> Shape:

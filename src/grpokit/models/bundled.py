@@ -26,6 +26,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -95,11 +96,27 @@ def _cached(target: Path, model, processing) -> Path:
     try:
         model.save_pretrained(tmp)
         processing.save_pretrained(tmp)
+        if not (tmp / "config.json").exists():
+            # Under torch.distributed transformers writes a model on process 0 alone: another
+            # process takes the folder process 0 writes.
+            shutil.rmtree(tmp, ignore_errors=True)
+            return _written_by_another(target)
+        if target.exists() and not (target / "config.json").exists():  # a folder left half made
+            shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
         if not (target / "config.json").exists():  # another process may have won the race
             raise
+    return target
+
+
+def _written_by_another(target: Path, timeout_s: float = 600) -> Path:
+    deadline = time.monotonic() + timeout_s
+    while not (target / "config.json").exists():
+        if time.monotonic() > deadline:
+            raise OSError(f"{target}: process 0 did not write it within {timeout_s:.0f} s")
+        time.sleep(0.2)
     return target
 
 

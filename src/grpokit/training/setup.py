@@ -116,7 +116,7 @@ def memory_line(config: Config, found: Facts, prepared: Prepared, device: torch.
     process has (a GPU's, or the machine's shared by its processes; memory.refused)."""
     import os
 
-    from grpokit.config.memory import GB, estimate, fits_line, refused
+    from grpokit.config.memory import estimate, fits_line, refused
     from grpokit.models.loading import model_config
 
     hf = model.config if model is not None else model_config(config.model.name)
@@ -129,14 +129,14 @@ def memory_line(config: Config, found: Facts, prepared: Prepared, device: torch.
     launch = dict(world_size=distributed.world_size(), sharded=found.launch.sharding, device=device.type,
                   prompt_tokens=config.data.max_prompt_length or longest)
     estimated = estimate(config, hf, **launch)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if device.type == "cuda":
-        memory = torch.cuda.get_device_properties(device).total_memory
+        memory, whose = torch.cuda.get_device_properties(device).total_memory, "this GPU's memory"
     else:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / local
+        whose = "this machine's memory" + (f" shared by its {local} processes" if local > 1 else "")
     if refused(estimated, memory):
-        raise ConfigError(f"{estimated.line()}\n  this run {fits_line(config, hf, memory, **launch)} (this {device.type}'s "
-                          f"{memory / GB:.1f} GB per process)")
+        raise ConfigError(f"{estimated.line()}\n  this run {fits_line(config, hf, memory, **launch)} ({whose})")
     return estimated.line()
 
 
