@@ -30,7 +30,11 @@ def test_weights_gradients_and_adamw_are_the_model_s_own():
     full = terms(load_config(None, TINY))
     assert full["weights"] == full["gradients"] == params * 4 and full["AdamW state"] == 2 * params * 4
     assert full["reference"] == 0 and terms(load_config(None, [*TINY, "algorithm.beta=0.04"]))["reference"] == params * 4
-    assert terms(load_config(None, [*TINY, "model.dtype=bfloat16"]))["weights"] == params * 2
+    bf16 = terms(load_config(None, [*TINY, "model.dtype=bfloat16"]))
+    assert bf16["weights"] == params * 2
+    # Loading a float32 checkpoint into bfloat16: the file read, the model built beside it.
+    assert bf16["checkpoint read"] == params * 4 and bf16["model built"] == params * 2
+    assert full["checkpoint read"] == full["model built"] == 0  # taken as read
     # Sharded over 2 processes: half of each.
     assert terms(load_config(None, TINY), world_size=2, sharded="FSDP")["AdamW state"] == params * 4
 

@@ -2,7 +2,9 @@
 before any weight loads (`grpokit config --check`, the start-up line), and whether a run fits a
 memory size (`--memory 24GB` or a GPU's name) with the settings that would make it fit.
 
-A process holds, all along: its weights (4-bit or int8 codes with their scales for a quantized
+While its weights load, a process reads the checkpoint (in the dtype it was saved in) and, where
+the model is in another dtype or quantized, builds it beside (on the CPU, where the file's pages are
+the process's memory). Then it holds, all along: its weights (4-bit or int8 codes with their scales for a quantized
 base's linear layers), a reference copy (a KL term without LoRA), a teacher, the trained weights'
 gradients and AdamW's two moments, and on the CPU the process itself (Python, torch,
 transformers). Then, one after the other: decoding (the key/value cache of every completion it
@@ -79,16 +81,24 @@ class Estimate:
         return sum(t.bytes for t in self.terms if t.phase == name)
 
     @property
+    def loading(self) -> float:
+        """The peak while the weights load: the process, and the loading terms."""
+        return sum(t.bytes for t in self.terms if t.name == "process") + self.phase("loading")
+
+    @property
     def peak(self) -> float:
-        return self.phase("held") + max(self.phase("decoding"), self.phase("training"))
+        return max(self.loading, self.phase("held") + max(self.phase("decoding"), self.phase("training")))
 
     def line(self) -> str:
+        assumed = f" ({'; '.join(self.assumed)})" if self.assumed else ""
+        start = f"peak memory per process: {self.peak / GB:.1f} GB (estimated), of which "
+        if self.loading > self.phase("held") + max(self.phase("decoding"), self.phase("training")):
+            parts = [t for t in self.terms if (t.phase == "loading" or t.name == "process") and t.bytes]
+            return f"{start}{', '.join(map(str, parts))} while loading{assumed}"
         held = [t for t in self.terms if t.phase == "held" and t.bytes]
         phase = "training" if self.phase("training") >= self.phase("decoding") else "decoding"
         busy = [t for t in self.terms if t.phase == phase and t.bytes]
-        assumed = f" ({'; '.join(self.assumed)})" if self.assumed else ""
-        return (f"peak memory per process: {self.peak / GB:.1f} GB (estimated), of which {', '.join(map(str, held))} "
-                f"held; {', '.join(map(str, busy))} while {phase}{assumed}")
+        return f"{start}{', '.join(map(str, held))} held; {', '.join(map(str, busy))} while {phase}{assumed}"
 
 
 def estimate(config, model_config, world_size: int = 1, sharded: str | None = None, device: str = "cpu",
@@ -139,8 +149,16 @@ def estimate(config, model_config, world_size: int = 1, sharded: str | None = No
     # gradient, one tensor of their size (models/logprobs.py _TokenLogprobs).
     logits = min(completion_tokens, chunk or completion_tokens) * shape.vocab * (8 + (b if b < 4 else 0))
 
+    # Loading: the checkpoint's tensors read (in the dtype it was saved in) while the model is built
+    # from them in another dtype or quantized; in its own dtype the model takes them as they are read.
+    saved_as = str(getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None) or "float32")
+    file = shape.parameters * BYTES.get(saved_as.removeprefix("torch."), 4)
+    converted = m.quantization != "none" or BYTES.get(saved_as.removeprefix("torch."), 4) != b
+
     terms = [
         Term("process", RUNTIME_CPU if device == "cpu" else 0, "held"),
+        Term("checkpoint read", file / split if converted and device == "cpu" else 0, "loading"),
+        Term("model built", weights / split if converted and device == "cpu" else 0, "loading"),
         Term("weights" if m.quantization == "none" else f"weights ({m.quantization})", weights / split, "held"),
         Term("reference", weights / split if config.algorithm.beta > 0 and not m.lora_rank else 0, "held"),
         Term("teacher", _teacher_bytes(config, b), "held"),
