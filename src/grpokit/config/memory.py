@@ -108,7 +108,7 @@ def estimate(config, model_config, world_size: int = 1, sharded: str | None = No
     for whole copies; `device`: "cpu" counts the process itself, "cuda" does not (the CUDA context
     lies outside what torch allocates); `prompt_tokens`: the longest prompt where the data was read
     (data.max_prompt_length, or PROMPT_TOKENS assumed, where it was not)."""
-    m, r, t = config.model, config.rollout, config.train
+    m, r = config.model, config.rollout
     shape = model_shape(model_config, m.lora_target_modules)
     b = BYTES[m.dtype]
     adapters = shape.adapters * m.lora_rank
@@ -129,25 +129,7 @@ def estimate(config, model_config, world_size: int = 1, sharded: str | None = No
     cache = rows * sequence * shape.layers * shape.kv_per_token * b
     decode_logits = rows * shape.vocab * 4 * 2
 
-    # The training pass: one micro-batch's completions; a prompt computed once for its group's completions,
-    # but with activation checkpointing (completions run whole) and packed (the token budget).
-    micro = config.micro_batch_size(world_size)
-    if t.micro_batch_tokens:
-        tokens = t.micro_batch_tokens
-    elif m.gradient_checkpointing:
-        tokens = micro * sequence
-    else:
-        tokens = math.ceil(micro / r.num_generations) * prompt + micro * r.max_completion_length
-    completion_tokens = min(tokens, micro * r.max_completion_length)
-    saved = _saved_per_token(model_config, m.dtype)
-    if m.gradient_checkpointing:  # each layer's input, and one layer's whole activations while it is recomputed
-        activations = tokens * (shape.layers * shape.hidden * b + saved)
-    else:
-        activations = tokens * shape.layers * saved
-    chunk = t.logprob_chunk_size if t.logprob_chunk_size is not None else (1024 if device == "cuda" else 0)
-    # The logits in float32 (kept for the backward; a bfloat16 model's first in its dtype) and their
-    # gradient, one tensor of their size (models/logprobs.py _TokenLogprobs).
-    logits = min(completion_tokens, chunk or completion_tokens) * shape.vocab * (8 + (b if b < 4 else 0))
+    activations, logits, chunk = _training_pass(config, model_config, shape, world_size, device, prompt)
 
     # Loading: the checkpoint's tensors read (in the dtype it was saved in) while the model is built
     # from them in another dtype or quantized; in its own dtype the model takes them as they are read.
@@ -170,6 +152,32 @@ def estimate(config, model_config, world_size: int = 1, sharded: str | None = No
         Term("log-prob logits" + (f" (chunks of {chunk})" if chunk else ""), WORKSPACE[device] * logits, "training"),
     ]
     return Estimate(tuple(terms), assumed)
+
+
+def _training_pass(config, model_config, shape: Shape, world_size: int, device: str, prompt: int):
+    """(activations, log-prob logits, their chunk or 0) of one micro-batch's pass, in bytes: its
+    completions, each group's prompt computed once, but with activation checkpointing (completions
+    run whole) and packed (the token budget)."""
+    m, r, t = config.model, config.rollout, config.train
+    b = BYTES[m.dtype]
+    micro = config.micro_batch_size(world_size)
+    if t.micro_batch_tokens:
+        tokens = t.micro_batch_tokens
+    elif m.gradient_checkpointing:
+        tokens = micro * (prompt + r.max_completion_length)
+    else:
+        tokens = math.ceil(micro / r.num_generations) * prompt + micro * r.max_completion_length
+    completion_tokens = min(tokens, micro * r.max_completion_length)
+    saved = _saved_per_token(model_config, m.dtype)
+    if m.gradient_checkpointing:  # each layer's input, and one layer's whole activations while it is recomputed
+        activations = tokens * (shape.layers * shape.hidden * b + saved)
+    else:
+        activations = tokens * shape.layers * saved
+    chunk = t.logprob_chunk_size if t.logprob_chunk_size is not None else (1024 if device == "cuda" else 0)
+    # The logits in float32 (kept for the backward; a bfloat16 model's first in its dtype) and their
+    # gradient, one tensor of their size (models/logprobs.py _TokenLogprobs).
+    logits = min(completion_tokens, chunk or completion_tokens) * shape.vocab * (8 + (b if b < 4 else 0))
+    return activations, logits, chunk
 
 
 def _teacher_bytes(config, b: int) -> float:
