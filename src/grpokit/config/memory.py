@@ -133,7 +133,7 @@ def estimate(config, model_config, world_size: int = 1, sharded: str | None = No
 
     # Loading: the checkpoint's tensors read (in the dtype it was saved in) while the model is built
     # from them in another dtype or quantized; in its own dtype the model takes them as they are read.
-    saved_as = str(getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None) or "float32")
+    saved_as = str(getattr(model_config, "dtype", None) or "float32")
     file = shape.parameters * BYTES.get(saved_as.removeprefix("torch."), 4)
     converted = m.quantization != "none" or BYTES.get(saved_as.removeprefix("torch."), 4) != b
 
