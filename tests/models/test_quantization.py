@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from support.exact import cut_ragged, step_on, update_difference
 from support.processes import run_worker
-from support.runs import measured, untimed_metrics
+from support.runs import measured, train_only_adapters, untimed_metrics
 
 from grpokit.cli import main
 from grpokit.config.loading import load_config
@@ -41,12 +41,7 @@ def test_adapters_train_on_a_quantized_base_that_samples_and_scores_alike(tmp_pa
     q_proj = base.model.layers[0].self_attn.q_proj.base_layer
     assert isinstance(q_proj, LAYERS[quantization]) and trainer.reference is None  # no copy for the KL term
     assert not isinstance(base.lm_head, LAYERS[quantization])  # the output layer stays in model.dtype
-    trainable = {n for n, p in trainer.policy.named_parameters() if p.requires_grad}
-    assert trainable and all("lora_" in n for n in trainable)
-    before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
-    trainer.train()
-    for name, p in trainer.policy.named_parameters():
-        assert (not torch.equal(p, before[name])) == (name in trainable), name
+    train_only_adapters(trainer)
 
     # The engine's sampling log-probs are the trainer's (both decoders): no importance correction.
     batch = trainer.rollouts.sample(trainer.rollouts.next_prompts())

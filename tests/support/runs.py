@@ -95,3 +95,13 @@ def assert_same_run_to_rounding(run: Path, reference: Path, weights_tol: float =
         for moment in ("exp_avg", "exp_avg_sq"):
             mine, theirs = o["state"][name][moment], p["state"][name][moment]
             assert (mine - theirs).norm() <= 1e-3 * theirs.norm(), (name, moment)
+
+
+def train_only_adapters(trainer) -> None:
+    """`trainer.train()`, asserting that LoRA's adapters alone are trainable and that exactly they change."""
+    trainable = {n for n, p in trainer.policy.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
+    trainer.train()
+    for name, p in trainer.policy.named_parameters():
+        assert (not torch.equal(p, before[name])) == (name in trainable), name
