@@ -10,6 +10,11 @@ from wait4). Prints a Markdown table and each run's start-up line.
 
     python benchmarks/memory.py                          # full, LoRA, QLoRA in float32 and bfloat16
     python benchmarks/memory.py --shape qwen3-1.7b --cases full-float32 qlora-float32
+
+Each shape's run ends with the bytes one weight push to a rollout server carries for LoRA at rank
+16 on all linear layers: the merged weights (in float32 and bfloat16) against the adapters alone
+(`weights/push_bytes`), the tensors counted as the trainer's client lays them out, on the model
+built on the meta device.
 """
 
 from __future__ import annotations
@@ -75,6 +80,24 @@ def run(case: str, model: Path, extra: list[str]) -> tuple[str, float, str]:
     return line, usage.ru_maxrss * 1024 / 1e9, output.strip().splitlines()[-1] if output.strip() else ""
 
 
+def push_bytes(model: Path, rank: int = 16) -> str:
+    """A line: the bytes of a merged push (float32, bfloat16) and of an adapter-only one."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from grpokit.config.loading import load_config
+    from grpokit.models.loading import apply_lora
+    from grpokit.rollout.weights import adapter_tensors, base_weights
+
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model), dtype=torch.float32)
+    lora = apply_lora(base, load_config(None, [f"model.lora_rank={rank}"]).model, str(model))
+    merged = sum(t.numel() for _, t in base_weights(lora))  # the merged weights' names and shapes are the base's
+    adapters = sum(t.numel() * t.element_size() for _, t in adapter_tensors(lora))
+    return (f"bytes per push, LoRA rank {rank}: merged {merged * 4 / 1e9:.2f} GB (float32), {merged * 2 / 1e9:.2f} GB "
+            f"(bfloat16); adapters alone {adapters / 1e6:.1f} MB")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=list(SHAPES), default="smollm2-135m")
@@ -101,6 +124,7 @@ def main() -> None:
     print("| case | estimated peak (GB) | measured peak (GB) | estimated / measured |\n|---|---|---|---|")
     print("\n".join(rows))
     print("\n" + "\n".join(lines))
+    print("\n" + push_bytes(model))
 
 
 if __name__ == "__main__":

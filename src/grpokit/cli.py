@@ -181,6 +181,7 @@ def _serve(args) -> int:
         import uvicorn  # noqa: F401
     except ImportError:
         raise StartupError("grpokit serve needs FastAPI and uvicorn: pip install 'grpokit[server]'") from None
+    from grpokit.config.schema import QUANTIZATIONS
     from grpokit.models.loading import DTYPES
     from grpokit.rollout.protocols import ENGINES, engine_class
     from grpokit.server import serve
@@ -200,6 +201,9 @@ def _serve(args) -> int:
     if args.decode_slots is not None and (args.decode_slots < 1 or args.engine != "transformers"):
         raise ConfigError(f"--decode-slots {args.decode_slots}: must be >= 1, with --engine transformers (vLLM "
                           "schedules its own batch)")
+    if args.quantization not in QUANTIZATIONS or (args.quantization != "none" and args.engine != "transformers"):
+        raise ConfigError(f"--quantization {args.quantization}: must be one of {', '.join(QUANTIZATIONS)}, and other "
+                          "than none with --engine transformers alone")
     if args.threads is not None:
         if args.threads < 1:
             raise ConfigError(f"--threads {args.threads}: must be >= 1")
@@ -212,7 +216,7 @@ def _serve(args) -> int:
 
         import_vllm()
     serve(args.model, args.engine, args.host, args.port, args.dtype, args.tensor_parallel_size, args.data_parallel_size,
-          args.decode_slots)
+          args.decode_slots, args.quantization)
     return 0
 
 
@@ -298,6 +302,8 @@ def _add_serve(commands) -> None:
     p.add_argument("--engine", default="transformers", help="transformers | vllm")
     p.add_argument("--dtype", default="float32",
                    help="the trainer's model.dtype")
+    p.add_argument("--quantization", default="none",
+                   help="the trainer's model.quantization: a QLoRA trainer pushes its adapters to this quantized base")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--tensor-parallel-size", type=int, default=1,

@@ -19,7 +19,11 @@ HTTP (FastAPI) carries control; tensors go over a torch.distributed group (weigh
 - `POST /weights/group`: join the trainer's weight group (its TCPStore at host:port) and start a
   session; a server restarted or taken over by another trainer knows the old session no more.
 - `POST /weights/update`: receive every tensor over the group, load them, and answer the new
-  version and checksum. Generation waits while weights change.
+  version and checksum. Generation waits while weights change. A LoRA trainer sends its adapters
+  alone, with their settings (`adapters`): the transformers engine puts the same adapters on its
+  own base (quantized or not, as `grpokit serve --quantization` loaded it) and samples with base +
+  adapters, as the trainer's forward computes; `/health` says whether the engine takes them
+  (`adapters`; vLLM's here does not, and gets the merged weights).
 - Agents (`rollout.agent` with `rollout.engine=server`, multiturn/agents.py): the OpenAI-compatible
   routes of multiturn/endpoint.py, `/r/<generation>-<rollout>/v1/chat/completions`, `/completions`,
   `/responses` and `/models`, so that the agents' requests reach the server itself. `POST /agents/open` starts
@@ -97,6 +101,9 @@ class UpdateRequest(BaseModel):
     weights_version: int = Field(ge=1)
     weights_step: int | None = None  # the trainer step the weights are from, when it says
     tensors: list[list]  # weights.layout(): [name, shape, dtype] in the order they are sent
+    # A LoRA trainer's adapter settings (models/loading.py adapter_settings): the tensors are its
+    # adapters alone, put on this server's base; None: the tensors are the whole weights.
+    adapters: dict | None = None
 
 
 class AgentsRequest(BaseModel):
@@ -161,7 +168,7 @@ class RolloutService:
         return {"status": "ok", "engine": self.engine_name, "model": self.model_name, "device": self.device,
                 "fingerprint": self.fingerprint, "boot_id": self.boot_id, "session": self.session,
                 "weights_version": self.version, "weights_step": self.weights_step, "checksum": self.checksum,
-                "vocabulary": self.vocabulary}
+                "vocabulary": self.vocabulary, "adapters": self.engine.takes_adapters}
 
     def logprobs(self, request: LogprobsRequest) -> dict:
         """POST /logprobs: the served model's log-probs of each completion's tokens (a teacher's, models/teacher.py)."""
@@ -280,16 +287,31 @@ class RolloutService:
                 raise Refused(409, TAKEN_OVER)
             if self.group is None:
                 raise Refused(409, STALE_WEIGHTS)  # no group (restarted, or a failed transfer): join again
-            if layout_hash(request.tensors) != self.fingerprint["parameters"]:
-                raise Refused(422, "the tensors announced do not match this model's parameters")
+            load = self._loader(request)
             try:
-                checksum = self.engine.load_weights(self.group.receive(request.tensors))
+                checksum = load(self.group.receive(request.tensors))
             except Exception as e:  # noqa: BLE001
                 self._forget_weights()  # what it holds is unknown: every generation is refused until a new push
                 raise Refused(503, f"receiving weights failed: {e}") from None
             self.version, self.weights_step, self.checksum = request.weights_version, request.weights_step, checksum
             return {"weights_version": self.version, "weights_step": self.weights_step, "checksum": self.checksum}
 
+
+    def _loader(self, request: UpdateRequest):
+        """The engine's call that loads the push `request` announces: whole weights, or adapters."""
+        if request.adapters is None:
+            if layout_hash(request.tensors) != self.fingerprint["parameters"]:
+                raise Refused(422, "the tensors announced do not match this model's parameters")
+            return self.engine.load_weights
+        if not self.engine.takes_adapters:
+            raise Refused(422, f"the {self.engine_name} engine takes whole weights, not LoRA adapters")
+        try:
+            expected = self.engine.adapter_layout(request.adapters)
+        except (TypeError, ValueError) as e:  # settings this peft or this base cannot make
+            raise Refused(422, f"LoRA adapters of these settings cannot be put on {self.model_name}: {e}") from None
+        if request.tensors != expected:
+            raise Refused(422, "the adapter tensors announced do not match the adapters their settings make here")
+        return self.engine.load_adapters
 
     # ---------------------------------------------------------------- agents
 
@@ -454,7 +476,7 @@ def make_app(service: RolloutService):
 
 
 def serve(model_name: str, engine_name: str, host: str, port: int, dtype: str, tensor_parallel_size: int = 1,
-          data_parallel_size: int = 1, decode_slots: int | None = None) -> None:
+          data_parallel_size: int = 1, decode_slots: int | None = None, quantization: str = "none") -> None:
     """Load the model, build the engine (vLLM: on tensor_parallel_size x data_parallel_size GPUs;
     transformers: decoding at most decode_slots completions at once), and serve until interrupted."""
     import socket
@@ -472,10 +494,11 @@ def serve(model_name: str, engine_name: str, host: str, port: int, dtype: str, t
     from grpokit.training.setup import served_engine
 
     engine, fp, tokenizer, eos = served_engine(model_name, engine_name, dtype, tensor_parallel_size, data_parallel_size,
-                                               decode_slots)
+                                               decode_slots, quantization)
     service = RolloutService(engine, engine_name, model_name, fp, fp["vocab_size"], tokenizer, eos)
     spread = f", tensor parallel {tensor_parallel_size} x data parallel {data_parallel_size}" if engine_name == "vllm" else ""
-    print(f"grpokit serve: {model_name} ({engine_name}, {dtype}{spread}) on http://{host}:{port}", flush=True)
+    quantized = "" if quantization == "none" else f", {quantization}"
+    print(f"grpokit serve: {model_name} ({engine_name}, {dtype}{quantized}{spread}) on http://{host}:{port}", flush=True)
     try:
         uvicorn.run(make_app(service), host=host, port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)
     finally:

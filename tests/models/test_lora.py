@@ -4,7 +4,7 @@
 
 import pytest
 import torch
-from support.runs import train_only_adapters, untimed_metrics
+from support.runs import metric_rows, train_only_adapters, untimed_metrics
 from support.servers import get_health
 from safetensors.torch import load_file
 
@@ -104,15 +104,62 @@ def test_a_rollout_engine_gets_the_merged_weights_under_the_base_names(tiny):
 
 
 @pytest.mark.process
-def test_a_lora_run_through_a_rollout_server(tmp_path, server):
-    """The server holds plain weights: each push sends the merged ones, checked by checksum."""
+def test_a_lora_run_through_a_rollout_server_pushes_its_adapters_alone(tmp_path, server):
+    """The server puts the same adapters on its own base: each push carries the adapters alone
+    (checked by checksum), `weights/push_bytes` says their size, and the run is the in-process run
+    bit for bit (the server computes base + adapters as the trainer's forward does)."""
     pytest.importorskip("fastapi")
-    from grpokit.rollout.weights import checksum, named_weights
+    from grpokit.models.loading import load_adapter
+    from grpokit.rollout.weights import adapter_tensors, checksum, named_weights
 
     s = server()
-    run = tmp_path / "run"
+    served, local = tmp_path / "served", tmp_path / "local"
+    assert main(["train", *RUN, "train.max_steps=2", f"train.output_dir={local}"]) == 0
     assert main(["train", *RUN, "train.max_steps=2", "rollout.engine=server", f"rollout.server_url={s.url}",
-                 f"train.output_dir={run}"]) == 0
+                 f"train.output_dir={served}"]) == 0
     health = get_health(s.url)
-    assert health["weights_version"] == 3  # before the first evaluation, after each of 2 updates
-    assert health["checksum"] == checksum(named_weights(load_model(str(run / "final"))))
+    assert health["adapters"] and health["weights_version"] == 3  # before the first evaluation, after each of 2 updates
+    trained = load_adapter(load_model("tiny-random"), str(served / "final"))
+    assert health["checksum"] == checksum(adapter_tensors(trained))
+    # (step 1 samples with the weights pushed before the step-0 evaluation: it pushes nothing)
+    pushed = [r.get("weights/push_bytes") for r in metric_rows(served) if "loss" in r]
+    adapters = sum(t.numel() * t.element_size() for _, t in adapter_tensors(trained))
+    whole = sum(t.numel() * t.element_size() for _, t in named_weights(load_model("tiny-random")))
+    assert pushed == [None, adapters] and adapters < whole / 10
+    assert untimed_metrics(served) == untimed_metrics(local)
+    assert load_file(served / "final" / "adapter_model.safetensors").keys() == \
+        load_file(local / "final" / "adapter_model.safetensors").keys()
+    for k, v in load_file(served / "final" / "adapter_model.safetensors").items():
+        assert torch.equal(v, load_file(local / "final" / "adapter_model.safetensors")[k]), k
+
+
+@pytest.mark.process
+def test_adapter_pushes_sample_as_merged_pushes(tmp_path, server):
+    """After 2 steps, a float64 server given the adapters alone samples the same tokens with the same
+    log-probs (to rounding) as one given the merged weights, and as the trainer computes them."""
+    pytest.importorskip("fastapi")
+    from grpokit.config.loading import load_config
+    from grpokit.rollout.client import ServerEngine
+    from grpokit.training.trainer import Trainer
+
+    adapters, merged = server("--dtype", "float64"), server("--dtype", "float64")
+    config = load_config(None, [*RUN[1:], "model.dtype=float64", "train.max_steps=2", "rollout.engine=server",
+                                f"rollout.server_url={adapters.url}", f"train.output_dir={tmp_path / 'run'}"])
+    trainer = Trainer(config, progress=False)
+    trainer.train()
+    policy = trainer.policy
+    engines = [ServerEngine(url, policy, trainer.tokenizer.pad_token_id, 60.0) for url in (adapters.url, merged.url)]
+    assert engines[0].adapter_only
+    engines[1].adapter_only, engines[1].servers[0].adapters = False, None  # as to an engine that takes whole weights
+    examples, rollouts = trainer.rollouts.next_prompts(), trainer.rollouts
+    batches = [rollouts.kind.generate(e, examples, [4] * len(examples), rollouts.sampling, list(range(4 * len(examples))))
+               for e in engines]
+    assert engines[0].pushed_bytes < engines[1].pushed_bytes / 10
+    assert torch.equal(batches[0].completion_ids, batches[1].completion_ids)
+    mask = batches[0].completion_mask.bool()
+    torch.testing.assert_close(batches[0].sampling_logps[mask], batches[1].sampling_logps[mask], rtol=0, atol=1e-12)
+    active = torch.ones(len(batches[0].finish_reasons), dtype=torch.bool)
+    own = trainer.logprobs.frozen(policy, batches[0], active)  # float64; a server's arrive as float32
+    torch.testing.assert_close(batches[0].sampling_logps[mask], own[mask].float(), rtol=1.2e-7, atol=0)
+    for e in engines:
+        e.close()

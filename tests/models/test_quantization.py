@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from support.exact import cut_ragged, step_on, update_difference
 from support.processes import run_worker
-from support.runs import measured, train_only_adapters, untimed_metrics
+from support.runs import measured, metric_rows, train_only_adapters, untimed_metrics
 
 from grpokit.cli import main
 from grpokit.config.loading import load_config
@@ -142,13 +142,32 @@ def test_a_stopped_quantized_run_resumes_bit_for_bit_and_final_loads_onto_its_ba
                                  "quantized weights cannot: set model.lora_rank > 0"),
     (["model.quantization=nf3", "model.lora_rank=4"], "model.quantization=nf3: must be one of none, nf4, fp4, int8"),
     (["model.quantization=int8", "model.lora_rank=4", "model.dtype=float64"], "bitsandbytes computes in float32"),
-    (["model.quantization=nf4", "model.lora_rank=4", "rollout.engine=server", "rollout.server_url=http://127.0.0.1:1"],
-     "the in-process engine samples with the quantized model itself"),
+    (["model.quantization=nf4", "model.lora_rank=4", "rollout.engine=vllm"], "vLLM's adapter loading is not built"),
 ])
 def test_contradictory_quantization_settings_are_refused(overrides, message):
     with pytest.raises(ConfigError) as refused:
         load_config(None, overrides)
     assert message in str(refused.value)
+
+
+@pytest.mark.process
+def test_a_quantized_server_takes_the_adapters_and_samples_as_the_trainer(tmp_path, server, capsys):
+    """`grpokit serve --quantization nf4` holds the same quantized base: the trainer pushes its
+    adapters alone, and the run is the in-process run bit for bit. A server of the unquantized
+    model is refused, by name."""
+    pytest.importorskip("fastapi")
+    s = server("--quantization", "nf4")
+    args = ["train", "--no-progress", *RUN, "model.quantization=nf4", "train.max_steps=2"]
+    assert main([*args, f"train.output_dir={tmp_path / 'local'}"]) == 0
+    assert main([*args, "rollout.engine=server", f"rollout.server_url={s.url}",
+                 f"train.output_dir={tmp_path / 'served'}"]) == 0
+    pushed = [r["weights/push_bytes"] for r in metric_rows(tmp_path / "served") if "weights/push_bytes" in r]
+    assert pushed and all(0 < b < 100_000 for b in pushed)  # the adapters alone (the base: megabytes)
+    assert untimed_metrics(tmp_path / "served") == untimed_metrics(tmp_path / "local")
+    plain = server()
+    assert main([*args, "rollout.engine=server", f"rollout.server_url={plain.url}",
+                 f"train.output_dir={tmp_path / 'refused'}"]) == 2
+    assert "quantization: 'nf4' in the trainer, 'none' here" in capsys.readouterr().err
 
 
 def test_a_missing_bitsandbytes_is_named(tmp_path, monkeypatch):

@@ -264,7 +264,8 @@ def test_the_protocols_declare_what_their_callers_use():
         "exact_logprobs", "measures_entropies", "remote", "from_config", "generate", "weights_updated", "needs_weights",
         "use_weights", "sleep", "close"}
     assert set(protocol_members(PipelineEngine)) == set(protocol_members(RolloutEngine)) | {"weights_step"}
-    assert set(protocol_members(ServedEngine)) == {"device", "generate", "weights_checksum", "load_weights", "close"}
+    assert set(protocol_members(ServedEngine)) == {"device", "generate", "weights_checksum", "load_weights", "close",
+                                                   "takes_adapters", "adapter_layout", "load_adapters"}
     assert engine_members_used(SRC / "sampling/pipeline.py") >= {"use_weights", "weights_step"}
     assert engine_members_used(SRC / "server.py") == set(protocol_members(ServedEngine))
 

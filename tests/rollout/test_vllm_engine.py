@@ -49,14 +49,26 @@ class Worker:
             (name, tensor.clone()) for name, tensor in weights)))
 
 
+@dataclass
+class LoRARequest:
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
 class FakeLLM:
     """Records what grpokit asks of vLLM's `LLM`; generates token 5 + i for completion i."""
 
     def __init__(self, **kwargs):
-        self.kwargs, self.calls, self.worker = kwargs, [], Worker()
+        self.kwargs, self.calls, self.worker, self.adapters = kwargs, [], Worker(), {}
 
-    def generate(self, prompts, sampling, use_tqdm=True):
+    def generate(self, prompts, sampling, use_tqdm=True, lora_request=None):
         self.calls.append(("generate", prompts, sampling))
+        if lora_request is not None:  # vLLM reads the adapter's folder when a request first uses its id
+            from safetensors.torch import load_file
+
+            self.adapters[lora_request.lora_int_id] = load_file(f"{lora_request.lora_path}/adapter_model.safetensors")
+            self.calls.append(("lora", lora_request.lora_int_id))
         outputs = []
         for i, (prompt, params) in enumerate(zip(prompts, sampling)):
             samples = []
@@ -85,7 +97,14 @@ class FakeLLM:
 def fake_vllm(monkeypatch):
     vllm = types.ModuleType("vllm")
     vllm.SamplingParams, vllm.LLM = FakeSamplingParams, FakeLLM
+    request = types.ModuleType("vllm.lora.request")
+    request.LoRARequest = LoRARequest
     monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.lora", types.ModuleType("vllm.lora"))
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", request)
+    # What a run imports that reads torch.cuda.is_available() at import (transformers' TrainerState
+    # imports peft, which imports bitsandbytes' CUDA ops where a GPU is said to be): imported first.
+    import transformers.trainer_callback  # noqa: F401
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     return vllm
 
@@ -158,8 +177,13 @@ class VisionLLM(FakeLLM):
 
     processor, image_token_id, cut = None, None, 0
 
-    def generate(self, prompts, sampling, use_tqdm=True):
+    def generate(self, prompts, sampling, use_tqdm=True, lora_request=None):
         self.calls.append(("generate", prompts, sampling))
+        if lora_request is not None:  # vLLM reads the adapter's folder when a request first uses its id
+            from safetensors.torch import load_file
+
+            self.adapters[lora_request.lora_int_id] = load_file(f"{lora_request.lora_path}/adapter_model.safetensors")
+            self.calls.append(("lora", lora_request.lora_int_id))
         outputs = []
         for i, prompt in enumerate(prompts):
             ids = [5 + i, self.image_token_id if i == 0 else 6]
@@ -289,6 +313,49 @@ def test_the_engine_loads_the_policy_before_generating_and_sleeps_through_update
     assert engine.weights_checksum() == checksum(named_weights(policy))
     with torch.no_grad():
         next(policy.parameters()).sub_(1.0)
+
+
+def test_a_lora_policy_reaches_vllm_through_its_lora_loading_call(fake_vllm, tiny):
+    """vLLM is built for LoRA; each generation after an update names the policy's adapters, written
+    as a peft folder under a new id; the base weights move only after a sleep that dropped them."""
+    pytest.importorskip("peft")
+    from grpokit.config.loading import load_config
+    from grpokit.models.loading import apply_lora
+    from grpokit.rollout.vllm_engine import VLLMEngine
+    from grpokit.rollout.weights import adapter_tensors, base_weights
+
+    base, tokenizer = tiny
+    policy = apply_lora(base, load_config(None, ["model.lora_rank=4"]).model, "tiny-random")
+    engine = VLLMEngine("/models/x", "float32", tokenizer.pad_token_id, [2], policy=policy, sleep=True)
+    llm = engine.llm
+    assert (llm.kwargs["enable_lora"], llm.kwargs["max_loras"], llm.kwargs["max_lora_rank"]) == (True, 1, 8)
+
+    def sent(version):  # the adapters vLLM read for that id, under the policy's names
+        return {k.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default."): v
+                for k, v in llm.adapters[version].items()}
+
+    engine.generate([[1, 2, 3]], 2, SamplingParams(2), [10, 11])
+    assert [c[0] for c in llm.calls] == ["generate", "lora"]  # the adapters alone: no weights loaded
+    mine = dict(adapter_tensors(policy))
+    assert sent(1).keys() == mine.keys() and all(torch.equal(v, mine[k]) for k, v in sent(1).items())
+    assert engine.weights_checksum() == checksum(adapter_tensors(policy))
+    engine.generate([[1]], 1, SamplingParams(2), [3])  # nothing changed: the same adapters
+    assert llm.calls[-1] == ("lora", 1)
+
+    llm.calls.clear()
+    engine.sleep()  # level 2: vLLM's base weights go too
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.5)
+    engine.weights_updated()
+    engine.generate([[1]], 1, SamplingParams(2), [3])
+    assert [c[:1] if c[0] == "generate" else c for c in llm.calls] == [
+        ("sleep", 2), ("wake_up", ("weights",)), ("collective_rpc",), ("reset_prefix_cache",), ("wake_up", ("kv_cache",)),
+        ("generate",), ("lora", 2)]
+    assert [n for n, _ in llm.worker.loaded] == [n for n, _ in base_weights(policy)]  # the base, unmerged
+    assert all(torch.equal(v, dict(adapter_tensors(policy))[k]) for k, v in sent(2).items())
+    assert not any(torch.equal(v, sent(1)[k]) for k, v in sent(2).items() if "lora_B" in k)
 
 
 def test_vllm_missing_is_a_clear_startup_error(tmp_path, monkeypatch, capsys):

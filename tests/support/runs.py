@@ -18,8 +18,9 @@ def metric_rows(run: Path) -> list[dict]:
 
 def measured(key: str) -> bool:
     """Whether a metric measures how the work was done, not what it computed: timings (step_time,
-    time/generate, ...) and the compute spent (waste/*, which another engine or pass counts otherwise)."""
-    return "time" in key or key.startswith("waste/")
+    time/generate, ...), the compute spent (waste/*, which another engine or pass counts otherwise)
+    and the bytes moved (weights/push_bytes, with a rollout server only)."""
+    return "time" in key or key.startswith(("waste/", "weights/"))
 
 
 def untimed_metrics(run: Path) -> list[dict]:
@@ -36,6 +37,12 @@ def training_rows(run: Path) -> list[dict]:
 def completions_log(run: Path) -> list[dict]:
     """Every row of `run`/completions.jsonl (monitor.log_completions)."""
     return [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+
+
+def final_weights(folder: Path) -> Path:
+    """The weights file of a model folder: the model's, or a LoRA run's adapters."""
+    adapters = folder / "adapter_model.safetensors"
+    return adapters if adapters.is_file() else folder / "model.safetensors"
 
 
 def assert_same_final_weights(a: Path, b: Path) -> None:
@@ -83,7 +90,7 @@ def assert_same_run_to_rounding(run: Path, reference: Path, weights_tol: float =
         assert a.keys() == b.keys()
         for key in a:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
-    w, v = load_file(run / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
+    w, v = (load_file(final_weights(r / "final")) for r in (run, reference))
     assert w.keys() == v.keys()
     assert max((w[k] - v[k]).abs().max().item() for k in w) < weights_tol
     step = max(r["step"] for r in theirs)

@@ -265,6 +265,10 @@ def test_decode_slots_reach_the_served_engine_or_are_refused(capsys):
     for args in (["--decode-slots", "0"], ["--decode-slots", "4", "--engine", "vllm"]):
         assert main(["serve", "--model", "tiny-random", *args]) == 2
         assert f"--decode-slots {args[1]}: must be >= 1, with --engine transformers" in capsys.readouterr().err
+    for args in (["--quantization", "nf3"], ["--quantization", "nf4", "--engine", "vllm"]):
+        assert main(["serve", "--model", "tiny-random", *args]) == 2
+        assert f"--quantization {args[1]}: must be one of none, nf4, fp4, int8, and other than none with --engine " \
+               "transformers alone" in capsys.readouterr().err
 
 
 @pytest.mark.process

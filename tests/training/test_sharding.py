@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.processes import TESTS, accelerate_env, accelerated, free_port, run_grpokit
-from support.runs import assert_same_run_to_rounding, untimed_metrics
+from support.runs import assert_same_run_to_rounding, metric_rows, untimed_metrics
 from support.servers import get_health
 from safetensors.torch import load_file
 
@@ -243,3 +243,58 @@ def test_steps_generated_ahead_under_fsdp2(tmp_path, server):
     train(tmp_path, "run", *ahead, config=EXAMPLES / "cpu-2-processes-fsdp2.yaml")
     assert [r["staleness"] for r in untimed_metrics(tmp_path / "run") if "loss" in r] == [0, 1, 1]
     assert_same_run_to_rounding(tmp_path / "run", tmp_path / "one")
+
+
+def test_lora_under_fsdp2_equals_the_one_process_run(tmp_path, server):
+    """LoRA with its frozen base sharded by FSDP2 on 2 processes: the same update as 1 process (the
+    adapters alone have gradients and AdamW state, reduce-scattered), checkpoints holding the
+    adapters whole, a run resumed under FSDP2 from a 1-process checkpoint, and a rollout server
+    sent the adapters alone, gathered from both processes."""
+    lora = ["model.lora_rank=4", "model.lora_alpha=8"]
+    (tmp_path / "one").mkdir()
+    train(tmp_path / "one", "run", "train.max_steps=3", *lora)
+    fsdp2 = EXAMPLES / "cpu-2-processes-fsdp2.yaml"
+    result = train(tmp_path, "run", "train.max_steps=3", *lora, config=fsdp2)
+    assert "FSDP2 over 2 processes" in result.stderr + result.stdout
+    assert_same_run_to_rounding(tmp_path / "run", tmp_path / "one" / "run")
+    saved = load_file(tmp_path / "run" / "checkpoints" / "step-3" / "adapter_model.safetensors")
+    assert saved and all("lora_" in k for k in saved)  # the adapters alone, whole
+    # A 1-process checkpoint resumed on 2 processes: the same run.
+    (tmp_path / "moved").mkdir()
+    train(tmp_path / "moved", "run", "train.max_steps=1", *lora)
+    train(tmp_path / "moved", "run", "train.max_steps=3", *lora, config=fsdp2)
+    assert_same_run_to_rounding(tmp_path / "moved" / "run", tmp_path / "one" / "run", evals=False)
+    pytest.importorskip("fastapi", reason="the server needs: pip install 'grpokit[server]'")
+    s = server()
+    (tmp_path / "served").mkdir()
+    train(tmp_path / "served", "run", "train.max_steps=3", *lora, "rollout.engine=server", f"rollout.server_url={s.url}",
+          config=fsdp2)
+    assert get_health(s.url)["adapters"]
+    pushed = [r["weights/push_bytes"] for r in metric_rows(tmp_path / "served" / "run") if "weights/push_bytes" in r]
+    assert pushed and set(pushed) == {sum(t.numel() * t.element_size() for t in saved.values())}
+    assert_same_run_to_rounding(tmp_path / "served" / "run", tmp_path / "one" / "run")
+    # A server that takes whole weights only: the merged weights, gathered from both processes.
+    (tmp_path / "merged").mkdir()
+    (tmp_path / "whole_weights_only.py").write_text(WHOLE_WEIGHTS_ONLY)
+    whole = server()
+    train(tmp_path / "merged", "run", "train.max_steps=3", *lora, "rollout.engine=server",
+          f"rollout.server_url={whole.url}", config=fsdp2, script=tmp_path / "whole_weights_only.py")
+    from grpokit.models.loading import load_adapter, load_model
+    from grpokit.rollout.weights import checksum, named_weights
+
+    merged = named_weights(load_adapter(load_model("tiny-random"), str(tmp_path / "merged" / "run" / "final")))
+    assert get_health(whole.url)["checksum"] == checksum(merged)
+    pushed = {r["weights/push_bytes"] for r in metric_rows(tmp_path / "merged" / "run") if "weights/push_bytes" in r}
+    assert pushed == {sum(t.numel() * t.element_size() for _, t in merged)}
+
+
+# grpokit's CLI in each process, its rollout servers said to take whole weights only (as vLLM's).
+WHOLE_WEIGHTS_ONLY = '''
+import sys
+from grpokit.cli import main
+from grpokit.rollout.client import RolloutServer
+
+checked = RolloutServer._check_server
+RolloutServer._check_server = lambda self: {**checked(self), "adapters": False}
+sys.exit(main(sys.argv[1:]))
+'''

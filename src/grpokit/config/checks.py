@@ -368,9 +368,9 @@ def _check_train(c: Config) -> list[str]:
     if m.quantization != "none":
         p.need(m.dtype != "float64", f"model.quantization={m.quantization} with model.dtype=float64: bitsandbytes "
                "computes in float32, bfloat16 or float16")
-        p.need(c.rollout.engine == "transformers", f"model.quantization={m.quantization} with rollout.engine="
-               f"{c.rollout.engine}: the in-process engine samples with the quantized model itself; another engine "
-               "would need the adapters pushed on a quantized base of its own (not built yet)")
+        p.need(c.rollout.engine != "vllm", f"model.quantization={m.quantization} with rollout.engine=vllm: "
+               "vLLM's adapter loading is not built; sample in-process (transformers) or on a `grpokit serve "
+               f"--quantization {m.quantization}` server (rollout.engine=server), which takes the adapters alone")
     p.need(t.logprob_chunk_size is None or t.logprob_chunk_size >= 0,
            f"train.logprob_chunk_size={t.logprob_chunk_size}: must be >= 0 (0: all at once), or null")
     p.need(t.keep_checkpoints is None or t.keep_checkpoints >= 1,
@@ -447,8 +447,10 @@ def _check_launch(c: Config, launch: Launch) -> list[str]:
     asks = f"the accelerate config asks for {launch.sharding}, which grpokit cannot run as set up: "
     p.need(launch.mixed_precision == "no", asks + f"mixed_precision: {launch.mixed_precision} (grpokit has one "
            "precision setting, model.dtype: set mixed_precision: 'no' and model.dtype=bfloat16 to train in bf16)")
-    p.need(not c.model.lora_rank, asks + f"LoRA with {launch.sharding} (not built yet: LoRA runs unsharded, where only "
-           "the adapters have gradients and AdamW state)")
+    p.need(not c.model.lora_rank or launch.sharding == "FSDP", asks + f"LoRA with {launch.sharding} (not built: "
+           "LoRA shards with FSDP2, fsdp_version: 2)")
+    p.need(c.model.quantization == "none", asks + f"model.quantization={c.model.quantization} (a quantized base is not "
+           "sharded: it runs with data parallelism, every process holding the quantized base)")
     p.need(c.rollout.engine != "vllm", asks + "rollout.engine=vllm (it runs in one process; serve it with `grpokit "
            "serve --engine vllm` and set rollout.engine=server)")
     p.need(not c.algorithm.sync_ref_model, "algorithm.sync_ref_model with sharded weights (FSDP2, ZeRO-3) is not "

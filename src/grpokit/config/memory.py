@@ -10,7 +10,8 @@ gradients and AdamW's two moments, and on the CPU the process itself (Python, to
 transformers). Then, one after the other: decoding (the key/value cache of every completion it
 samples at its longest, and a step's logits) and the training pass (the activations autograd keeps
 for one micro-batch at its longest, and the logits with their gradient, for every token at once or
-for a chunk of train.logprob_chunk_size; both times WORKSPACE, what the backward adds). The peak is
+for a chunk of train.logprob_chunk_size; both times WORKSPACE, what the backward adds; a quantized
+base's weights dequantized for its matmuls, `_dequantized`). The peak is
 the first sum plus the larger of the other two. Sharded weights (FSDP2, ZeRO-3) divide the first group by the processes.
 
 The activations are what autograd saves per token in one decoder layer, measured by running the
@@ -150,8 +151,26 @@ def estimate(config, model_config, world_size: int = 1, sharded: str | None = No
         Term("logits", decode_logits, "decoding"),
         Term("activations" + (" (checkpointed)" if m.gradient_checkpointing else ""), WORKSPACE[device] * activations, "training"),
         Term("log-prob logits" + (f" (chunks of {chunk})" if chunk else ""), WORKSPACE[device] * logits, "training"),
+        Term("dequantized copies", _dequantized(shape, m.quantization, b, device), "training"),
     ]
     return Estimate(tuple(terms), assumed)
+
+
+# Copies of a quantized base's linear weights in model.dtype that its training pass leaves in a CPU
+# process (`_dequantized`), fitted to benchmarks/memory.py's QLoRA runs (135M shape in float32
+# and bfloat16, 1.7B shape in float32).
+DEQUANTIZED_COPIES_CPU = 1.75
+
+
+def _dequantized(shape: Shape, quantization: str, b: int, device: str) -> float:
+    """bitsandbytes computes each quantized layer's matmul on a copy of its weight dequantized to
+    model.dtype, made anew in the forward and in the backward. On a GPU the caching allocator
+    reuses one layer's two; on the CPU, freed between the activations that stay, their pages stay
+    with the process (runtime/allocator.py), as DEQUANTIZED_COPIES_CPU copies of every layer's."""
+    if quantization == "none":
+        return 0.0
+    copies = shape.linear * b
+    return DEQUANTIZED_COPIES_CPU * copies if device == "cpu" else 2 * copies / shape.layers
 
 
 def _training_pass(config, model_config, shape: Shape, world_size: int, device: str, prompt: int):
@@ -233,6 +252,8 @@ def fitting(config, model_config, memory: float, **launch) -> tuple[bool, list[s
 
     changes: list = []
     for key, value, applies in REMEDIES:
+        if key == "model.quantization" and launch.get("sharded"):
+            continue  # (a quantized base is not sharded: config/checks.py)
         if applies(config) and peak_with([*changes, (key, value)]) < peak_with(changes):
             changes.append((key, value))
             if peak_with(changes) <= memory:

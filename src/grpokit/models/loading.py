@@ -293,6 +293,23 @@ def apply_lora(model, m, base_name: str):
     return model
 
 
+def adapter_settings(model) -> dict:
+    """A LoRA model's adapter settings (peft's LoraConfig) as JSON: what another process needs to
+    put the same adapters on the same base (`with_adapters`), so that only their tensors travel."""
+    settings = model.peft_config["default"].to_dict()
+    settings.pop("peft_type", None)  # (implied: LoraConfig)
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in settings.items()}
+
+
+def with_adapters(base, settings: dict):
+    """`base` under fresh LoRA adapters made from `adapter_settings` (their values to be loaded)."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = settings.get("target_modules") or []
+    with _names_as_given(base, [] if isinstance(targets, str) else list(targets)):
+        return get_peft_model(base, LoraConfig(**settings))
+
+
 def lora_modules(model, setting: str) -> list[str]:
     """The modules model.lora_target_modules = `setting` names: for "all-linear", every linear
     layer (peft's: torch's Linear, transformers' Conv1D) of the language model but the output layer
@@ -397,7 +414,8 @@ def enable_activation_checkpointing(model) -> None:
 def save_model(model, tokenizer, folder: Path, weights: list | None = None) -> None:
     """Write a Hugging Face folder (weights, config, tokenizer, chat template) into `folder`; the
     caller makes it atomic (rundir/checkpoint.py writes into a temporary folder and renames it). `weights`:
-    (name, tensor) pairs to write instead of the model's own (a sharded model's, gathered)."""
+    (name, tensor) pairs to write instead of the model's own (a sharded model's, gathered; a LoRA
+    model's adapters under the peft model's names)."""
     from transformers.utils import logging
 
     shown = logging.is_progress_bar_enabled()
@@ -408,7 +426,8 @@ def save_model(model, tokenizer, folder: Path, weights: list | None = None) -> N
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         if hasattr(model, "peft_config"):  # the adapters alone; embeddings are not adapted, no Hub lookup to check
-            model.save_pretrained(folder, save_embedding_layers=False)
+            given = {} if weights is None else {"state_dict": dict(weights)}
+            model.save_pretrained(folder, save_embedding_layers=False, **given)
             if is_quantized(model):
                 (Path(folder) / QUANTIZATION_FILE).write_text(json.dumps({"quantization": quantization_of(model)}) + "\n")
         else:

@@ -9,6 +9,9 @@ before each generation that follows an optimizer update.
   are split never changes what is sampled.
 - Every push is verified: the server answers the checksum of what it now generates with, and it
   must equal the checksum of the trainer's parameters.
+- A LoRA policy pushes its adapters alone (megabytes, not the model) to servers that take them
+  (`/health`'s `adapters`: the transformers engine), which put the same adapters on their own copy
+  of the base; to others, the merged weights (a quantized base cannot be merged into: refused).
 - Waiting is bounded. A request gets no answer for `rollout.server_timeout` seconds: an error. The
   server cannot be reached (refused, reset, down): retries with backoff (0.5 s doubling to 8 s)
   for `rollout.server_timeout` seconds in all, then an error naming the URL.
@@ -39,10 +42,11 @@ from urllib.parse import urlparse
 import torch
 from tqdm.auto import tqdm
 
+from grpokit.models.loading import adapter_settings, is_quantized
 from grpokit.rollout.balance import join_generation, split_generation
 from grpokit.rollout.batch import RolloutBatch, SamplingParams, group_counts
-from grpokit.rollout.weights import (WeightGroup, backend_between, checksum, device_id, fingerprint,
-                                    fingerprint_differences, layout, named_weights)
+from grpokit.rollout.weights import (WeightGroup, adapter_tensors, backend_between, checksum, device_id, fingerprint,
+                                    fingerprint_differences, is_lora, layout, named_weights)
 from grpokit.rollout.wire import STALE_WEIGHTS, TAKEN_OVER
 from grpokit.rollout.wire import to_png
 from grpokit.runtime.errors import StartupError
@@ -68,12 +72,15 @@ class RolloutServer:
         self.dirty = True  # the policy changed since the last push (or nothing was pushed yet)
         self.gathered = None  # weights to push instead of the model's own (ServerEngine.use_weights)
         self.weights_step: int | None = None  # the trainer step those weights are from, when known
+        self.adapters: dict | None = None  # a LoRA policy's adapter settings, when its adapters alone are pushed
+        self.pushed_bytes = self.pushes = 0  # what the pushes carried, since the start
         # No proxies: a rollout server is reached directly (http_proxy must not catch 127.0.0.1).
         self.http = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         health = self._check_server()
         # The trainer's own sampling code on the same kind of device: log-probs need no correction.
         self.exact_logprobs = health["engine"] == "transformers" and health["device"].split(":")[0] == self.device.type
         self.measures_entropies = health["engine"] == "transformers"
+        self.takes_adapters = bool(health.get("adapters"))
 
     # ---------------------------------------------------------------- HTTP with retries
 
@@ -147,12 +154,15 @@ class RolloutServer:
         elif health["session"] != self.session:
             raise RolloutServerError(f"the rollout server at {self.url}: {TAKEN_OVER}")
         self.version += 1
-        weights = self.gathered if self.gathered is not None else named_weights(self.model)
+        if self.gathered is not None:
+            weights = self.gathered
+        else:
+            weights = adapter_tensors(self.model) if self.adapters is not None else named_weights(self.model)
         try:
             answer, _ = self._while_requesting(
                 "/weights/update", {"fingerprint": self.fingerprint, "session": self.session,
                                     "weights_version": self.version, "weights_step": self.weights_step,
-                                    "tensors": layout(weights)},
+                                    "tensors": layout(weights), "adapters": self.adapters},
                 lambda: self.group.send(weights))
         except (RolloutServerError, RuntimeError, _Stale) as e:  # the server died mid-transfer, or refused it
             self.close()
@@ -164,6 +174,8 @@ class RolloutServer:
                 f"{answer['checksum']}, the trainer's weights have {mine}: it would not generate with the "
                 "trainer's policy")
         self.dirty = False  # (gathered weights are kept: a restarted server is sent them again)
+        self.pushed_bytes += sum(t.numel() * t.element_size() for _, t in weights)
+        self.pushes += 1
 
     def _join_group(self, server_device: str) -> None:
         self.close()
@@ -260,6 +272,16 @@ class ServerEngine:
         self.measures_entropies = all(s.measures_entropies for s in self.servers)
         self.weights_step: int | None = None  # the trainer step of the weights the last generation used
         self.agents: list[tuple[RolloutServer, int, list[int]]] = []  # an agents' generation: (server, its id, rollouts)
+        # A LoRA policy pushes its adapters alone when every server takes them (each holds the base);
+        # else the merged weights, which a quantized base cannot give.
+        self.adapter_only = is_lora(model) and all(s.takes_adapters for s in self.servers)
+        if is_quantized(model) and not self.adapter_only:
+            whole = [s.url for s in self.servers if not s.takes_adapters]
+            raise StartupError(f"model.quantization with rollout servers that take whole weights only ({', '.join(whole)}"
+                               "): a quantized base's adapters cannot be merged into it; serve it with `grpokit serve "
+                               "--engine transformers --quantization <model.quantization>`")
+        for server in self.servers:
+            server.adapters = adapter_settings(model) if self.adapter_only else None
 
     @property
     def up(self) -> list[RolloutServer]:
@@ -284,6 +306,14 @@ class ServerEngine:
         for server in self.servers:
             server.gathered, server.weights_step = weights, step
             server.dirty = True
+
+    @property
+    def pushed_bytes(self) -> int:
+        return sum(s.pushed_bytes for s in self.servers)
+
+    @property
+    def pushes(self) -> int:
+        return sum(s.pushes for s in self.servers)
 
     def _checksum(self, weights: list[tuple[str, torch.Tensor]]) -> str:
         """The checksum of the weights pushed now (those of `pushed_version`), computed by the

@@ -172,6 +172,20 @@ class ServedEngine(Protocol):
         the trainer compares with its own."""
         ...
 
+    # It takes a LoRA trainer's adapters alone, put on the base it holds (`adapter_layout`,
+    # `load_adapters`); else a LoRA trainer pushes it the merged weights (`load_weights`).
+    takes_adapters: bool
+
+    def adapter_layout(self, settings: dict) -> list[list]:
+        """Make the LoRA adapters of `settings` (models/loading.py adapter_settings) on the base it
+        holds, unless the same are there; the layout (weights.layout) an adapter push of them must
+        announce."""
+        ...
+
+    def load_adapters(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> str:
+        """As load_weights, for the adapters `adapter_layout` made: their checksum."""
+        ...
+
     def close(self) -> None:
         """The server is stopping: end what the engine started (vLLM replicas' processes)."""
         ...

@@ -21,7 +21,7 @@ from grpokit.models.logprobs import position_ids
 from grpokit.rollout.batch import RolloutBatch, SamplingParams
 from grpokit.rollout.decoding import Decoded, all_ended, longest, sample_next
 from grpokit.rollout.static_decoder import StaticDecoder, static_decoding_problem
-from grpokit.rollout.weights import checksum, named_weights
+from grpokit.rollout.weights import adapter_tensors, checksum, is_lora, layout, named_weights
 
 
 class TransformersEngine:
@@ -30,6 +30,7 @@ class TransformersEngine:
     exact_logprobs = True
     measures_entropies = True
     remote = False
+    takes_adapters = True  # served: a LoRA trainer pushes its adapters alone (load_adapters)
 
     @classmethod
     def from_config(cls, rollout, model, tokenizer, eos_ids, model_name, lockstep, vision=None) -> TransformersEngine:
@@ -81,13 +82,38 @@ class TransformersEngine:
         pass
 
     def weights_checksum(self) -> str:
-        return checksum(named_weights(self.model))
+        """The checksum of what it samples with: the weights, or, under pushed adapters, theirs."""
+        return checksum(adapter_tensors(self.model) if is_lora(self.model) else named_weights(self.model))
 
     @torch.no_grad()
     def load_weights(self, pairs) -> str:
         """Copy each (name, tensor) of `pairs` into the model as it comes (one tensor in flight);
-        return the checksum of the model's weights after."""
+        return the checksum of the model's weights after. Adapters pushed before are dropped."""
+        if is_lora(self.model):
+            self.model = self.model.unload()  # the base as it was: adapters were never merged into it
         params = dict(named_weights(self.model))
+        for name, tensor in pairs:
+            params[name].copy_(tensor)
+        return self.weights_checksum()
+
+    def adapter_layout(self, settings: dict) -> list[list]:
+        """The layout (weights.layout) of the adapters `settings` (models/loading.py adapter_settings)
+        make on this base: what an adapter push of them must announce. The adapters are made now,
+        or kept when the same settings made them before."""
+        from grpokit.models.loading import with_adapters
+
+        if getattr(self.model, "grpokit_adapters", None) != settings:
+            base = self.model.unload() if is_lora(self.model) else self.model
+            self.model = with_adapters(base, settings)
+            self.model.grpokit_adapters = settings
+        return layout(adapter_tensors(self.model))
+
+    @torch.no_grad()
+    def load_adapters(self, pairs) -> str:
+        """Copy each (name, tensor) of an adapter push into the adapters `adapter_layout` made; the
+        model samples with base + adapters (not merged, as the trainer's own forward computes);
+        return their checksum."""
+        params = dict(adapter_tensors(self.model))
         for name, tensor in pairs:
             params[name].copy_(tensor)
         return self.weights_checksum()

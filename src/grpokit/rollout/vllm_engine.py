@@ -28,6 +28,11 @@ with vLLM's offline `LLM` API. Needs a GPU and `pip install 'grpokit[vllm]'`.
 - Min-p: vLLM applies it before top-k/top-p, the transformers engine after them (as transformers
   does). With top-k alone the kept tokens are the same; with top-p too, vLLM's top-p measures its
   mass over the tokens min-p kept, so it may keep fewer.
+- LoRA (a peft policy, in the training process): vLLM is built with `enable_lora` and samples with
+  the policy's adapters through its LoRA loading call: after each update the adapters are written
+  as a peft folder and named by a new `LoRARequest` id (vLLM keeps an adapter by its id), so only
+  they move; the base weights stay vLLM's, as read from model_path (a LoRA base is frozen), and
+  are loaded again only after a sleep that dropped them.
 - Sleep mode (`enable_sleep_mode=True`): in the training process, vLLM's weights and KV cache are
   released while the trainer updates (`sleep(level=2)`); before the next generation the weights
   are woken, loaded, then the KV cache (`wake_up(tags=...)`).
@@ -44,7 +49,10 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
+import tempfile
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,7 +61,7 @@ from grpokit.models.vision import IMAGE_TOKEN
 from grpokit.rollout.balance import join_generation, split_generation
 from grpokit.rollout.batch import RolloutBatch, SamplingParams, from_completions, group_counts
 from grpokit.rollout.prompts import check_images
-from grpokit.rollout.weights import Checksum
+from grpokit.rollout.weights import Checksum, adapter_tensors, base_weights, checksum, is_lora, named_weights
 from grpokit.runtime.errors import StartupError
 
 if TYPE_CHECKING:
@@ -193,9 +201,9 @@ class VLLMEngine:
     def __init__(self, model_path: str, dtype: str, pad_id: int, eos_ids: list[int], *, policy=None,
                  sleep: bool = False, gpu_memory_utilization: float = 0.5, max_model_len: int | None = None,
                  seed: int = 0, tensor_parallel_size: int = 1, vision: Vision | None = None):
-        """`policy`: in the training process, the trainer's model, whose weights are loaded before
-        a generation that follows `weights_updated()`; None in a server (weights are pushed).
-        `vision`: a vision-language model's (its prompts come with images)."""
+        """`policy`: in the training process, the trainer's model, whose weights (a LoRA policy's
+        adapters) are loaded before a generation that follows `weights_updated()`; None in a server
+        (weights are pushed). `vision`: a vision-language model's (its prompts come with images)."""
         # One process: the engine's worker lives in this process, so collective_rpc passes tensors
         # (and the generator load_weights consumes) by reference. Forced: a multiprocess engine
         # would have to pickle them.
@@ -206,10 +214,12 @@ class VLLMEngine:
         self.vllm, self.pad_id, self.eos_ids, self.sleeps, self.vision = vllm, pad_id, list(eos_ids), sleep, vision
         # A sampled image placeholder ends its completion (models/vision.py): a stop token.
         self.stop_ids = self.eos_ids + ([] if vision is None else [vision.image_token_id])
+        self.adapters = None if policy is None or not is_lora(policy) else Adapters(policy)
         self.llm = vllm.LLM(model=model_path, dtype=dtype, seed=seed, enable_sleep_mode=sleep,
                             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                             logprobs_mode="processed_logprobs", enable_prefix_caching=True,
-                            tensor_parallel_size=tensor_parallel_size)
+                            tensor_parallel_size=tensor_parallel_size,
+                            **({} if self.adapters is None else self.adapters.engine_args()))
         # With several GPUs the workers are processes of their own: collective_rpc pickles its
         # arguments, so they get a list of host tensors rather than a generator over these.
         self.workers_apart = tensor_parallel_size > 1
@@ -258,6 +268,14 @@ class VLLMEngine:
         self.checksum = digest.hexdigest()
         return self.checksum
 
+    takes_adapters = False  # served, it gets a LoRA trainer's merged weights (a vLLM built for LoRA is not)
+
+    def adapter_layout(self, settings: dict) -> list[list]:
+        raise NotImplementedError(NO_SERVED_ADAPTERS)
+
+    def load_adapters(self, pairs) -> str:
+        raise NotImplementedError(NO_SERVED_ADAPTERS)
+
     def sleep(self) -> None:
         """Free vLLM's GPU memory while the trainer updates (weights are pushed again after)."""
         if self.sleeps and not self.asleep and self.policy is not None:
@@ -265,12 +283,21 @@ class VLLMEngine:
             self.asleep = True
             self.dirty = True
 
+    def _load_policy(self) -> None:
+        """The policy's weights into vLLM: the whole (merged) weights, or a LoRA policy's adapters
+        (after its base weights, where a sleep dropped them)."""
+        if self.adapters is None:
+            self.load_weights(named_weights(self.policy))
+            return
+        if self.asleep:
+            self.load_weights(base_weights(self.policy))
+        self.adapters.write()
+        self.checksum = checksum(adapter_tensors(self.policy))
+
     def generate(self, prompts: list[list[int]], n: int | Sequence[int], params: SamplingParams,
                  seeds: Sequence[int] | None = None, images: list[tuple] | None = None) -> RolloutBatch:
         if self.dirty:
-            from grpokit.rollout.weights import named_weights
-
-            self.load_weights(named_weights(self.policy))
+            self._load_policy()
             self.dirty = False
         if self.asleep:
             raise RuntimeError("vLLM is asleep: load the weights (load_weights) before generating")
@@ -285,10 +312,44 @@ class VLLMEngine:
         check_images(images, self.vision)
         inputs = prompt_inputs(prompts, images, self.vision)
         requests, sampling = build_requests(self.vllm, inputs, counts, params, seeds, self.stop_ids)
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        adapter = {} if self.adapters is None else {"lora_request": self.adapters.request}
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False, **adapter)
         if images is not None:
             check_prompts(outputs, prompts if seeds is None else [p for p, k in zip(prompts, counts) for _ in range(k)])
         return to_completions(outputs, None if self.vision is None else self.vision.image_token_id, params.top_logprobs)
+
+
+NO_SERVED_ADAPTERS = "grpokit serve --engine vllm takes whole weights: a LoRA trainer pushes it the merged ones"
+
+# The adapter ranks vLLM can be built for (its max_lora_rank); a policy's rank is rounded up to one.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class Adapters:
+    """A LoRA policy's adapters as vLLM takes them: a peft folder (adapter_config.json and
+    adapter_model.safetensors, as `save_pretrained` writes them) under a LoRARequest whose id is
+    new at every write, the folder before it deleted."""
+
+    def __init__(self, policy):
+        self.policy, self.rank = policy, policy.peft_config["default"].r
+        if self.rank > VLLM_LORA_RANKS[-1]:
+            raise StartupError(f"model.lora_rank={self.rank} with rollout.engine=vllm: vLLM takes adapters of rank "
+                               f"{VLLM_LORA_RANKS[-1]} at most")
+        self.folder = Path(tempfile.mkdtemp(prefix="grpokit-vllm-adapters-"))
+        atexit.register(shutil.rmtree, self.folder, True)
+        self.version, self.request = 0, None
+
+    def engine_args(self) -> dict:
+        return {"enable_lora": True, "max_loras": 1, "max_lora_rank": min(r for r in VLLM_LORA_RANKS if r >= self.rank)}
+
+    def write(self) -> None:
+        from vllm.lora.request import LoRARequest
+
+        self.version += 1
+        folder = self.folder / f"v{self.version}"
+        self.policy.save_pretrained(folder, save_embedding_layers=False)
+        shutil.rmtree(self.folder / f"v{self.version - 1}", ignore_errors=True)  # read by vLLM when it was used
+        self.request = LoRARequest(f"grpokit-policy-v{self.version}", self.version, str(folder))
 
 
 class DataParallelVLLM:
@@ -360,6 +421,14 @@ class DataParallelVLLM:
 
     def weights_checksum(self) -> str | None:
         return self.checksum
+
+    takes_adapters = False  # as VLLMEngine served
+
+    def adapter_layout(self, settings: dict) -> list[list]:
+        raise NotImplementedError(NO_SERVED_ADAPTERS)
+
+    def load_adapters(self, pairs) -> str:
+        raise NotImplementedError(NO_SERVED_ADAPTERS)
 
     def load_weights(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> str:
         """The same weights into every replica; their checksums (of what each received) must agree."""

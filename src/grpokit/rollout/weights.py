@@ -2,7 +2,7 @@
 checksum, and the torch.distributed group that carries them.
 
 - `fingerprint(model)`: what must match for a server to generate for a trainer: architecture,
-  vocabulary size, dtype, and every parameter's name and shape. A server refuses a request whose
+  vocabulary size, dtype, quantization, and every parameter's name and shape. A server refuses a request whose
   fingerprint differs from its own, listing the differences.
 - `checksum(named_tensors)`: the identity of the values. A CRC-32 of every tensor's bytes (zlib's,
   fast enough to run after every push), combined in name order with names, dtypes and shapes by SHA-256. The
@@ -24,37 +24,78 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from grpokit.models.loading import quantization_of
+
 
 def named_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The tensors of the model's checkpoint by name: parameters (a tied one once, under its first
     name) and persistent buffers. Works on the meta device (no data pointers to compare). A peft
     model gives its merged weights under the base model's names: W + scale * B @ A, computed
     apart (the base weights are never merged into and unmerged from, which would drift them)."""
-    if hasattr(model, "get_base_model") and hasattr(model, "peft_config"):
+    if is_lora(model):
         return _merged_lora_weights(model)
     persistent = model.state_dict(keep_vars=True).keys()
     return [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n in persistent)]
 
 
 @torch.no_grad()
-def _merged_lora_weights(model) -> list[tuple[str, torch.Tensor]]:
+def _merged_lora_weights(model, merge: bool = True, whole: dict | None = None) -> list[tuple[str, torch.Tensor]]:
+    """merge=False: the base's own tensors under the same names (their layout; a quantized base's
+    cannot be merged into). whole: the peft model's tensors by name, gathered whole (a sharded
+    model's own are shards), to merge from instead."""
     base = model.get_base_model()
     modules = dict(base.named_modules())
+    prefix = next(name for name, m in model.named_modules() if m is base) + "."  # the base's place in the peft model
     out = []
     for name, tensor in named_weights(base):
         if "lora_" in name:
             continue
+        if whole is not None:
+            tensor = whole[prefix + name]
         if ".base_layer." in name:
             owner, leaf = name.split(".base_layer.")
             layer = modules[owner]
-            if leaf == "weight" and not layer.merged:
+            if merge and leaf == "weight" and not layer.merged:
                 for adapter in layer.active_adapters:  # in the wider dtype (peft keeps adapters in float32), back to W's
-                    delta = layer.get_delta_weight(adapter)
+                    delta = layer.get_delta_weight(adapter) if whole is None else \
+                        _delta_weight(layer, adapter, whole, prefix + owner)
                     wide = torch.promote_types(tensor.dtype, delta.dtype)
                     tensor = (tensor.to(wide) + delta.to(wide)).to(tensor.dtype)
             name = f"{owner}.{leaf}"
         out.append((name, tensor.detach()))
     return out
+
+
+def _delta_weight(layer, adapter: str, whole: dict, owner: str) -> torch.Tensor:
+    """peft's get_delta_weight of a LoRA linear layer (scale * B @ A, transposed for a
+    fan-in-fan-out layer), from the gathered tensors `whole` of the layer named `owner`."""
+    from peft.tuners.lora.layer import Linear
+
+    if type(layer) is not Linear or layer.use_dora.get(adapter):
+        raise NotImplementedError(f"merging {type(layer).__name__} LoRA adapters from gathered tensors is not built "
+                                  "(linear layers' are): push the adapters alone, to a `grpokit serve` server")
+    product = whole[f"{owner}.lora_B.{adapter}.weight"] @ whole[f"{owner}.lora_A.{adapter}.weight"]
+    return (product.T if layer.fan_in_fan_out else product) * layer.scaling[adapter]
+
+
+def base_weights(model) -> list[tuple[str, torch.Tensor]]:
+    """A LoRA model's base weights under the base model's names, without its adapters."""
+    return _merged_lora_weights(model, merge=False)
+
+
+def merged_lora_weights(model, whole: dict) -> list[tuple[str, torch.Tensor]]:
+    """named_weights of a LoRA `model` from its tensors gathered whole (by the peft model's names)."""
+    return _merged_lora_weights(model, whole=whole)
+
+
+def adapter_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A LoRA model's adapter tensors under the peft model's parameter names: what an adapter push
+    carries (the base stays where it is)."""
+    return [(name, p.detach()) for name, p in model.named_parameters() if "lora_" in name]
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    return hasattr(model, "get_base_model") and hasattr(model, "peft_config")
 
 
 def layout(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[list]:
@@ -75,13 +116,15 @@ def fingerprint(model: torch.nn.Module) -> dict:
         "architecture": (getattr(config, "architectures", None) or [type(plain).__name__])[0],
         "vocab_size": int(config.get_text_config().vocab_size),  # a vision-language model's is its text model's
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        "parameters": layout_hash(layout(named_weights(model))),
+        "quantization": quantization_of(plain),  # a quantized base's layers sample otherwise
+        "parameters": layout_hash(layout(base_weights(model) if is_lora(model) else named_weights(model))),
     }
 
 
 def fingerprint_differences(mine: dict, theirs: dict) -> list[str]:
     return [f"{key}: {theirs.get(key)!r} in the request, {mine.get(key)!r} here"
-            for key in ("architecture", "vocab_size", "dtype", "parameters") if mine.get(key) != theirs.get(key)]
+            for key in ("architecture", "vocab_size", "dtype", "quantization", "parameters")
+            if mine.get(key) != theirs.get(key)]
 
 
 class Checksum:

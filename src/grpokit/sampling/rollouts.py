@@ -210,20 +210,27 @@ class Rollouts:
         if self.engine is not None and self.ahead is None:
             self.engine.weights_updated()
 
-    def _weights_snapshot(self) -> list[tuple[str, torch.Tensor]]:
-        """A copy of the policy's whole weights as they are now, in host memory, to push while the
-        trainer changes its own (on process 0; every process calls it: a collective when sharded)."""
+    def _pushed_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """What a push to the rollout servers carries, whole on process 0 (every process calls it: a
+        collective when sharded): a LoRA policy's adapters where the servers take them, else the
+        whole (merged) weights."""
+        adapters = distributed.on_main(lambda: getattr(self.engine, "adapter_only", False))
+        if adapters:
+            return self.parallel.adapter_weights(self.policy)
         if self.parallel.lockstep:
-            weights = self.parallel.full_weights(self.policy)
-        else:
-            weights = named_weights(self.policy) if distributed.is_main() else []
-        return [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in weights]
+            return self.parallel.full_weights(self.policy)
+        return named_weights(self.policy) if distributed.is_main() else []
+
+    def _weights_snapshot(self) -> list[tuple[str, torch.Tensor]]:
+        """A copy of what a push carries (`_pushed_weights`) as it is now, in host memory, to push
+        while the trainer changes its own weights."""
+        return [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in self._pushed_weights()]
 
     def _hand_weights_to_server(self) -> None:
         """Sharded weights reach the rollout server whole: every process gathers them (a collective)
         when the server needs them, and process 0's engine sends them."""
         if self.parallel.lockstep and distributed.on_main(lambda: self.engine.needs_weights()):
-            weights = self.parallel.full_weights(self.policy)
+            weights = self._pushed_weights()
             if distributed.is_main():
                 self.engine.use_weights(weights)
 

@@ -172,3 +172,27 @@ class Waste:
             torch.tensor([b - a for a, b in zip(self.seen, self._counts())], dtype=torch.float64)).tolist()
         return {**({"waste/decode": positions / kept} if kept else {}),
                 **({"waste/passes": computed / needed} if needed else {})}
+
+
+class Pushes:
+    """`weights/push_bytes`: the bytes each weight push to the rollout servers carried during a step
+    (their mean; one push per server after each update): a LoRA policy's adapters, or the whole
+    weights. Counted by process 0's engine (client.py), from `start` to `step`; left out when the
+    step pushed nothing."""
+
+    def __init__(self, rollouts):
+        self.rollouts = rollouts
+        self.seen = self._counts()
+
+    def _counts(self) -> tuple[int, int]:
+        e = self.rollouts.engine
+        return getattr(e, "pushed_bytes", 0), getattr(e, "pushes", 0)
+
+    def start(self) -> None:
+        self.seen = self._counts()
+
+    def step(self) -> dict:
+        def pushed() -> dict:
+            (bytes_before, before), (bytes_now, now) = self.seen, self._counts()
+            return {"weights/push_bytes": (bytes_now - bytes_before) / (now - before)} if now > before else {}
+        return distributed.on_main(pushed)

@@ -21,7 +21,7 @@ from grpokit.algorithm.loss import LossSettings
 from grpokit.config.checks import Facts, check, facts
 from grpokit.config.loading import settle
 from grpokit.config.schema import Config, reward_specs
-from grpokit.models.loading import eos_token_ids, load_model
+from grpokit.models.loading import eos_token_ids, fit_for_passes, load_model
 from grpokit.models.packing import AUTO
 from grpokit.models.reasoning import Reasoning
 from grpokit.models.vision import Vision, check_vision, processing
@@ -189,11 +189,11 @@ def make_kind(config: Config, prepared: Prepared, model) -> RolloutKind:
 
 
 def served_engine(model_name: str, engine_name: str, dtype: str, tensor_parallel_size: int = 1,
-                  data_parallel_size: int = 1, decode_slots: int | None = None) -> tuple:
+                  data_parallel_size: int = 1, decode_slots: int | None = None, quantization: str = "none") -> tuple:
     """What `grpokit serve` serves: (engine, the model's fingerprint, tokenizer, EOS ids), the
     engine a ServedEngine (rollout/protocols.py) of `model_name` in `dtype`: the transformers
-    engine (decode_slots: rollout.decode_slots), or vLLM on tensor_parallel_size x
-    data_parallel_size GPUs."""
+    engine (decode_slots: rollout.decode_slots; quantization: model.quantization, the base a QLoRA
+    trainer pushes its adapters to), or vLLM on tensor_parallel_size x data_parallel_size GPUs."""
     from grpokit.rollout.weights import fingerprint
 
     tokenizer, vision = processing(model_name)
@@ -219,7 +219,10 @@ def served_engine(model_name: str, engine_name: str, dtype: str, tensor_parallel
         # requires_grad stays on, as on the trainer's policy: PyTorch runs other CPU kernels for
         # parameters without it (measured: log-probs differ in the last bits), and the server must
         # sample exactly as the trainer's own engine would. Generation runs under no_grad anyway.
-        model = load_model(model_name, dtype).eval().to("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        model = load_model(model_name, dtype, quantization, device)
+        model = (model if quantization != "none" else model.to(device)).eval()  # (a quantized one loads in place)
+        fit_for_passes(model)  # the passes the trainer's policy runs, kernel for kernel
         eos = eos_token_ids(model, tokenizer)
         engine = TransformersEngine(model, tokenizer.pad_token_id, eos, vision=vision, slots=decode_slots)
         return engine, fingerprint(model), tokenizer, eos

@@ -22,6 +22,9 @@ What sharding changes, and what it must not:
   unsharded run writes (FQN-keyed, torch.distributed.checkpoint's full format): a run resumes on
   another process count or engine, and `final/` is a plain Hugging Face folder.
 - A rollout server receives full weights, gathered by every process, sent by process 0.
+- LoRA (FSDP2 only): the frozen base is sharded as every weight is, and the adapters with their
+  layers; checkpoints hold the adapters, gathered whole, and a rollout server gets the adapters
+  alone, or the merged weights computed from the gathered tensors.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import math
 
 import torch
 
-from grpokit.rollout.weights import named_weights
+from grpokit.rollout.weights import adapter_tensors, is_lora, merged_lora_weights, named_weights
 from grpokit.runtime import distributed
 from grpokit.runtime.errors import StartupError
 from grpokit.runtime.launch import Launch
@@ -84,9 +87,19 @@ class Strategy:
         return grad_norm, applied
 
     def full_weights(self, model) -> list[tuple[str, torch.Tensor]]:
-        """(name, tensor) of the whole model under the checkpoint's names; a collective when sharded
-        (the tensors are complete on process 0 only)."""
+        """(name, tensor) of the whole model under the checkpoint's names (a LoRA model's merged); a
+        collective when sharded (the tensors are complete on process 0 only)."""
         return named_weights(model)
+
+    def adapter_weights(self, model) -> list[tuple[str, torch.Tensor]]:
+        """LoRA's adapters under the peft model's parameter names, on process 0 (a collective when
+        sharded)."""
+        return adapter_tensors(model) if distributed.is_main() else []
+
+    def checkpoint_weights(self, model) -> list[tuple[str, torch.Tensor]] | None:
+        """What a checkpoint writes when the model does not hold it whole itself (None: it does):
+        the full weights, or a LoRA model's adapters."""
+        return None
 
     def optimizer_state(self, model, optimizer) -> dict:
         """The full AdamW state keyed by parameter name (torch.distributed.checkpoint's full format;
@@ -166,7 +179,7 @@ class FSDP2(Strategy):
     def _shard(self, model):
         from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 
-        base = model.get_base_model() if hasattr(model, "peft_config") else model
+        base = model.get_base_model() if is_lora(model) else model
         names = set(self.plugin.transformer_cls_names_to_wrap or getattr(base, "_no_split_modules", None) or ())
         if not names:
             raise StartupError(f"FSDP2: no decoder layer class to shard {type(base).__name__} by: set "
@@ -218,8 +231,19 @@ class FSDP2(Strategy):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        # Only process 0 receives tensors; the order and names are named_weights' (tied weights once).
-        return [(name, state[name]) for name, _ in named_weights(model)] if distributed.is_main() else []
+        if not distributed.is_main():  # only process 0 receives tensors
+            return []
+        if is_lora(model):  # merged from the gathered tensors (peft's own merge reads the layers' shards)
+            return merged_lora_weights(model, state)
+        return [(name, state[name]) for name, _ in named_weights(model)]  # named_weights' order (tied weights once)
+
+    def adapter_weights(self, model) -> list[tuple[str, torch.Tensor]]:
+        # One gather per adapter tensor, every process in the same order; process 0 keeps them.
+        out = [(name, p.full_tensor().detach().cpu()) for name, p in model.named_parameters() if "lora_" in name]
+        return out if distributed.is_main() else []
+
+    def checkpoint_weights(self, model) -> list[tuple[str, torch.Tensor]]:
+        return self.adapter_weights(model) if is_lora(model) else self.full_weights(model)
 
 
 def _deepspeed():
@@ -316,6 +340,9 @@ class DeepSpeed(Strategy):
             if distributed.is_main():
                 out.append((name, tensor.detach().cpu()))
         return out
+
+    def checkpoint_weights(self, model) -> list[tuple[str, torch.Tensor]]:
+        return self.full_weights(model)
 
     def optimizer_state(self, model, optimizer) -> dict:
         from deepspeed.utils import safe_get_full_optimizer_state

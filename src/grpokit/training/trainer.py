@@ -88,7 +88,7 @@ from grpokit.sampling.pipeline import Queued
 from grpokit.sampling.rollouts import Rollouts
 from grpokit.sampling.scoring import Scored, Scorer
 from grpokit.training import setup, sharding
-from grpokit.training.metrics import LossMetrics, Waste, step_metrics
+from grpokit.training.metrics import LossMetrics, Pushes, Waste, step_metrics
 from grpokit.training.state import FailureSave, Progress
 
 
@@ -169,7 +169,7 @@ class Trainer:
                                      setup.micro_batch_tokens(config, self.vision is not None), self.parallel.lockstep,
                                      routed)
             self.loss_settings = setup.loss_settings(config, self.policy)
-            self.waste = Waste(self.rollouts, self.logprobs)
+            self.waste, self.pushes = Waste(self.rollouts, self.logprobs), Pushes(self.rollouts)
             # The metrics.jsonl rows kept from before the checkpoint, and what to tell the user about them.
             self.resumed_rows, note = distributed.on_main(lambda: self._start_run_dir(resume_from))
         self.progress = Progress() if resume_from is None else self.resume(resume_from)
@@ -284,6 +284,7 @@ class Trainer:
         a = self.config.algorithm
         self.rollouts.queue(step)  # generating ahead: the steps to step + k queued (not the step's time)
         self.waste.start()
+        self.pushes.start()
         start = time.perf_counter()
         sampled = self.rollouts.step(step, self.scorer, self.progress.trainer_state(self.config, self.task))
         batch, scored = sampled.batch, sampled.scored
@@ -324,6 +325,7 @@ class Trainer:
             "num_tokens": self.progress.num_tokens,
             "skipped_steps": self.progress.skipped_steps,
             **self.waste.step(),
+            **self.pushes.step(),
             **dict(zip(("time/generate", "time/logprobs", "time/update", "time/optimizer", "step_time"), times)),
         }
 
@@ -493,7 +495,7 @@ class Trainer:
         (the weights and optimizer must not have changed since)."""
         rng, state, pending = captured or self.capture()
         # Gathered by every process when sharded; whole on process 0, which writes.
-        weights = self.parallel.full_weights(self.policy) if self.parallel.lockstep else None
+        weights = self.parallel.checkpoint_weights(self.policy)
         optimizer_state = self.parallel.optimizer_state(self.policy, self.optimizer)
 
         def write(folder: Path) -> None:
