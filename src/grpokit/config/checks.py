@@ -447,8 +447,6 @@ def _check_launch(c: Config, launch: Launch) -> list[str]:
     asks = f"the accelerate config asks for {launch.sharding}, which grpokit cannot run as set up: "
     p.need(launch.mixed_precision == "no", asks + f"mixed_precision: {launch.mixed_precision} (grpokit has one "
            "precision setting, model.dtype: set mixed_precision: 'no' and model.dtype=bfloat16 to train in bf16)")
-    p.need(not c.model.lora_rank or launch.sharding == "FSDP", asks + f"LoRA with {launch.sharding} (not built: "
-           "LoRA shards with FSDP2, fsdp_version: 2)")
     p.need(c.model.quantization == "none", asks + f"model.quantization={c.model.quantization} (a quantized base is not "
            "sharded: it runs with data parallelism, every process holding the quantized base)")
     p.need(c.rollout.engine != "vllm", asks + "rollout.engine=vllm (it runs in one process; serve it with `grpokit "

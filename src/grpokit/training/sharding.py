@@ -22,9 +22,10 @@ What sharding changes, and what it must not:
   unsharded run writes (FQN-keyed, torch.distributed.checkpoint's full format): a run resumes on
   another process count or engine, and `final/` is a plain Hugging Face folder.
 - A rollout server receives full weights, gathered by every process, sent by process 0.
-- LoRA (FSDP2 only): the frozen base is sharded as every weight is, and the adapters with their
-  layers; checkpoints hold the adapters, gathered whole, and a rollout server gets the adapters
-  alone, or the merged weights computed from the gathered tensors.
+- LoRA: the frozen base is sharded as every weight is (ZeRO-2: only the adapters' gradients and
+  AdamW state), and the adapters with their layers; checkpoints hold the adapters, gathered whole,
+  and a rollout server gets the adapters alone, or the merged weights computed from the gathered
+  tensors.
 """
 
 from __future__ import annotations
@@ -330,19 +331,29 @@ class DeepSpeed(Strategy):
         return grad_norm, bool(self.engine.was_step_applied())
 
     def full_weights(self, model) -> list[tuple[str, torch.Tensor]]:
+        if is_lora(model):  # merged from the gathered tensors (peft's own merge reads the layers' partitions)
+            whole = dict(self._gathered(model.state_dict(keep_vars=True).items()))
+            return merged_lora_weights(model, whole) if distributed.is_main() else []
+        return self._gathered(named_weights(model))
+
+    def _gathered(self, named) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) whole on process 0, in host memory (ZeRO-3: gathered one at a time, a collective)."""
         import deepspeed
 
         out = []
-        for name, tensor in named_weights(model):
-            if hasattr(tensor, "ds_id"):  # ZeRO-3: gathered one at a time
+        for name, tensor in named:
+            if hasattr(tensor, "ds_id"):
                 with deepspeed.zero.GatheredParameters([tensor]):
                     tensor = tensor.detach().to("cpu", copy=True)
             if distributed.is_main():
                 out.append((name, tensor.detach().cpu()))
         return out
 
+    def adapter_weights(self, model) -> list[tuple[str, torch.Tensor]]:
+        return self._gathered((name, p) for name, p in model.named_parameters() if "lora_" in name)
+
     def checkpoint_weights(self, model) -> list[tuple[str, torch.Tensor]]:
-        return self.full_weights(model)
+        return self.adapter_weights(model) if is_lora(model) else self.full_weights(model)
 
     def optimizer_state(self, model, optimizer) -> dict:
         from deepspeed.utils import safe_get_full_optimizer_state
