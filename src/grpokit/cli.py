@@ -204,6 +204,9 @@ def _serve(args) -> int:
     if args.quantization not in QUANTIZATIONS or (args.quantization != "none" and args.engine != "transformers"):
         raise ConfigError(f"--quantization {args.quantization}: must be one of {', '.join(QUANTIZATIONS)}, and other "
                           "than none with --engine transformers alone")
+    if args.quantization != "none" and args.dtype == "float64":
+        raise ConfigError(f"--quantization {args.quantization} with --dtype float64: bitsandbytes computes in float32, "
+                          "bfloat16 or float16")
     if args.threads is not None:
         if args.threads < 1:
             raise ConfigError(f"--threads {args.threads}: must be >= 1")

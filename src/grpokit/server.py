@@ -58,7 +58,7 @@ from grpokit.multiturn.tool_formats import Replies
 from grpokit.rollout.batch import SamplingParams, alternatives
 from grpokit.rollout.protocols import ServedEngine
 from grpokit.rollout.weights import WeightGroup, device_id, fingerprint_differences, layout_hash
-from grpokit.rollout.wire import STALE_WEIGHTS, TAKEN_OVER
+from grpokit.rollout.wire import BASE_DIFFERS, STALE_WEIGHTS, TAKEN_OVER
 from grpokit.rollout.wire import from_png
 from grpokit.runtime.errors import StartupError
 
@@ -102,8 +102,10 @@ class UpdateRequest(BaseModel):
     weights_step: int | None = None  # the trainer step the weights are from, when it says
     tensors: list[list]  # weights.layout(): [name, shape, dtype] in the order they are sent
     # A LoRA trainer's adapter settings (models/loading.py adapter_settings): the tensors are its
-    # adapters alone, put on this server's base; None: the tensors are the whole weights.
+    # adapters alone, put on this server's base, whose checksum must be `base_checksum`; None:
+    # the tensors are the whole weights.
     adapters: dict | None = None
+    base_checksum: str | None = None
 
 
 class AgentsRequest(BaseModel):
@@ -161,6 +163,8 @@ class RolloutService:
         self.version = 0
         self.weights_step: int | None = None
         self.checksum = engine.weights_checksum()
+        # Of the base an adapter push is put on: the weights as loaded, or the last whole ones pushed.
+        self.base_checksum = self.checksum
         self.group: WeightGroup | None = None
         self.lock = threading.Lock()  # generation and a weight update never overlap
 
@@ -168,7 +172,8 @@ class RolloutService:
         return {"status": "ok", "engine": self.engine_name, "model": self.model_name, "device": self.device,
                 "fingerprint": self.fingerprint, "boot_id": self.boot_id, "session": self.session,
                 "weights_version": self.version, "weights_step": self.weights_step, "checksum": self.checksum,
-                "vocabulary": self.vocabulary, "adapters": self.engine.takes_adapters}
+                "vocabulary": self.vocabulary, "adapters": self.engine.takes_adapters,
+                "base_checksum": self.base_checksum}
 
     def logprobs(self, request: LogprobsRequest) -> dict:
         """POST /logprobs: the served model's log-probs of each completion's tokens (a teacher's, models/teacher.py)."""
@@ -287,12 +292,18 @@ class RolloutService:
                 raise Refused(409, TAKEN_OVER)
             if self.group is None:
                 raise Refused(409, STALE_WEIGHTS)  # no group (restarted, or a failed transfer): join again
-            load = self._loader(request)
+            try:
+                load = self._loader(request)
+            except Refused:
+                self._forget_weights()  # (making the adapters may have changed them): a new push is needed
+                raise
             try:
                 checksum = load(self.group.receive(request.tensors))
             except Exception as e:  # noqa: BLE001
                 self._forget_weights()  # what it holds is unknown: every generation is refused until a new push
                 raise Refused(503, f"receiving weights failed: {e}") from None
+            if request.adapters is None:
+                self.base_checksum = checksum
             self.version, self.weights_step, self.checksum = request.weights_version, request.weights_step, checksum
             return {"weights_version": self.version, "weights_step": self.weights_step, "checksum": self.checksum}
 
@@ -305,9 +316,11 @@ class RolloutService:
             return self.engine.load_weights
         if not self.engine.takes_adapters:
             raise Refused(422, f"the {self.engine_name} engine takes whole weights, not LoRA adapters")
+        if request.base_checksum != self.base_checksum:
+            raise Refused(422, f"this server: {BASE_DIFFERS}")
         try:
             expected = self.engine.adapter_layout(request.adapters)
-        except (TypeError, ValueError) as e:  # settings this peft or this base cannot make
+        except Exception as e:  # noqa: BLE001 - settings this peft or this base cannot make
             raise Refused(422, f"LoRA adapters of these settings cannot be put on {self.model_name}: {e}") from None
         if request.tensors != expected:
             raise Refused(422, "the adapter tensors announced do not match the adapters their settings make here")

@@ -154,7 +154,7 @@ def test_adapter_pushes_sample_as_merged_pushes(tmp_path, server):
     examples, rollouts = trainer.rollouts.next_prompts(), trainer.rollouts
     batches = [rollouts.kind.generate(e, examples, [4] * len(examples), rollouts.sampling, list(range(4 * len(examples))))
                for e in engines]
-    assert engines[0].pushed_bytes < engines[1].pushed_bytes / 10
+    assert engines[0].pushed[0] < engines[1].pushed[0] / 10
     assert torch.equal(batches[0].completion_ids, batches[1].completion_ids)
     mask = batches[0].completion_mask.bool()
     torch.testing.assert_close(batches[0].sampling_logps[mask], batches[1].sampling_logps[mask], rtol=0, atol=1e-12)
@@ -163,3 +163,37 @@ def test_adapter_pushes_sample_as_merged_pushes(tmp_path, server):
     torch.testing.assert_close(batches[0].sampling_logps[mask], own[mask].float(), rtol=1.2e-7, atol=0)
     for e in engines:
         e.close()
+
+
+@pytest.mark.process
+def test_a_server_refuses_adapters_onto_another_base_or_of_settings_it_cannot_make(tmp_path, server, capsys):
+    """Adapters sample from the base they were trained on: a server whose base was changed by a push of
+    whole weights is refused at start-up; settings its peft cannot make are refused (422), and the
+    right ones are taken after."""
+    pytest.importorskip("fastapi")
+    from grpokit.config.loading import load_config
+    from grpokit.models.loading import apply_lora, load_tokenizer
+    from grpokit.rollout.batch import SamplingParams
+    from grpokit.rollout.client import RolloutServerError, ServerEngine
+    from grpokit.rollout.weights import adapter_tensors, checksum
+
+    s = server()
+    full = [a for a in RUN if not a.startswith("model.lora_rank")]
+    served = ["train.max_steps=1", "rollout.engine=server", f"rollout.server_url={s.url}"]
+    assert main(["train", *full, *served, f"train.output_dir={tmp_path / 'full'}"]) == 0  # its weights pushed
+    capsys.readouterr()
+    assert main(["train", *RUN, *served, f"train.output_dir={tmp_path / 'lora'}"]) == 2
+    assert "its base weights are not the trainer's" in capsys.readouterr().err
+
+    fresh = server()
+    policy = apply_lora(load_model("tiny-random"), load_config(None, ["model.lora_rank=4"]).model, "tiny-random")
+    pad, params = load_tokenizer("tiny-random").pad_token_id, SamplingParams(max_tokens=4)
+    engine = ServerEngine(fresh.url, policy, pad, 30.0)
+    good = engine.servers[0].adapters
+    engine.servers[0].adapters = {**good, "no_such_setting": 1}
+    with pytest.raises(RolloutServerError, match="cannot be put on tiny-random"):
+        engine.generate([[1, 2, 3]], 2, params, seeds=[1, 2])
+    assert get_health(fresh.url)["weights_version"] == -1  # what it holds is unknown: no generation until a push
+    again = ServerEngine(fresh.url, policy, pad, 30.0)
+    assert again.generate([[1, 2, 3]], 2, params, seeds=[1, 2]).completion_ids.shape[0] == 2
+    assert get_health(fresh.url)["checksum"] == checksum(adapter_tensors(policy))

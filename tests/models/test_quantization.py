@@ -142,7 +142,7 @@ def test_a_stopped_quantized_run_resumes_bit_for_bit_and_final_loads_onto_its_ba
                                  "quantized weights cannot: set model.lora_rank > 0"),
     (["model.quantization=nf3", "model.lora_rank=4"], "model.quantization=nf3: must be one of none, nf4, fp4, int8"),
     (["model.quantization=int8", "model.lora_rank=4", "model.dtype=float64"], "bitsandbytes computes in float32"),
-    (["model.quantization=nf4", "model.lora_rank=4", "rollout.engine=vllm"], "vLLM's adapter loading is not built"),
+    (["model.quantization=nf4", "model.lora_rank=4", "rollout.engine=vllm"], "vLLM holding the same bitsandbytes-quantized base is not built"),
 ])
 def test_contradictory_quantization_settings_are_refused(overrides, message):
     with pytest.raises(ConfigError) as refused:

@@ -317,7 +317,8 @@ def test_the_engine_loads_the_policy_before_generating_and_sleeps_through_update
 
 def test_a_lora_policy_reaches_vllm_through_its_lora_loading_call(fake_vllm, tiny):
     """vLLM is built for LoRA; each generation after an update names the policy's adapters, written
-    as a peft folder under a new id; the base weights move only after a sleep that dropped them."""
+    as a peft folder under a new id; the base weights move at the first load and after a sleep that
+    dropped them, never merged."""
     pytest.importorskip("peft")
     from grpokit.config.loading import load_config
     from grpokit.models.loading import apply_lora
@@ -335,7 +336,10 @@ def test_a_lora_policy_reaches_vllm_through_its_lora_loading_call(fake_vllm, tin
                 for k, v in llm.adapters[version].items()}
 
     engine.generate([[1, 2, 3]], 2, SamplingParams(2), [10, 11])
-    assert [c[0] for c in llm.calls] == ["generate", "lora"]  # the adapters alone: no weights loaded
+    # The base (model_path's may differ from the trainer's) once, unmerged; then the adapters.
+    assert [c[0] for c in llm.calls] == ["collective_rpc", "reset_prefix_cache", "generate", "lora"]
+    assert [n for n, _ in llm.worker.loaded] == [n for n, _ in base_weights(policy)]
+    llm.worker.loaded.clear()
     mine = dict(adapter_tensors(policy))
     assert sent(1).keys() == mine.keys() and all(torch.equal(v, mine[k]) for k, v in sent(1).items())
     assert engine.weights_checksum() == checksum(adapter_tensors(policy))

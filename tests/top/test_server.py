@@ -269,6 +269,8 @@ def test_decode_slots_reach_the_served_engine_or_are_refused(capsys):
         assert main(["serve", "--model", "tiny-random", *args]) == 2
         assert f"--quantization {args[1]}: must be one of none, nf4, fp4, int8, and other than none with --engine " \
                "transformers alone" in capsys.readouterr().err
+    assert main(["serve", "--model", "tiny-random", "--quantization", "nf4", "--dtype", "float64"]) == 2
+    assert "--quantization nf4 with --dtype float64: bitsandbytes computes in" in capsys.readouterr().err
 
 
 @pytest.mark.process

@@ -369,8 +369,9 @@ def _check_train(c: Config) -> list[str]:
         p.need(m.dtype != "float64", f"model.quantization={m.quantization} with model.dtype=float64: bitsandbytes "
                "computes in float32, bfloat16 or float16")
         p.need(c.rollout.engine != "vllm", f"model.quantization={m.quantization} with rollout.engine=vllm: "
-               "vLLM's adapter loading is not built; sample in-process (transformers) or on a `grpokit serve "
-               f"--quantization {m.quantization}` server (rollout.engine=server), which takes the adapters alone")
+               "vLLM holding the same bitsandbytes-quantized base is not built; sample in-process (transformers) or "
+               f"on a `grpokit serve --quantization {m.quantization}` server (rollout.engine=server), which takes "
+               "the adapters alone")
     p.need(t.logprob_chunk_size is None or t.logprob_chunk_size >= 0,
            f"train.logprob_chunk_size={t.logprob_chunk_size}: must be >= 0 (0: all at once), or null")
     p.need(t.keep_checkpoints is None or t.keep_checkpoints >= 1,

@@ -45,9 +45,9 @@ from tqdm.auto import tqdm
 from grpokit.models.loading import adapter_settings, is_quantized
 from grpokit.rollout.balance import join_generation, split_generation
 from grpokit.rollout.batch import RolloutBatch, SamplingParams, group_counts
-from grpokit.rollout.weights import (WeightGroup, adapter_tensors, backend_between, checksum, device_id, fingerprint,
-                                    fingerprint_differences, is_lora, layout, named_weights)
-from grpokit.rollout.wire import STALE_WEIGHTS, TAKEN_OVER
+from grpokit.rollout.weights import (WeightGroup, adapter_tensors, backend_between, base_weights, checksum, device_id,
+                                    fingerprint, fingerprint_differences, is_lora, layout, named_weights)
+from grpokit.rollout.wire import BASE_DIFFERS, STALE_WEIGHTS, TAKEN_OVER
 from grpokit.rollout.wire import to_png
 from grpokit.runtime.errors import StartupError
 
@@ -73,7 +73,8 @@ class RolloutServer:
         self.gathered = None  # weights to push instead of the model's own (ServerEngine.use_weights)
         self.weights_step: int | None = None  # the trainer step those weights are from, when known
         self.adapters: dict | None = None  # a LoRA policy's adapter settings, when its adapters alone are pushed
-        self.pushed_bytes = self.pushes = 0  # what the pushes carried, since the start
+        self.base: str | None = None  # then the checksum of the base they are trained on
+        self.pushed = (0, 0)  # (bytes, pushes) since the start
         # No proxies: a rollout server is reached directly (http_proxy must not catch 127.0.0.1).
         self.http = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         health = self._check_server()
@@ -81,6 +82,7 @@ class RolloutServer:
         self.exact_logprobs = health["engine"] == "transformers" and health["device"].split(":")[0] == self.device.type
         self.measures_entropies = health["engine"] == "transformers"
         self.takes_adapters = bool(health.get("adapters"))
+        self.base_checksum = health.get("base_checksum")  # of the base it puts adapters on
 
     # ---------------------------------------------------------------- HTTP with retries
 
@@ -162,7 +164,7 @@ class RolloutServer:
             answer, _ = self._while_requesting(
                 "/weights/update", {"fingerprint": self.fingerprint, "session": self.session,
                                     "weights_version": self.version, "weights_step": self.weights_step,
-                                    "tensors": layout(weights), "adapters": self.adapters},
+                                    "tensors": layout(weights), "adapters": self.adapters, "base_checksum": self.base},
                 lambda: self.group.send(weights))
         except (RolloutServerError, RuntimeError, _Stale) as e:  # the server died mid-transfer, or refused it
             self.close()
@@ -174,8 +176,8 @@ class RolloutServer:
                 f"{answer['checksum']}, the trainer's weights have {mine}: it would not generate with the "
                 "trainer's policy")
         self.dirty = False  # (gathered weights are kept: a restarted server is sent them again)
-        self.pushed_bytes += sum(t.numel() * t.element_size() for _, t in weights)
-        self.pushes += 1
+        # (one tuple, assigned at once: a step reads it from another thread when generating ahead)
+        self.pushed = (self.pushed[0] + sum(t.numel() * t.element_size() for _, t in weights), self.pushed[1] + 1)
 
     def _join_group(self, server_device: str) -> None:
         self.close()
@@ -280,8 +282,12 @@ class ServerEngine:
             raise StartupError(f"model.quantization with rollout servers that take whole weights only ({', '.join(whole)}"
                                "): a quantized base's adapters cannot be merged into it; serve it with `grpokit serve "
                                "--engine transformers --quantization <model.quantization>`")
-        for server in self.servers:
-            server.adapters = adapter_settings(model) if self.adapter_only else None
+        if self.adapter_only:  # (the policy is whole here, before any sharding: training/trainer.py)
+            base = checksum(base_weights(model))
+            if differ := [s.url for s in self.servers if s.base_checksum != base]:
+                raise StartupError(f"the rollout server(s) at {', '.join(differ)}: {BASE_DIFFERS}")
+            for server in self.servers:
+                server.adapters, server.base = adapter_settings(model), base
 
     @property
     def up(self) -> list[RolloutServer]:
@@ -308,12 +314,10 @@ class ServerEngine:
             server.dirty = True
 
     @property
-    def pushed_bytes(self) -> int:
-        return sum(s.pushed_bytes for s in self.servers)
-
-    @property
-    def pushes(self) -> int:
-        return sum(s.pushes for s in self.servers)
+    def pushed(self) -> tuple[int, int]:
+        """(bytes, pushes) sent to the servers since the start."""
+        each = [s.pushed for s in self.servers]
+        return sum(b for b, _ in each), sum(n for _, n in each)
 
     def _checksum(self, weights: list[tuple[str, torch.Tensor]]) -> str:
         """The checksum of the weights pushed now (those of `pushed_version`), computed by the

@@ -90,7 +90,9 @@ class TransformersEngine:
         """Copy each (name, tensor) of `pairs` into the model as it comes (one tensor in flight);
         return the checksum of the model's weights after. Adapters pushed before are dropped."""
         if is_lora(self.model):
-            self.model = self.model.unload()  # the base as it was: adapters were never merged into it
+            # The base as it was (adapters were never merged into it), trainable again as served
+            # (training/setup.py served_engine: the CPU kernels follow requires_grad).
+            self.model = self.model.unload().requires_grad_(True)
         params = dict(named_weights(self.model))
         for name, tensor in pairs:
             params[name].copy_(tensor)
@@ -103,8 +105,8 @@ class TransformersEngine:
         from grpokit.models.loading import with_adapters
 
         if getattr(self.model, "grpokit_adapters", None) != settings:
-            base = self.model.unload() if is_lora(self.model) else self.model
-            self.model = with_adapters(base, settings)
+            self.model = self.model.unload() if is_lora(self.model) else self.model  # the base alone, should peft refuse
+            self.model = with_adapters(self.model, settings)
             self.model.grpokit_adapters = settings
         return layout(adapter_tensors(self.model))
 

@@ -31,8 +31,8 @@ with vLLM's offline `LLM` API. Needs a GPU and `pip install 'grpokit[vllm]'`.
 - LoRA (a peft policy, in the training process): vLLM is built with `enable_lora` and samples with
   the policy's adapters through its LoRA loading call: after each update the adapters are written
   as a peft folder and named by a new `LoRARequest` id (vLLM keeps an adapter by its id), so only
-  they move; the base weights stay vLLM's, as read from model_path (a LoRA base is frozen), and
-  are loaded again only after a sleep that dropped them.
+  they move; the base weights (frozen) are loaded once, and again only after a sleep that dropped
+  them.
 - Sleep mode (`enable_sleep_mode=True`): in the training process, vLLM's weights and KV cache are
   released while the trainer updates (`sleep(level=2)`); before the next generation the weights
   are woken, loaded, then the KV cache (`wake_up(tags=...)`).
@@ -289,7 +289,7 @@ class VLLMEngine:
         if self.adapters is None:
             self.load_weights(named_weights(self.policy))
             return
-        if self.asleep:
+        if self.asleep or self.adapters.version == 0:  # dropped by a sleep; or model_path's, which may differ
             self.load_weights(base_weights(self.policy))
         self.adapters.write()
         self.checksum = checksum(adapter_tensors(self.policy))

@@ -11,6 +11,10 @@ import io
 # and to a trainer whose place another trainer took.
 STALE_WEIGHTS = "stale weights"
 TAKEN_OVER = "another trainer joined this server's weight group since: one server serves one trainer"
+# A LoRA trainer's adapters pushed to a server whose base weights are not the trainer's.
+BASE_DIFFERS = ("its base weights are not the trainer's (another checkpoint of the model, or whole weights pushed "
+                "since it started): the adapters would sample from another model; restart it with the trainer's "
+                "model.name")
 
 
 def to_png(image) -> str:

@@ -185,8 +185,7 @@ class Pushes:
         self.seen = self._counts()
 
     def _counts(self) -> tuple[int, int]:
-        e = self.rollouts.engine
-        return getattr(e, "pushed_bytes", 0), getattr(e, "pushes", 0)
+        return getattr(self.rollouts.engine, "pushed", (0, 0))  # (bytes, pushes): a server engine's
 
     def start(self) -> None:
         self.seen = self._counts()

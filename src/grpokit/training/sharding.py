@@ -240,11 +240,22 @@ class FSDP2(Strategy):
 
     def adapter_weights(self, model) -> list[tuple[str, torch.Tensor]]:
         # One gather per adapter tensor, every process in the same order; process 0 keeps them.
-        out = [(name, p.full_tensor().detach().cpu()) for name, p in model.named_parameters() if "lora_" in name]
+        out = [(name, _whole(p).detach().cpu()) for name, p in model.named_parameters() if "lora_" in name]
         return out if distributed.is_main() else []
 
     def checkpoint_weights(self, model) -> list[tuple[str, torch.Tensor]]:
         return self.adapter_weights(model) if is_lora(model) else self.full_weights(model)
+
+
+def _whole(p) -> torch.Tensor:
+    """A sharded parameter (DTensor) gathered whole; shards offloaded to the CPU are gathered on the
+    GPU, where NCCL (accelerate's process group there) can."""
+    from torch.distributed.tensor import DTensor
+
+    local = p.to_local()
+    if local.device.type == "cpu" and torch.cuda.is_available():
+        p = DTensor.from_local(local.cuda(), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+    return p.full_tensor()
 
 
 def _deepspeed():
