@@ -197,3 +197,30 @@ def test_a_server_refuses_adapters_onto_another_base_or_of_settings_it_cannot_ma
     again = ServerEngine(fresh.url, policy, pad, 30.0)
     assert again.generate([[1, 2, 3]], 2, params, seeds=[1, 2]).completion_ids.shape[0] == 2
     assert get_health(fresh.url)["checksum"] == checksum(adapter_tensors(policy))
+
+
+@pytest.mark.process
+def test_lora_generated_ahead_pushes_copies_of_its_adapters(tmp_path, server, monkeypatch):
+    """rollout.max_staleness=1: the copies pushed ahead are the adapters alone, and the float64 run is
+    the run whose pushes are the merged weights, to rounding."""
+    pytest.importorskip("fastapi")
+    from support.runs import assert_close_metrics
+
+    from grpokit.rollout.client import RolloutServer
+
+    args = [*RUN, "model.dtype=float64", "train.max_steps=3", "rollout.engine=server", "rollout.max_staleness=1"]
+    s = server("--dtype", "float64")
+    assert main(["train", *args, f"rollout.server_url={s.url}", f"train.output_dir={tmp_path / 'adapters'}"]) == 0
+    rows = metric_rows(tmp_path / "adapters")
+    assert [r["staleness"] for r in rows if "loss" in r] == [0, 1, 1]
+    from grpokit.models.loading import load_adapter
+    from grpokit.rollout.weights import adapter_tensors
+
+    trained = load_adapter(load_model("tiny-random", "float64"), str(tmp_path / "adapters" / "final"))
+    adapters = sum(t.numel() * t.element_size() for _, t in adapter_tensors(trained))
+    assert {r["weights/push_bytes"] for r in rows if "weights/push_bytes" in r} == {adapters}
+    checked = RolloutServer._check_server
+    monkeypatch.setattr(RolloutServer, "_check_server", lambda self: {**checked(self), "adapters": False})
+    whole = server("--dtype", "float64")
+    assert main(["train", *args, f"rollout.server_url={whole.url}", f"train.output_dir={tmp_path / 'merged'}"]) == 0
+    assert_close_metrics(untimed_metrics(tmp_path / "merged"), untimed_metrics(tmp_path / "adapters"))
