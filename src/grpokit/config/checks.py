@@ -301,6 +301,8 @@ def _check_engine(c: Config) -> list[str]:
                "trainer's own process); start one with: grpokit serve --model <model.name>")
         p.need(not r.dynamic_sampling, f"rollout.max_staleness={r.max_staleness} with rollout.dynamic_sampling is not "
                "supported: which prompts a step draws depends on the rewards of the step before; turn one of them off")
+    if r.partial:
+        p += _partial_problems(c)
     p.need(r.server_timeout > 0, f"rollout.server_timeout={r.server_timeout}: must be > 0")
     p.need(r.decoder in DECODERS, f"rollout.decoder={r.decoder!r}: must be one of {', '.join(DECODERS)}")
     if r.decode_slots is not None:
@@ -309,6 +311,24 @@ def _check_engine(c: Config) -> list[str]:
         p.need(r.decoder != "static", f"rollout.decode_slots={r.decode_slots} with rollout.decoder=static: "
                "the static decoder sizes its cache once for the completions it starts with, so none can join later; "
                "use rollout.decoder=dynamic (or auto, which picks it when decode_slots is set)")
+    return p
+
+
+def _partial_problems(c: Config) -> list[str]:
+    """rollout.partial: its settings, and the ways of sampling it does not go with (yet)."""
+    r, p = c.rollout, _Problems()
+    p.need(r.partial_tokens >= 1, f"rollout.partial_tokens={r.partial_tokens}: must be >= 1")
+    p.need(r.partial_spare is None or r.partial_spare >= 1, f"rollout.partial_spare={r.partial_spare}: must be >= 1, "
+           "or null")
+    p.need(r.partial_max_lag >= 1, f"rollout.partial_max_lag={r.partial_max_lag}: must be >= 1")
+    p.need(r.is_correction, "rollout.partial with rollout.is_correction=false: a carried completion's tokens were "
+           "sampled by the policies before the update, and the importance weights are what corrects for that")
+    for problem, why in (
+            (r.max_staleness > 0, f"rollout.max_staleness={r.max_staleness} (generating whole steps ahead)"),
+            (r.dynamic_sampling, "rollout.dynamic_sampling (its rounds draw prompts by the rewards)"),
+            (has_tools(c) or r.agent is not None, "tools, environments or agents (a conversation carried mid-turn "
+             "into the next step is not built)")):
+        p.need(not problem, f"rollout.partial with {why}: not supported; turn one of them off")
     return p
 
 
@@ -525,6 +545,10 @@ def _check_rollout_kind(c: Config, facts: Facts) -> list[str]:
                              (several and r.dynamic_sampling, "rollout.dynamic_sampling on several processes: the kept "
                               "groups' outcomes would have to move between processes")]:
             p.need(not refused, f"rollout.agent={r.agent} with {why}: not supported")
+    p.need(not (r.partial and several), f"rollout.partial on {launch.world_size} processes is not supported yet: the "
+           "completions carried from step to step live in one process; use one")
+    p.need(not (r.partial and vision), "rollout.partial with a vision-language model is not supported yet (its "
+           "prompts' images are not carried)")
     p.need(not (vision and lockstep), "sharded weights (FSDP2, ZeRO-3) with a vision-language model are not supported "
            "yet: a process whose rows have no image would skip the vision encoder's gathers that the others take; use "
            "data parallelism")

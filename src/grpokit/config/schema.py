@@ -174,6 +174,21 @@ class RolloutConfig:
         "by the rollout server(s), while the steps before it train, with the weights after step max(0, n-1-k): at "
         "most k updates stale; old log-probs are then the trainer's and rollout.is_correction covers the lag"
     )
+    partial: bool = _f(
+        False, "partial rollouts: a step decodes its completions in rounds of at most rollout.partial_tokens tokens and "
+        "trains the train.prompts_per_step groups that ended first; the others go on in the next step, under the new "
+        "weights (each token's sampling log-prob kept: rollout.is_correction weighs it), so no step waits for its "
+        "longest completion (sampling/partial.py)"
+    )
+    partial_tokens: int = _f(64, "rollout.partial: tokens each unfinished completion decodes in one round")
+    partial_spare: int | None = _f(
+        None, "rollout.partial: groups started beside a step's train.prompts_per_step when a round leaves fewer of "
+        "them ended; null: as many as train.prompts_per_step"
+    )
+    partial_max_lag: int = _f(
+        4, "rollout.partial: updates a group may wait since its first token; one that waited longer is dropped "
+        "(partial/dropped_groups)"
+    )
     min_p: float = _f(0.0, "min-p sampling: drop tokens less likely than min_p times the most likely one; 0 turns it off")
     decoder: str = _f(
         "auto", "how rollout.engine=transformers decodes: dynamic (a key/value cache grown token by token) | static (a "

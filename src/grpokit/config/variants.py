@@ -104,6 +104,7 @@ _TOOLS = Variant("rollout.tools", has_tools,
                  "rollout.tools (or rollout.environment, or a data.task with tools of its own)")
 _CALLS = Variant("rollout.tools", lambda c: has_tools(c) or c.rollout.agent is not None,
                  "rollout.tools, rollout.environment or rollout.agent (a data.task with tools of its own)")
+_PARTIAL = Variant("rollout.partial", lambda c: c.rollout.partial, "rollout.partial=true")
 _DYNAMIC = Variant("rollout.dynamic_sampling", lambda c: c.rollout.dynamic_sampling, "rollout.dynamic_sampling=true")
 _KL = Variant("algorithm.beta", lambda c: c.algorithm.beta > 0, "algorithm.beta > 0 (e.g. 0.001)",
               "turns the KL term off (and no reference model is loaded)")
@@ -139,6 +140,9 @@ VARIANT_SETTINGS: dict[str, Variant] = {
     "rollout.agent_timeout": Variant("rollout.agent", lambda c: c.rollout.agent is not None,
                                      "rollout.agent=<module:function>"),
     "rollout.max_sampling_rounds": _DYNAMIC,
+    "rollout.partial_tokens": _PARTIAL,
+    "rollout.partial_spare": _PARTIAL,
+    "rollout.partial_max_lag": _PARTIAL,
     "algorithm.kl_estimator": _KL,
     "algorithm.delta": _read_by_loss("delta"),
     "algorithm.sapo_temperature_pos": _read_by_loss("sapo_temperature_pos"),

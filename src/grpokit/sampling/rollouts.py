@@ -32,12 +32,26 @@ from grpokit.runtime import distributed
 from grpokit.runtime.errors import ConfigError
 from grpokit.sampling.dynamic_sampling import Collector, Round
 from grpokit.sampling.evaluation import score
+from grpokit.sampling.partial import Group, Partial
 from grpokit.sampling.pipeline import Pipeline, Queued
 from grpokit.sampling.scoring import Rewarded, Scored, Scorer
 from grpokit.tasks.task import Example
 
 # A checkpoint's completions of the steps generated ahead of it, with rollout.max_staleness > 0.
 AHEAD_FILE = "rollouts_ahead.pt"
+
+
+@dataclass
+class Pending:
+    """The sampling in progress that a checkpoint taken now holds: the steps generated ahead
+    (rollout.max_staleness), the groups carried into the next step (rollout.partial)."""
+
+    queued: list[Queued]
+    carried: list[Group] | None
+
+    def failed(self) -> list[int]:
+        """The steps generated ahead whose generation failed."""
+        return [q.step for q in self.queued if q.failed()]
 
 
 @dataclass
@@ -71,6 +85,7 @@ class Rollouts:
                                            distributed.world_size(), distributed.rank())
         self.sampling, self.greedy = SamplingParams.of(r), SamplingParams.of(r, greedy=True)
         self.stream = task.train_stream()
+        self.partial = Partial(config, tokenizer.pad_token_id, device) if r.partial else None
 
     def _connect(self):
         """The rollout engine (None on the processes other than 0 when it is remote), and whether
@@ -90,7 +105,8 @@ class Rollouts:
         # A server that cannot be used stops every process (on_main hands process 0's error to all).
         exact = distributed.on_main(connect) if self.remote else connect()
         # Completions generated ahead come from older weights than the trainer's: corrected, whatever the kernels.
-        return engine, c.rollout.is_correction and (not exact or c.rollout.max_staleness > 0)
+        self.always_corrected = c.rollout.is_correction and (not exact or c.rollout.max_staleness > 0)
+        return engine, self.always_corrected
 
     # ------------------------------------------------------------------ a step
 
@@ -99,6 +115,8 @@ class Rollouts:
         (state: the reward functions' trainer_state)."""
         if self.config.rollout.dynamic_sampling:
             return self._informative(step, scorer, state)
+        if self.partial is not None:
+            return self._partial(step, scorer, state)
         if self.ahead is not None:  # queued up to step + k; this step's taken (waiting for it)
             self.queue(step)
             queued = self.ahead.take(step)
@@ -109,6 +127,19 @@ class Rollouts:
         examples = self.next_prompts()
         batch = self.sample(examples)
         return Sampled(examples, batch, scorer.score(examples, batch, state), {}, len(examples))
+
+    def _partial(self, step: int, scorer: Scorer, state) -> Sampled:
+        """Step `step` of partial rollouts (partial.py), with the weights after step - 1 (one process:
+        config/checks.py); a carried token's sampling log-prob is corrected for the lag (the
+        trainer reads is_correction as the step trains)."""
+        kind = self.kind
+        if self.remote:
+            self._hand_weights_to_server()
+        done = self.partial.step(step - 1, self.engine, kind.encoder, lambda k: [next(self.stream) for _ in range(k)],
+                                 lambda n: torch.randint(0, 2**62, (n,), generator=self.seed_stream), self.sampling)
+        self.is_correction = self.always_corrected or (self.config.rollout.is_correction and done.lagged)
+        return Sampled(done.examples, done.batch, scorer.score(done.examples, done.batch, state), done.metrics,
+                       done.drawn)
 
     def queue(self, step: int) -> None:
         """Generating ahead, before step `step` trains: queue the steps up to step + k not queued
@@ -260,14 +291,17 @@ class Rollouts:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def pending(self) -> list[Queued]:
-        """The steps generated ahead now (a checkpoint taken now holds them)."""
-        return [] if self.ahead is None else self.ahead.pending()
+    def pending(self) -> Pending:
+        """The steps generated ahead and the groups carried, now (a checkpoint taken now holds them)."""
+        return Pending([] if self.ahead is None else self.ahead.pending(),
+                       None if self.partial is None else self.partial.carried)
 
-    def save(self, folder: Path, pending: list[Queued]) -> None:
-        """Write the `pending` steps into checkpoint `folder` (waiting for those still being generated)."""
+    def save(self, folder: Path, pending: Pending) -> None:
+        """Write `pending` into checkpoint `folder` (waiting for the steps still being generated)."""
         if self.ahead is not None:
-            torch.save(Pipeline.saved(pending), folder / AHEAD_FILE)
+            torch.save(Pipeline.saved(pending.queued), folder / AHEAD_FILE)
+        if self.partial is not None:
+            self.partial.save(folder, pending.carried)
 
     def resume(self, folder: Path, seed_stream_state: torch.Tensor, examples_seen: int) -> None:
         """Continue from checkpoint `folder`: the seed stream, the data stream's position, and the
@@ -277,6 +311,8 @@ class Rollouts:
         if self.ahead is not None:
             saved = distributed.on_main(lambda: torch.load(folder / AHEAD_FILE, weights_only=True))
             self.ahead.restore(saved, self.next_prompts)
+        if self.partial is not None:
+            self.partial.restore(folder)
 
     def close(self) -> None:
         if self.ahead is not None:

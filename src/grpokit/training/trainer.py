@@ -84,8 +84,7 @@ from grpokit.rundir.model_card import write_model_card
 from grpokit.rundir.monitor import Monitor
 from grpokit.runtime import distributed, signals
 from grpokit.sampling.evaluation import summarize
-from grpokit.sampling.pipeline import Queued
-from grpokit.sampling.rollouts import Rollouts
+from grpokit.sampling.rollouts import Pending, Rollouts
 from grpokit.sampling.scoring import Scored, Scorer
 from grpokit.training import setup, sharding
 from grpokit.training.metrics import LossMetrics, Pushes, Waste, step_metrics
@@ -473,9 +472,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def capture(self) -> tuple[dict, dict, list[Queued]]:
-        """(RNG states, trainer state, the steps queued ahead) as they are now; every process calls
-        it (a collective)."""
+    def capture(self) -> tuple[dict, dict, Pending]:
+        """(RNG states, trainer state, the steps queued ahead and the groups carried) as they are
+        now; every process calls it (a collective)."""
         rng = {"processes": distributed.gather_lists([rng_state()]),
                "seed_stream": self.rollouts.seed_stream.get_state()}
         p = self.progress
@@ -490,7 +489,7 @@ class Trainer:
         # The steps generated ahead: saved with the checkpoint, their prompts after examples_seen.
         return rng, state, self.rollouts.pending()
 
-    def save_checkpoint(self, captured: tuple[dict, dict, list[Queued]] | None = None) -> Path:
+    def save_checkpoint(self, captured: tuple[dict, dict, Pending] | None = None) -> Path:
         """checkpoints/step-N (rundir/checkpoint.py) from this moment's state, or from a `captured` one
         (the weights and optimizer must not have changed since)."""
         rng, state, pending = captured or self.capture()
@@ -511,14 +510,14 @@ class Trainer:
         self.progress.saved_step = state["step"]
         return path
 
-    def save_after_failure(self, captured: tuple[dict, dict, list[Queued]]) -> None:
+    def save_after_failure(self, captured: tuple[dict, dict, Pending]) -> None:
         """A failure stops the run: save `captured`, the newest state the weights still match, if
         no checkpoint holds it yet, so that fixing the cause and resuming loses nothing."""
         step = captured[1]["step"]
         if step > (self.progress.saved_step or 0):
             try:
                 path = self.save_checkpoint(captured)
-                failed = [q.step for q in captured[2] if q.failed()]
+                failed = captured[2].failed()
                 again = f" (generating step(s) {failed} ahead failed: a resumed run generates them again, with " \
                         "that checkpoint's weights)" if failed else ""
                 self.monitor.write(f"the run stopped after step {step}; that state is saved in {path}{again}")
