@@ -18,6 +18,10 @@ cores:
 - baseline: another checkout's src/ folder (--baseline), with train.micro_batch_size=--micro-batch
   too: say, a worktree of 997ce89, whose decoder ran every completion until the longest ended
   (`git worktree add /tmp/grpokit-997ce89 997ce89`, then --baseline /tmp/grpokit-997ce89/src);
+- partial: this checkout with neither micro-batch setting, and partial rollouts (rollout.partial=true,
+  rollout.partial_tokens=--partial-tokens): a step trains the groups that ended first and carries
+  the others on (sampling/partial.py); its kept tokens per second is the figure to compare, its
+  lengths being those of rounds, not completions;
 - TRL: TRL's GRPOTrainer (pip install 'grpokit[bench]'), in micro-batches of --micro-batch.
 Every process holds its model, reference and optimizer (about 4 GB here), so on a 24 GB machine
 run three at a time at most, and TRL beside one other:
@@ -26,6 +30,7 @@ run three at a time at most, and TRL beside one other:
     python benchmarks/ragged.py --runs packed padded baseline --baseline /tmp/grpokit-997ce89/src
     python benchmarks/ragged.py --runs packed TRL --out benchmarks/results/ragged-trl.md
     python benchmarks/ragged.py --runs default padded --steps 2 --out benchmarks/results/ragged-default.md
+    python benchmarks/ragged.py --runs partial default --steps 6 --threads 1 --out benchmarks/results/ragged-partial.md
 
 Printed per run: step time (median over the steps after the first), and for grpokit the waste
 (metrics.jsonl's waste/decode and waste/passes: token positions computed / tokens kept), where the
@@ -60,7 +65,9 @@ def main() -> int:
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--budget", type=int, default=1024, help="the packed run's train.micro_batch_tokens")
     parser.add_argument("--micro-batch", type=int, default=8, help="the padded run's train.micro_batch_size")
-    parser.add_argument("--runs", nargs="+", default=["packed", "padded"], choices=("packed", "padded", "default", "baseline", "TRL"))
+    parser.add_argument("--partial-tokens", type=int, default=64, help="the partial run's rollout.partial_tokens")
+    parser.add_argument("--runs", nargs="+", default=["packed", "padded"],
+                        choices=("packed", "padded", "default", "partial", "baseline", "TRL"))
     parser.add_argument("--baseline", help="src/ folder of another grpokit checkout (the baseline run)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "ragged.md"))
@@ -76,12 +83,15 @@ def main() -> int:
     bundled_model_path()  # converted once here, not inside a timed process
     padded = (f"train.micro_batch_size={args.micro_batch}",)
     every = {"packed": (grpokit_worker, (None, (f"train.micro_batch_tokens={args.budget}",))),
-             "padded": (grpokit_worker, (None, padded)), "default": (grpokit_worker, (None, ())), "baseline": (grpokit_worker, (args.baseline, padded)),
+             "padded": (grpokit_worker, (None, padded)), "default": (grpokit_worker, (None, ())),
+             "partial": (grpokit_worker, (None, ("rollout.partial=true", f"rollout.partial_tokens={args.partial_tokens}"))),
+             "baseline": (grpokit_worker, (args.baseline, padded)),
              "TRL": (trl_worker, ())}
     runs = {name: every[name] for name in args.runs}
     steps, _ = take_turns(runs, args)  # (peak memory: benchmarks/packed_memory.py measures the pass's)
 
-    first = percentiles(next(rows for rows in steps.values() if "lengths" in rows[0])[0]["lengths"])
+    whole = {n: rows for n, rows in steps.items() if n != "partial"}  # (partial's generations are rounds)
+    first = percentiles(next(rows for rows in whole.values() if "lengths" in rows[0])[0]["lengths"])
     median = {n: statistics.median(s["wall"] for s in rows[1:] or rows) for n, rows in steps.items()}
     reference = args.runs[-1]  # the speed-ups are over the last run named
     lines = [
@@ -91,25 +101,29 @@ def main() -> int:
         f"p90 {first['p90']:.0f}, max {first['max']}, mean {first['mean']:.1f}: the longest is "
         f"{first['max'] / first['mean']:.2f}x the mean (the most dropping the waste can give).",
         "",
-        f"| run | step time, median (s) | waste/decode | waste/passes | ideal (longest / mean) | {reference} / run |",
-        "|---|---|---|---|---|---|",
+        f"| run | step time, median (s) | kept tokens / s | waste/decode | waste/passes | ideal (longest / mean) | "
+        f"{reference} / run |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, rows in steps.items():
-        lengths = [n for r in rows for n in r.get("lengths", ())]
+        lengths = [n for r in rows for n in r.get("lengths", ())] if name != "partial" else []
+        kept = sum(r["generated"] for r in rows[1:] or rows) / sum(r["wall"] for r in rows[1:] or rows)
         ideal = f"{max(lengths) / statistics.mean(lengths):.2f}" if lengths else ""
         waste = [statistics.mean(r["waste"][k] for r in rows) if rows[0].get("waste", {}).get(k) else None
                  for k in ("waste/decode", "waste/passes")]
         if name == "baseline":  # its dynamic decoder ran every completion of a generation to the longest
             waste[0] = statistics.mean(len(r["lengths"]) * max(r["lengths"]) / sum(r["lengths"]) for r in rows)
         cells = ["" if w is None else f"{w:.2f}" for w in waste]
-        lines.append(f"| {name} | {median[name]:.1f} | {cells[0]} | {cells[1]} | {ideal} | "
+        lines.append(f"| {name} | {median[name]:.1f} | {kept:.1f} | {cells[0]} | {cells[1]} | {ideal} | "
                      f"{median[reference] / median[name]:.2f}x |")
     import torch
     import transformers
 
     lines += ["", f"torch {torch.__version__}, transformers {transformers.__version__}; "
               f"packed: train.micro_batch_tokens={args.budget}; padded and baseline: train.micro_batch_size="
-              f"{args.micro_batch}; default: neither; TRL: micro-batches of {args.micro_batch}."]
+              f"{args.micro_batch}; default: neither; partial: neither, rollout.partial_tokens={args.partial_tokens}; "
+              f"TRL: micro-batches of {args.micro_batch}. Kept tokens / s: the completion tokens the steps after the "
+              "first trained, over their time."]
     write_table(lines, args.out)
     return 0
 

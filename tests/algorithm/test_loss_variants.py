@@ -177,6 +177,25 @@ def test_rollout_importance_weight_modes_match_their_formula(is_level, is_mode, 
     assert metrics[IS_MAX].item() == pytest.approx(max(weights), abs=1e-12)
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "cispo", "sapo"])
+@pytest.mark.parametrize("is_level", ["token", "sequence"])
+def test_tokens_of_three_versions_in_one_completion_are_weighed_each_by_its_own_sampler(loss_type, is_level):
+    """Partial rollouts (sampling/partial.py): a completion carried over steps holds tokens sampled by
+    two or three weights versions; each token's sampling log-prob is its own version's, and the
+    importance weight is between the policy before the update and that token's sampler."""
+    logps, old, ref, adv, mask = random_batch(seed=21)
+    mask[:] = 1  # every row whole: its three stretches all trained
+    g = torch.Generator().manual_seed(22)
+    old = logps + 0.5 * torch.randn(logps.shape, generator=g, dtype=torch.float64)
+    # Versions 0, 1, 2 over a completion's thirds: each sampler its own distance from the old policy.
+    version = torch.div(torch.arange(logps.shape[1]) * 3, logps.shape[1], rounding_mode="floor").expand_as(logps)
+    drift = torch.tensor([0.5, 0.2, 0.0], dtype=torch.float64)[version] * 0.1  # the older, the further
+    sampling = old + (drift + 0.1) * torch.randn(logps.shape, generator=g, dtype=torch.float64)
+    assert len(set(version[0].tolist())) == 3
+    compare(loss_type, dict(sampling=sampling, is_level=is_level, cap=1.3), (logps, old, ref, adv, mask),
+            sampling_logps=sampling, is_cap=1.3, is_level=is_level)
+
+
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "sapo"])
 def test_policy_mask_drops_the_policy_term_only(loss_type):
     """top_entropy_quantile's mask: the policy term of unselected tokens goes, their KL stays, the

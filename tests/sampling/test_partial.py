@@ -28,8 +28,9 @@ def without_partial(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith("partial/")} for r in rows]
 
 
-@pytest.mark.parametrize("decoder", ["dynamic", "static"])
-def test_each_token_s_logprob_is_that_of_the_weights_that_sampled_it(decoder):
+@pytest.mark.parametrize("decoder, stops", [("dynamic", False), ("static", False), ("dynamic", True)],
+                         ids=["dynamic", "static", "stopped-when-enough-ended"])
+def test_each_token_s_logprob_is_that_of_the_weights_that_sampled_it(decoder, stops):
     """Six steps of a float64 model, the weights moved between them; many ids end a completion, so
     that lengths differ and some completions are carried over two steps. Every trained token's
     recorded sampling log-prob is its log-prob under the weights of its version given the prompt and
@@ -51,7 +52,8 @@ def test_each_token_s_logprob_is_that_of_the_weights_that_sampled_it(decoder):
     torch.manual_seed(0)
     for version in range(6):
         weights[version] = copy.deepcopy(policy)
-        done = partial.step(version, engine, encode, draw, seeds, params)
+        done = partial.step(version, engine, encode, draw, seeds, params, stops=stops)
+        assert done.metrics["partial/rounds"] <= 2 or not stops  # the second runs until enough ended
         batch = done.batch
         for row, versions in enumerate(done.versions):
             spans.add(len(set(versions)))
@@ -107,10 +109,14 @@ def test_what_partial_rollouts_do_not_go_with_is_refused(setting, message):
 
 
 @pytest.mark.process
-def test_partial_rollouts_through_a_rollout_server_are_the_in_process_run(server, tmp_path):
+def test_partial_rollouts_through_a_rollout_server_are_the_in_process_run(server, tmp_path, monkeypatch):
     """A continuation is a generation from the prompt and the tokens so far: a server samples it as
-    the in-process engine does, under the weights pushed after the update."""
+    the in-process engine does, under the weights pushed after the update (the in-process engine
+    run in rounds of partial_tokens here, as a server's are: not stopped when enough groups ended)."""
     pytest.importorskip("fastapi")
+    from grpokit.sampling import rollouts
+
+    monkeypatch.setattr(rollouts, "TransformersEngine", type("NoEarlyStop", (), {}))
     s = server()
     ends = ["rollout.partial=true", "rollout.partial_tokens=3", "train.max_steps=3"]
     assert main(["train", *RUN, *ends, f"train.output_dir={tmp_path / 'local'}"]) == 0

@@ -10,7 +10,7 @@ joining as places free) or at a static shape (static_decoder.py); decoding.py is
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -128,16 +128,21 @@ class TransformersEngine:
         params: SamplingParams,
         seeds: Sequence[int] | None = None,
         images: list[tuple] | None = None,
+        until: Callable[[torch.Tensor, torch.Tensor], bool] | None = None,
     ) -> RolloutBatch:
+        """As RolloutEngine.generate; `until(stopped, count)`, given, is asked after every token with
+        which completions (N,) have sampled an EOS and how many tokens each has (N,), and stops the
+        generation when it answers true: the others end there, finish reason "length" (partial
+        rollouts, sampling/partial.py). It decodes dynamically then."""
         model = self.model
         was_training = model.training
         model.eval()  # no dropout while sampling
         try:
-            return self._generate(prompts, n, params, seeds, images)
+            return self._generate(prompts, n, params, seeds, images, until)
         finally:
             model.train(was_training)
 
-    def _generate(self, prompts, n, params, seeds, images) -> RolloutBatch:
+    def _generate(self, prompts, n, params, seeds, images, until=None) -> RolloutBatch:
         """Prefill each prompt once, share its key/value cache among its completions, then decode
         the completions together, one token a step."""
         device = self.device
@@ -147,12 +152,12 @@ class TransformersEngine:
         prompt_ids, prompt_mask, logits, next_pos = self._prefill(prompts, cache, device, images)
         prompt_index = torch.repeat_interleave(torch.arange(len(prompts)), counts)  # (N,)
         index = prompt_index.to(device)
-        if self._decoder(device) == "static" and params.max_tokens > 1:
+        if self._decoder(device) == "static" and params.max_tokens > 1 and until is None:
             select_rows(cache, index)  # index the cache instead of recomputing
             decoded = StaticDecoder(self.model, self.pad_id, self.eos_ids, self.lockstep, cache, prompt_mask[index],
                                     next_pos[index], params, uniforms).run(logits[index])
         else:
-            decoded = self._decode(logits, index, prompt_mask, next_pos, params, uniforms, cache, device)
+            decoded = self._decode(logits, index, prompt_mask, next_pos, params, uniforms, cache, device, until)
         batch = decoded.batch(prompt_index, prompt_ids[index], prompt_mask[index])
         self.decoded_positions += decoded.positions
         self.decoded_tokens += int(batch.completion_mask.sum())
@@ -180,7 +185,8 @@ class TransformersEngine:
         )
         return prompt_ids, prompt_mask, out.logits[:, -1], next_pos
 
-    def _decode(self, first, prompt_index, prompt_mask, next_pos, params, uniforms, cache, device) -> Decoded:
+    def _decode(self, first, prompt_index, prompt_mask, next_pos, params, uniforms, cache, device,
+                until=None) -> Decoded:
         """Decode completion i (of N) of prompt prompt_index[i] (N,) from that prompt's row of the
         prefilled `cache`, its logits first[p] (P, V), mask prompt_mask[p] (P, Lp) and next position
         next_pos[p] (P,): sample a token, run it through the model for the logits of the next, until
@@ -231,6 +237,8 @@ class TransformersEngine:
             if waiting == N:
                 prompts = None
             if all_ended(int((~decoded.done(live)).sum()), self.lockstep, device):
+                break
+            if until is not None and waiting == N and until(decoded.finished, decoded.count):
                 break
             attn = torch.cat([attn, torch.ones((len(live), 1), dtype=attn.dtype, device=device)], dim=1)
             logits = self._next_logits(tok, attn, pos, cached)

@@ -3,7 +3,9 @@
 A step's completions decode in rounds of at most rollout.partial_tokens tokens each. The step
 trains train.prompts_per_step (P) groups whose G completions have all ended, those begun earliest
 first. When a round leaves fewer than P ended, rollout.partial_spare new groups start beside the
-others (once a step) and another round decodes every unfinished completion, until P have ended.
+others (once a step) and another round decodes every unfinished completion, until P have ended;
+where the engine can be stopped (the in-process engine's `until`), that second round runs until P
+have ended rather than partial_tokens, so a step makes at most two.
 What the step does not train is carried into the next: ended groups wait there, unfinished
 completions go on under the new weights. A continuation is a generation whose prompt is the
 prompt and the completion's tokens so far, so the engine recomputes that prefix under the new
@@ -91,9 +93,11 @@ class Partial:
         self.dtypes = (torch.float32, torch.float32)  # the engine's sampling log-probs' and entropies' (None: none)
 
     def step(self, version: int, engine, encode: Callable[[Example], list[int]], draw: Callable[[int], list[Example]],
-             seeds: Callable[[int], torch.Tensor], params: SamplingParams) -> Step:
+             seeds: Callable[[int], torch.Tensor], params: SamplingParams, stops: bool = False) -> Step:
         """A step sampling with weights `version`: encode(example) gives a prompt's token ids,
-        draw(k) the data stream's next k examples, seeds(n) n sampling seeds from the seed stream."""
+        draw(k) the data stream's next k examples, seeds(n) n sampling seeds from the seed stream;
+        `stops`: the engine's generate takes `until` (the in-process engine), so the rounds after
+        the first run until enough groups have ended rather than partial_tokens each."""
         pool = copy.deepcopy(self.carried)
         dropped = [g for g in pool if version - g.begun > self.max_lag]
         pool = [g for g in pool if not any(g is d for d in dropped)]
@@ -104,7 +108,7 @@ class Partial:
             if rounds and not spared:  # the first round left too few ended: more groups beside them
                 pool += self._start(draw(self.spare), encode, version)
                 drawn, spared = drawn + self.spare, True
-            batch = self._round(engine, pool, version, seeds, params)
+            batch = self._round(engine, pool, version, seeds, params, stops and spared)
             self.dtypes = (batch.sampling_logps.dtype, None if batch.entropies is None else batch.entropies.dtype)
             rounds += 1
         trained = sorted(ended, key=lambda g: g.begun)[:self.P]  # (stable: in the pool's order)
@@ -124,25 +128,42 @@ class Partial:
     def _start(self, examples: list[Example], encode, version: int) -> list[Group]:
         return [Group(e, encode(e), [Completion([], [], [], []) for _ in range(self.G)], version) for e in examples]
 
-    def _round(self, engine, pool: list[Group], version: int, seeds, params: SamplingParams) -> RolloutBatch:
-        """Decode every unfinished completion of `pool` by at most partial_tokens tokens: a fresh
-        group from its prompt (one prefill for its G completions), a begun one from its prompt and
-        tokens so far. The engine's batch of this round."""
-        prompts, counts, targets = [], [], []
+    def _round(self, engine, pool: list[Group], version: int, seeds, params: SamplingParams,
+               until_enough: bool = False) -> RolloutBatch:
+        """Decode every unfinished completion of `pool`: a fresh group from its prompt (one prefill
+        for its G completions), a begun one from its prompt and tokens so far; by at most
+        partial_tokens tokens, or, `until_enough`, until train.prompts_per_step groups of the pool
+        have ended (the engine asked after every token). The engine's batch of this round."""
+        prompts, counts, targets, owners = [], [], [], []
         for g in pool:
             if g.fresh:
                 prompts.append(g.prompt)
                 counts.append(self.G)
                 targets += g.completions
+                owners.append(list(range(len(targets) - self.G, len(targets))))
             else:
+                mine = []
                 for c in g.completions:
                     if c.finish is None:
                         prompts.append(g.prompt + c.tokens)
                         counts.append(1)
                         targets.append(c)
-        room = max(self.longest - len(c.tokens) for c in targets)
-        batch = engine.generate(prompts, counts, replace(params, max_tokens=min(self.budget, room)),
-                                seeds(len(targets)).tolist())
+                        mine.append(len(targets) - 1)
+                if mine:
+                    owners.append(mine)
+        rooms = [self.longest - len(c.tokens) for c in targets]
+        extra = {}
+        if until_enough:
+            ended_before, room = sum(g.ended for g in pool), torch.tensor(rooms)
+
+            def enough(stopped: torch.Tensor, count: torch.Tensor) -> bool:
+                done = (stopped.cpu() | (count.cpu() >= room)).tolist()  # (N,) each row ended, in its room
+                return ended_before + sum(all(done[r] for r in rows) for rows in owners) >= self.P
+
+            extra = {"until": enough}
+        batch = engine.generate(prompts, counts, replace(params, max_tokens=max(rooms) if until_enough else
+                                                         min(self.budget, max(rooms))), seeds(len(targets)).tolist(),
+                                **extra)
         lengths = batch.completion_mask.sum(-1).tolist()
         for i, (c, n, reason) in enumerate(zip(targets, lengths, batch.finish_reasons)):
             kept = min(n, self.longest - len(c.tokens))  # (a row with less room than the round's is cut)

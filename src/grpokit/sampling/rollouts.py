@@ -27,6 +27,7 @@ from grpokit.multiturn.kinds import RolloutKind
 from grpokit.rewards.reward_set import merge_metrics
 from grpokit.rollout.batch import RolloutBatch, SamplingParams
 from grpokit.rollout.protocols import engine_class, make_engine
+from grpokit.rollout.transformers_engine import TransformersEngine
 from grpokit.rollout.weights import named_weights
 from grpokit.runtime import distributed
 from grpokit.runtime.errors import ConfigError
@@ -136,7 +137,8 @@ class Rollouts:
         if self.remote:
             self._hand_weights_to_server()
         done = self.partial.step(step - 1, self.engine, kind.encoder, lambda k: [next(self.stream) for _ in range(k)],
-                                 lambda n: torch.randint(0, 2**62, (n,), generator=self.seed_stream), self.sampling)
+                                 lambda n: torch.randint(0, 2**62, (n,), generator=self.seed_stream), self.sampling,
+                                 stops=isinstance(self.engine, TransformersEngine))
         self.is_correction = self.always_corrected or (self.config.rollout.is_correction and done.lagged)
         return Sampled(done.examples, done.batch, scorer.score(done.examples, done.batch, state), done.metrics,
                        done.drawn)
