@@ -124,3 +124,16 @@ def test_partial_rollouts_through_a_rollout_server_are_the_in_process_run(server
                  f"train.output_dir={tmp_path / 'served'}"]) == 0
     assert max(r["partial/lag_max"] for r in metric_rows(tmp_path / "served") if "loss" in r) >= 1
     assert_same_run(tmp_path / "served", tmp_path / "local")
+
+
+def test_carried_completions_train_alike_in_any_micro_batches(tmp_path):
+    """float64: a run with carried completions is the same run, to rounding, whatever its micro-batch
+    size (the trained batch is a batch like any other)."""
+    from support.runs import assert_close_metrics
+
+    ends = ["model.dtype=float64", "rollout.partial=true", "rollout.partial_tokens=3", "train.max_steps=3"]
+    for size in (8, 2):
+        assert main(["train", *RUN, *ends, f"train.micro_batch_size={size}", f"train.output_dir={tmp_path / str(size)}"]) == 0
+    rows = untimed_metrics(tmp_path / "8")
+    assert max(r["partial/lag_max"] for r in rows if "loss" in r) >= 1
+    assert_close_metrics(rows, untimed_metrics(tmp_path / "2"))
