@@ -126,10 +126,14 @@ def test_partial_rollouts_through_a_rollout_server_are_the_in_process_run(server
     assert_same_run(tmp_path / "served", tmp_path / "local")
 
 
-def test_carried_completions_train_alike_in_any_micro_batches(tmp_path):
+def test_carried_completions_train_alike_in_any_micro_batches(tmp_path, monkeypatch):
     """float64: a run with carried completions is the same run, to rounding, whatever its micro-batch
     size (the trained batch is a batch like any other)."""
+    from support.exact import rmsnorm_in_input_dtype
     from support.runs import assert_close_metrics
+    from transformers.models.llama import modeling_llama
+
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", rmsnorm_in_input_dtype)  # float64 throughout
 
     ends = ["model.dtype=float64", "rollout.partial=true", "rollout.partial_tokens=3", "train.max_steps=3"]
     for size in (8, 2):
