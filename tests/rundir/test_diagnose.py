@@ -114,3 +114,23 @@ def test_a_real_run_writes_alerts_completions_and_tensorboard(tmp_path, capsys):
     metrics = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
     assert [e.step for e in rewards] == list(range(1, 23))
     assert all(math.isclose(e.value, metrics[e.step]["reward"], rel_tol=1e-6) for e in rewards)
+
+
+def test_the_lag_alert_speaks_of_lagged_tokens_and_out_of_bounds_importance_weights():
+    """Partial rollouts (or generating ahead): a mean lag of a version or more, or importance weights
+    out of their bounds on a growing share of tokens, is said with what lowers the lag."""
+    facts = RunFacts(0.0, 1e-5, 8, 8, 64)
+
+    def rows(lags, outside):
+        rng = random.Random(0)
+        return [{**healthy_row(step, rng), "partial/lag_mean": lag, "sampling/is_truncated_fraction": share}
+                for step, (lag, share) in enumerate(zip(lags, outside), start=1)]
+
+    lagged = diagnose(rows([0.2, 1.1, 1.3, 1.2], [0.0] * 4), facts)
+    assert [(f.kind, f.step) for f, _ in lagged] == [("lag", 4)]
+    assert "sampled 1.20 weight versions before their step" in lagged[0][0].evidence
+    assert "rollout.partial_tokens" in lagged[0][0].suggestion
+    clipped = diagnose(rows([0.3] * 4, [0.05, 0.15, 0.25, 0.35]), facts)
+    assert [(f.kind, f.step) for f, _ in clipped] == [("lag", 4)]
+    assert "25% of the importance weights fell outside their bounds" in clipped[0][0].evidence
+    assert diagnose(rows([0.3] * 4, [0.3, 0.3, 0.3, 0.2]), facts) == []  # high but not growing

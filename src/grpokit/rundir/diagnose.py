@@ -30,6 +30,11 @@ compares windows of WINDOW steps (medians or means, robust to a single odd step)
 - `waste`: over the last WASTE_STEPS steps (it shows from the first), the mean waste/passes or
   waste/decode (token positions computed / tokens kept, training/metrics.py `Waste`) is above
   2: more than half of that compute went to padding or to completions that had ended.
+- `lag`: over the last LAG_STEPS steps (it shows from the first), the trained tokens' mean lag
+  (partial/lag_mean: versions between the weights that sampled a token and the step's, partial
+  rollouts) averaged LAG_MEAN or more, or the share of importance weights outside their bounds
+  (sampling/is_truncated_fraction or is_masked_fraction) averaged OUTSIDE or more and grew from the
+  first to the last of them: the trainer learns from samples the current policy would not draw.
 - `agents`: in the last step, rollouts' agents failed (agents/failed) or requests of theirs were
   refused (agents/refused_requests): a failed rollout gets no reward.
 """
@@ -245,6 +250,26 @@ def waste(rows, evals, facts) -> Finding | None:
     return None
 
 
+LAG_STEPS, LAG_MEAN, OUTSIDE = 3, 1.0, 0.2
+LAG_FIX = ("lower the lag: a larger rollout.partial_tokens or a smaller rollout.partial_spare (fewer groups carried), a "
+           "smaller rollout.partial_max_lag or rollout.max_staleness, or a lower train.learning_rate (the policy then "
+           "moves less between the sampler's weights and the trainer's)")
+
+
+def lag(rows, evals, facts) -> Finding | None:
+    recent = rows[-LAG_STEPS:]
+    lags = _values(recent, "partial/lag_mean")
+    if len(lags) == LAG_STEPS and (mean := statistics.fmean(lags)) >= LAG_MEAN:
+        return Finding("lag", recent[-1]["step"], f"the trained tokens were sampled {mean:.2f} weight versions before "
+                       f"their step on average over {_span(recent)}", LAG_FIX)
+    for key in ("sampling/is_truncated_fraction", "sampling/is_masked_fraction"):
+        outside = _values(recent, key)
+        if len(outside) == LAG_STEPS and statistics.fmean(outside) >= OUTSIDE and outside[-1] > outside[0]:
+            return Finding("lag", recent[-1]["step"], f"{statistics.fmean(outside):.0%} of the importance weights fell "
+                           f"outside their bounds over {_span(recent)} ({key}), and the share grows", LAG_FIX)
+    return None
+
+
 def agents(rows, evals, facts) -> Finding | None:
     last = rows[-1] if rows else {}
     failed, refused = last.get("agents/failed") or 0, last.get("agents/refused_requests") or 0
@@ -258,7 +283,7 @@ def agents(rows, evals, facts) -> Finding | None:
                    "error); a failed rollout gets no reward (docs/agents.md, When an agent fails)")
 
 
-RULES = (grad_norm, clip_ratio, zero_std, reward_flat, truncation, kl, waste, agents)
+RULES = (grad_norm, clip_ratio, zero_std, reward_flat, truncation, kl, waste, lag, agents)
 
 
 class Watch:
