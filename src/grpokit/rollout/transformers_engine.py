@@ -236,9 +236,8 @@ class TransformersEngine:
                 attn, changed = _trimmed(cache, attn), False
             if waiting == N:
                 prompts = None
-            if all_ended(int((~decoded.done(live)).sum()), self.lockstep, device):
-                break
-            if until is not None and waiting == N and until(decoded.finished, decoded.count):
+            if all_ended(int((~decoded.done(live)).sum()), self.lockstep, device) or \
+                    until is not None and waiting == N and until(decoded.finished, decoded.count):
                 break
             attn = torch.cat([attn, torch.ones((len(live), 1), dtype=attn.dtype, device=device)], dim=1)
             logits = self._next_logits(tok, attn, pos, cached)
