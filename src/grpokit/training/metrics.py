@@ -191,6 +191,9 @@ class Pushes:
         self.seen = self._counts()
 
     def step(self) -> dict:
+        if not self.rollouts.remote:  # an engine of its own process pushes nothing: no collective per step
+            return {}
+
         def pushed() -> dict:
             (bytes_before, before), (bytes_now, now) = self.seen, self._counts()
             return {"weights/push_bytes": (bytes_now - bytes_before) / (now - before)} if now > before else {}
