@@ -261,6 +261,59 @@ def test_a_vision_run_samples_with_vllm(fake_vllm, monkeypatch, tmp_path):
     assert "sampling/importance_sampling_ratio/mean" in row  # vLLM's log-probs are not the trainer's
 
 
+class RaggedLLM(FakeLLM):
+    """Each seeded completion samples token 3 until a length its seed sets (1 to 5 tokens), then stops."""
+
+    def generate(self, prompts, sampling, use_tqdm=True, lora_request=None):
+        self.calls.append(("generate", prompts, sampling))
+        outputs = []
+        for params in sampling:
+            wanted = params.seed % 5 + 1
+            ids = [3] * min(wanted, params.max_tokens)
+            outputs.append(RequestOutput([CompletionOutput(ids, [{3: Logprob(-0.5)}] * len(ids),
+                                                           "stop" if wanted <= params.max_tokens else "length")]))
+        return outputs
+
+
+def test_partial_rollouts_continue_through_vllm_under_each_step_s_weights(fake_vllm, monkeypatch, tmp_path):
+    """rollout.partial with vLLM in the process: a round is one generate call; an unfinished
+    completion goes on in the next step as a request whose prompt is its prompt and its tokens so
+    far, after the new weights are loaded; the lagged tokens are corrected."""
+    from grpokit.config.loading import load_config
+    from grpokit.models.loading import load_model, load_tokenizer
+    from grpokit.runtime import distributed
+    from grpokit.training.trainer import Trainer
+
+    monkeypatch.setattr(fake_vllm, "LLM", RaggedLLM)
+    monkeypatch.setattr(distributed, "init", lambda: torch.device("cpu"))  # vLLM "sees" a GPU; the trainer runs here
+    run = tmp_path / "run"
+    config = load_config(None, ["model.name=/models/x", "reward.functions=[length]", "rollout.engine=vllm",
+                                "train.max_steps=4", "train.prompts_per_step=2", "rollout.num_generations=3",
+                                "rollout.max_completion_length=6", "rollout.partial=true", "rollout.partial_tokens=2",
+                                "data.eval_size=0", f"train.output_dir={run}"])
+    trainer = Trainer(config, progress=False, model=load_model("tiny-random"), tokenizer=load_tokenizer("tiny-random"))
+    trainer.train()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["partial/carried_groups"] for r in rows) and max(r["partial/lag_max"] for r in rows) >= 1
+    assert all("sampling/importance_sampling_ratio/mean" in r for r in rows)
+    calls, fresh, continued = trainer.rollouts.engine.llm.calls, [], 0
+    for call in calls:
+        if call[0] != "generate":
+            continue
+        for request, params in zip(call[1], call[2]):
+            ids = request["prompt_token_ids"]
+            starts = [f for f in fresh if ids[:len(f)] == f and set(ids[len(f):]) <= {3} and len(ids) - len(f) < 6]
+            if starts and len(ids) > len(starts[0]):
+                continued += 1
+                assert params.max_tokens <= 6 - (len(ids) - len(starts[0]))  # no more than its room
+            else:
+                fresh.append(ids)
+    assert continued
+    # Every step's weights reach vLLM before its first round (the first step's: those loaded).
+    loads = [i for i, call in enumerate(calls) if call[0] == "collective_rpc"]
+    assert len(loads) == 4, [c[0] for c in calls]
+
+
 def test_vllm_loads_the_assembled_vision_model_and_not_the_in_memory_ones(monkeypatch):
     from grpokit.models import bundled
     from grpokit.rollout.vllm_engine import model_path

@@ -95,6 +95,36 @@ def test_a_stopped_run_resumes_with_its_carried_completions_bit_for_bit(tmp_path
     assert_same_run(tmp_path / "stopped", tmp_path / "straight", steps=4)
 
 
+@pytest.mark.process
+def test_killed_at_a_random_moment_a_run_resumes_with_its_carried_completions(tmp_path):
+    """SIGKILL anywhere (in a step's rounds, its update, a checkpoint's write), then resume: the
+    uninterrupted run, bit for bit."""
+    import random
+    import time
+
+    from support.processes import grpokit
+    from grpokit.rundir.folder import read_metrics
+
+    args = ["train", *RUN, "rollout.partial=true", "rollout.partial_tokens=3", "train.save_every=2",
+            "train.max_steps=12"]
+    assert main([*args, f"train.output_dir={tmp_path / 'straight'}"]) == 0
+    rng = random.Random()  # (the module's random is seeded per test)
+    out, at = tmp_path / "killed", rng.randrange(3, 9)
+    print("killed after step", at)
+    process = grpokit(*args, f"train.output_dir={out}")
+    deadline = time.monotonic() + 120
+    while not ((out / "metrics.jsonl").exists() and sum("loss" in r for r in read_metrics(out / "metrics.jsonl")) >= at):
+        assert process.poll() is None and time.monotonic() < deadline, "the run ended before the moment chosen"
+        time.sleep(0.01)
+    time.sleep(rng.uniform(0, 0.3))  # anywhere in the following step
+    assert process.poll() is None
+    process.kill()
+    process.wait()
+    assert not (out / "final").exists()
+    assert main([*args, f"train.output_dir={out}"]) == 0
+    assert_same_run(out, tmp_path / "straight", steps=12)
+
+
 @pytest.mark.parametrize("setting, message", [
     (["rollout.partial=true", "rollout.is_correction=false"], "the importance weights are what corrects for that"),
     (["rollout.partial=true", "rollout.dynamic_sampling=true"], "rollout.partial with rollout.dynamic_sampling"),

@@ -210,17 +210,23 @@ def test_a_server_that_is_down_or_mute_is_a_clear_error_in_bounded_time(tmp_path
 
 
 @pytest.mark.process
-@pytest.mark.parametrize("staleness", [0, 1])
-def test_two_trainer_processes_share_one_server(server, tmp_path, staleness):
+@pytest.mark.parametrize("sampling", [["rollout.max_staleness=0"], ["rollout.max_staleness=1"],
+                                      ["rollout.partial=true", "rollout.partial_tokens=3",
+                                       "rollout.max_completion_length=12"]],
+                         ids=["in-turn", "generated-ahead", "partial"])
+def test_two_trainer_processes_share_one_server(server, tmp_path, sampling):
     """Process 0 alone talks to the server; process 1 gets its rows. The 2-process run equals the
-    1-process run (float64: the sums over processes agree to rounding), generated ahead or not."""
+    1-process run (float64: the sums over processes agree to rounding), generated ahead or not, or
+    with partial rollouts (process 0's rounds handed to both, which carry the same groups)."""
     s = server("--dtype", "float64")
     args = [*SERVER_RUN, "model.dtype=float64", "train.max_steps=2", "rollout.engine=server",
-            f"rollout.server_url={s.url}", f"rollout.max_staleness={staleness}"]
+            f"rollout.server_url={s.url}", *sampling]
     for nproc in (1, 2):
         torchrun(nproc, ["-m", "grpokit", "train", *args, f"train.output_dir={tmp_path / f'p{nproc}'}"], tmp_path)
     one, two = untimed_metrics(tmp_path / "p1"), untimed_metrics(tmp_path / "p2")
     assert len(one) == len(two) == 4  # evaluations at steps 0 and 2, steps 1 and 2
+    if "rollout.partial=true" in sampling:
+        assert max(r.get("partial/lag_max", 0) for r in one) >= 1  # a completion went on under new weights
     assert_close_metrics(one, two)
 
 

@@ -325,6 +325,20 @@ def test_dynamic_sampling_is_the_same_run_on_two_processes(tmp_path):
 
 
 @pytest.mark.process
+def test_partial_rollouts_are_the_same_run_on_two_processes(tmp_path):
+    """rollout.partial: groups carried from step to step, completions of tokens of two versions
+    (sampling/partial.py); 1 and 2 processes log the same metrics and end with the same weights
+    (under FSDP2: test_sharding.py)."""
+    overrides = ["train.prompts_per_step=2", "rollout.num_generations=4", "train.max_steps=4", "algorithm.beta=0.04",
+                 "rollout.partial=true", "rollout.partial_tokens=2"]
+    one, two = run_worker(tmp_path, "train", overrides)
+    assert update_difference(one["start"], one["params"], two[0]["params"]) < EXACT
+    rows = [metric_rows(tmp_path / f"p{n}" / "run") for n in (1, 2)]
+    assert any(r["partial/carried_groups"] for r in rows[0]) and max(r["partial/lag_max"] for r in rows[0]) >= 1
+    assert_close_metrics(*rows)
+
+
+@pytest.mark.process
 def test_the_process_count_does_not_change_a_run(tmp_path):
     """Each completion samples from its own seed: 1 and 2 processes make the same 3-step run."""
     overrides = ["train.prompts_per_step=2", "rollout.num_generations=4", "train.max_steps=3",

@@ -105,6 +105,17 @@ def test_a_sharded_run_equals_the_one_process_run(name, one_process, tmp_path):
     load_model(str(tmp_path / "run" / "final"))  # a plain Hugging Face folder
 
 
+def test_partial_rollouts_under_fsdp2_equal_the_one_process_run(tmp_path):
+    """rollout.partial with sharded weights, whose forwards are collective: every process decodes
+    the same rounds and carries the same groups (sampling/rollouts.py), then keeps its rows."""
+    partial = ["train.max_steps=3", "rollout.partial=true", "rollout.partial_tokens=3", "rollout.max_completion_length=12"]
+    train(tmp_path, "one", *partial)
+    train(tmp_path, "run", *partial, config=EXAMPLES / "cpu-2-processes-fsdp2.yaml")
+    rows = [r for r in metric_rows(tmp_path / "one") if "loss" in r]
+    assert any(r["partial/carried_groups"] for r in rows) and max(r["partial/lag_max"] for r in rows) >= 1
+    assert_same_run_to_rounding(tmp_path / "run", tmp_path / "one")
+
+
 def test_a_run_resumes_across_engines(one_process, tmp_path):
     """Checkpoints hold full weights and the full AdamW state whatever the engine: step 0 (no
     AdamW state yet) and step 1 under FSDP2, step 2 under DeepSpeed ZeRO-2 with the AdamW state

@@ -545,8 +545,6 @@ def _check_rollout_kind(c: Config, facts: Facts) -> list[str]:
                              (several and r.dynamic_sampling, "rollout.dynamic_sampling on several processes: the kept "
                               "groups' outcomes would have to move between processes")]:
             p.need(not refused, f"rollout.agent={r.agent} with {why}: not supported")
-    p.need(not (r.partial and several), f"rollout.partial on {launch.world_size} processes is not supported yet: the "
-           "completions carried from step to step live in one process; use one")
     p.need(not (r.partial and vision), "rollout.partial with a vision-language model is not supported yet (its "
            "prompts' images are not carried)")
     p.need(not (vision and lockstep), "sharded weights (FSDP2, ZeRO-3) with a vision-language model are not supported "

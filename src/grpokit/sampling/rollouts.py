@@ -130,18 +130,21 @@ class Rollouts:
         return Sampled(examples, batch, scorer.score(examples, batch, state), {}, len(examples))
 
     def _partial(self, step: int, scorer: Scorer, state) -> Sampled:
-        """Step `step` of partial rollouts (partial.py), with the weights after step - 1 (one process:
-        config/checks.py); a carried token's sampling log-prob is corrected for the lag (the
-        trainer reads is_correction as the step trains)."""
-        kind = self.kind
+        """Step `step` of partial rollouts (partial.py), with the weights after step - 1; a carried
+        token's sampling log-prob is corrected for the lag (the trainer reads is_correction as the
+        step trains). Every process runs the same rounds and carries the same groups, then keeps its
+        rows of the trained ones: an in-process engine decodes each whole round on every process
+        (the same tokens: a seed per completion, the same weights; under sharded weights its
+        forwards are collective anyway), a remote one's rounds are process 0's, handed to all."""
+        engine = _OnMain(self.engine) if self.remote else self.engine
         if self.remote:
             self._hand_weights_to_server()
-        done = self.partial.step(step - 1, self.engine, kind.encoder, lambda k: [next(self.stream) for _ in range(k)],
+        done = self.partial.step(step - 1, engine, self.kind.encoder, lambda k: [next(self.stream) for _ in range(k)],
                                  lambda n: torch.randint(0, 2**62, (n,), generator=self.seed_stream), self.sampling,
                                  stops=isinstance(self.engine, TransformersEngine))
         self.is_correction = self.always_corrected or (self.config.rollout.is_correction and done.lagged)
-        return Sampled(done.examples, done.batch, scorer.score(done.examples, done.batch, state), done.metrics,
-                       done.drawn)
+        batch = self._own_rows(done.batch)
+        return Sampled(done.examples, batch, scorer.score(done.examples, batch, state), done.metrics, done.drawn)
 
     def queue(self, step: int) -> None:
         """Generating ahead, before step `step` trains: queue the steps up to step + k not queued
@@ -167,7 +170,7 @@ class Rollouts:
                               seeds[self.rows].tolist())
 
     def _own_rows(self, batch: RolloutBatch) -> RolloutBatch:
-        """This process's rows of a whole step a remote engine generated (in host memory), on its device."""
+        """This process's rows of a whole step (a remote engine's in host memory), on its device."""
         return (batch if distributed.world_size() == 1 else batch.select(self.rows)).to(self.device)
 
     def _generate(self, examples: list[Example], counts: list[int], params: SamplingParams,
@@ -322,3 +325,14 @@ class Rollouts:
         self.kind.close()
         if self.engine is not None:
             self.engine.close()
+
+
+class _OnMain:
+    """A remote engine, which process 0 alone reaches, as every process's: each generation runs on
+    process 0 and its batch (in host memory) reaches every process."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def generate(self, *args, **kwargs) -> RolloutBatch:
+        return distributed.on_main(lambda: self.engine.generate(*args, **kwargs).to(torch.device("cpu")))
