@@ -31,6 +31,7 @@ run three at a time at most, and TRL beside one other:
     python benchmarks/ragged.py --runs packed TRL --out benchmarks/results/ragged-trl.md
     python benchmarks/ragged.py --runs default padded --steps 2 --out benchmarks/results/ragged-default.md
     python benchmarks/ragged.py --runs partial default --steps 6 --threads 1 --out benchmarks/results/ragged-partial.md
+    python benchmarks/ragged.py --runs partial TRL --steps 3 --threads 1 --out benchmarks/results/ragged-partial-trl.md
 
 Printed per run: step time (median over the steps after the first), and for grpokit the waste
 (metrics.jsonl's waste/decode and waste/passes: token positions computed / tokens kept), where the
@@ -90,16 +91,19 @@ def main() -> int:
     runs = {name: every[name] for name in args.runs}
     steps, _ = take_turns(runs, args)  # (peak memory: benchmarks/packed_memory.py measures the pass's)
 
-    whole = {n: rows for n, rows in steps.items() if n != "partial"}  # (partial's generations are rounds)
-    first = percentiles(next(rows for rows in whole.values() if "lengths" in rows[0])[0]["lengths"])
+    # (partial's generations are rounds, and TRL's lengths are not recorded)
+    recorded = [rows for n, rows in steps.items() if n != "partial" and "lengths" in rows[0]]
+    spread = "Completion lengths not recorded (no run of whole generations)."
+    if recorded:
+        first = percentiles(recorded[0][0]["lengths"])
+        spread = (f"Completion lengths at step 1 (seed 0): p10 {first['p10']:.0f}, p50 {first['p50']:.0f}, p90 "
+                   f"{first['p90']:.0f}, max {first['max']}, mean {first['mean']:.1f}: the longest is "
+                   f"{first['max'] / first['mean']:.2f}x the mean (the most dropping the waste can give).")
     median = {n: statistics.median(s["wall"] for s in rows[1:] or rows) for n, rows in steps.items()}
     reference = args.runs[-1]  # the speed-ups are over the last run named
     lines = [
         f"{args.steps} steps each, alternated; {args.prompts} x {args.generations} completions of at most "
-        f"{args.max_completion_length} tokens per step, temperature 1, on {args.threads} CPU threads. "
-        f"Completion lengths at step 1 (seed 0): p10 {first['p10']:.0f}, p50 {first['p50']:.0f}, "
-        f"p90 {first['p90']:.0f}, max {first['max']}, mean {first['mean']:.1f}: the longest is "
-        f"{first['max'] / first['mean']:.2f}x the mean (the most dropping the waste can give).",
+        f"{args.max_completion_length} tokens per step, temperature 1, on {args.threads} CPU threads. {spread}",
         "",
         f"| run | step time, median (s) | kept tokens / s | waste/decode | waste/passes | ideal (longest / mean) | "
         f"{reference} / run |",

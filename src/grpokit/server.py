@@ -12,7 +12,11 @@ HTTP (FastAPI) carries control; tensors go over a torch.distributed group (weigh
   for a vision-language model, each prompt's images (PNG files, base64: lossless, so the server
   sees the trainer's pixels).
   Returns each completion's token ids, sampling log-probs, entropies (or null when the engine does
-  not measure them) and finish reason, and the `weights_version` and `weights_step` sampled with. Answers 409 when the fingerprint differs (the body lists
+  not measure them) and finish reason, and the `weights_version` and `weights_step` sampled with.
+  With `in_flight`, weight pushes land during the generation, between two decode steps
+  (rollout/in_flight.py): it begins with the weights expected or newer ones of the same trainer,
+  and each completion says the `weights_steps` of its tokens (`/health`'s `in_flight`: the
+  transformers engine, text models). Answers 409 when the fingerprint differs (the body lists
   what differs), when the weights are not the expected ones (`"stale weights"`: the trainer
   pushes them again), or when another trainer has joined since (one server serves one trainer);
   422 for a malformed request.
@@ -56,6 +60,7 @@ from grpokit.models.teacher import vocabulary_digest
 from grpokit.multiturn.endpoint import KEEP_ALIVE_S, Endpoint
 from grpokit.multiturn.tool_formats import Replies
 from grpokit.rollout.batch import SamplingParams, alternatives
+from grpokit.rollout.in_flight import Pushes
 from grpokit.rollout.protocols import ServedEngine
 from grpokit.rollout.weights import WeightGroup, device_id, fingerprint_differences, layout_hash
 from grpokit.rollout.wire import BASE_DIFFERS, STALE_WEIGHTS, TAKEN_OVER
@@ -85,6 +90,9 @@ class GenerateRequest(BaseModel):
     sampling: Sampling
     seeds: list[int] | None = None
     images: list[list[str]] | None = None  # a vision-language model's: each prompt's images, PNG in base64
+    # Weight pushes may land during it, between two decode steps (rollout/in_flight.py): it begins
+    # with the weights expected or newer ones, and each token is tagged with its weights' step.
+    in_flight: bool = False
 
 
 class GroupRequest(BaseModel):
@@ -167,13 +175,14 @@ class RolloutService:
         self.base_checksum = self.checksum
         self.group: WeightGroup | None = None
         self.lock = threading.Lock()  # generation and a weight update never overlap
+        self.pushes = Pushes()  # those waiting: a generation in flight lets them in between two tokens
 
     def health(self) -> dict:
         return {"status": "ok", "engine": self.engine_name, "model": self.model_name, "device": self.device,
                 "fingerprint": self.fingerprint, "boot_id": self.boot_id, "session": self.session,
                 "weights_version": self.version, "weights_step": self.weights_step, "checksum": self.checksum,
                 "vocabulary": self.vocabulary, "adapters": self.engine.takes_adapters,
-                "base_checksum": self.base_checksum}
+                "base_checksum": self.base_checksum, "in_flight": self.engine.stops_between_tokens}
 
     def logprobs(self, request: LogprobsRequest) -> dict:
         """POST /logprobs: the served model's log-probs of each completion's tokens (a teacher's, models/teacher.py)."""
@@ -219,11 +228,12 @@ class RolloutService:
             raise Refused(409, f"this server generates with model {self.model_name} ({self.engine_name}), which "
                                "does not match the trainer's:\n  " + "\n  ".join(differences))
 
-    def _check_weights(self, session: str | None, version: int) -> None:
-        """Under the lock: the request expects the weights this server holds."""
+    def _check_weights(self, session: str | None, version: int, newer: bool = False) -> None:
+        """Under the lock: the request expects the weights this server holds (`newer`: or newer ones
+        its trainer pushed since)."""
         if self.session is not None and session != self.session:
             raise Refused(409, TAKEN_OVER)
-        if self.session is None or version != self.version:
+        if self.session is None or version != self.version and not (newer and version < self.version):
             raise Refused(409, STALE_WEIGHTS)
 
     def generate(self, request: GenerateRequest) -> dict:
@@ -237,6 +247,8 @@ class RolloutService:
         if params.temperature > 0 and (request.seeds is None or len(request.seeds) != sum(request.n)):
             raise Refused(422, f"sampling needs one seed per completion ({sum(request.n)})")
         images = self._images(request)
+        if request.in_flight:
+            return self._in_flight(request, params, images)
         with self.lock:
             self._check_weights(request.session, request.weights_version)
             batch = self.engine.generate(request.prompts, request.n, params, request.seeds, **images)
@@ -253,6 +265,25 @@ class RolloutService:
             for c, logps, ids, k in zip(completions, batch.top_logps.tolist(), batch.top_ids.tolist(), lengths):
                 c["top_logprobs"] = alternatives(ids[:k], logps[:k])
         return {"weights_version": version, "weights_step": step, "completions": completions}
+
+    def _in_flight(self, request: GenerateRequest, params: SamplingParams, images: dict) -> dict:
+        """/generate letting weight pushes in between two decode steps (rollout/in_flight.py)."""
+        if not self.engine.stops_between_tokens or images or params.top_logprobs:
+            raise Refused(422, f"in_flight: the {self.engine_name} engine of a text model takes weight pushes during a "
+                               "generation, without alternatives per token (top_logprobs); this one cannot")
+        start = {}
+
+        def weights() -> int | None:  # (under the lock)
+            if not start:
+                self._check_weights(request.session, request.weights_version, newer=True)
+                start.update(session=self.session, version=self.version, step=self.weights_step)
+            elif self.session != start["session"] or self.version < 0:  # taken over, or a failed push
+                raise Refused(409, TAKEN_OVER if self.session is not None else STALE_WEIGHTS)
+            return self.weights_step
+
+        completions = self.pushes.generate(self.engine, self.lock, request.prompts, request.n, params, request.seeds,
+                                           weights)
+        return {"weights_version": start["version"], "weights_step": start["step"], "completions": completions}
 
     def _images(self, request: GenerateRequest) -> dict:
         """The engine's `images` argument from the request's (none for a text model)."""
@@ -287,7 +318,7 @@ class RolloutService:
 
     def update(self, request: UpdateRequest) -> dict:
         self.check_fingerprint(request.fingerprint)
-        with self.lock:
+        with self.pushes.arriving(), self.lock:  # (a generation in flight stops at its next token for it)
             if self.session is not None and request.session != self.session:
                 raise Refused(409, TAKEN_OVER)
             if self.group is None:

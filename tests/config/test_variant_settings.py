@@ -49,6 +49,8 @@ CASES = {
                              ["rollout.tools=[my_tools.py:add]"]),
     "rollout.agent_timeout": ("60", [], "rollout.agent=null", ["rollout.agent=my_agent.py:agent"]),
     "rollout.max_sampling_rounds": ("2", [], "rollout.dynamic_sampling=false", ["rollout.dynamic_sampling=true"]),
+    "rollout.in_flight_updates": ("true", [], "rollout.max_staleness=0", [
+        "rollout.max_staleness=1", "rollout.engine=server", "rollout.server_url=http://127.0.0.1:8000"]),
     "rollout.partial_tokens": ("32", [], "rollout.partial=false", ["rollout.partial=true"]),
     "rollout.partial_spare": ("2", [], "rollout.partial=false", ["rollout.partial=true"]),
     "rollout.partial_max_lag": ("2", [], "rollout.partial=false", ["rollout.partial=true"]),

@@ -263,10 +263,11 @@ def test_the_protocols_declare_what_their_callers_use():
     assert set(protocol_members(RolloutEngine)) == {
         "exact_logprobs", "measures_entropies", "remote", "from_config", "generate", "weights_updated", "needs_weights",
         "use_weights", "sleep", "close"}
-    assert set(protocol_members(PipelineEngine)) == set(protocol_members(RolloutEngine)) | {"weights_step"}
+    assert set(protocol_members(PipelineEngine)) == set(protocol_members(RolloutEngine)) | {"weights_step", "push"}
     assert set(protocol_members(ServedEngine)) == {"device", "generate", "weights_checksum", "load_weights", "close",
-                                                   "takes_adapters", "adapter_layout", "load_adapters"}
-    assert engine_members_used(SRC / "sampling/pipeline.py") >= {"use_weights", "weights_step"}
+                                                   "takes_adapters", "adapter_layout", "load_adapters",
+                                                   "stops_between_tokens"}
+    assert engine_members_used(SRC / "sampling/pipeline.py") >= {"use_weights", "weights_step", "push"}
     assert engine_members_used(SRC / "server.py") == set(protocol_members(ServedEngine))
 
 
@@ -319,6 +320,9 @@ def test_data_members_may_be_set_in_init():
     class Late(_Good):
         def __init__(self):
             self.weights_step = None
+
+        def push(self, weights, step):
+            pass
 
     assert "weights_step" in problems(_Good, PipelineEngine)[0]
     assert problems(Late, PipelineEngine) == []

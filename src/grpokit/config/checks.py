@@ -543,10 +543,13 @@ def _check_rollout_kind(c: Config, facts: Facts) -> list[str]:
                               "in process 0, which alone talks to the server; use one process, or the transformers "
                               "engine"),
                              (several and r.dynamic_sampling, "rollout.dynamic_sampling on several processes: the kept "
-                              "groups' outcomes would have to move between processes")]:
+                              "groups' outcomes would have to move between processes"),
+                             (r.in_flight_updates, "rollout.in_flight_updates (its requests take no push in flight)")]:
             p.need(not refused, f"rollout.agent={r.agent} with {why}: not supported")
     p.need(not (r.partial and vision), "rollout.partial with a vision-language model is not supported yet (its "
            "prompts' images are not carried)")
+    p.need(not (r.in_flight_updates and vision), "rollout.in_flight_updates with a vision-language model is not "
+           "supported yet (a continued completion's images are not sent again)")
     p.need(not (vision and lockstep), "sharded weights (FSDP2, ZeRO-3) with a vision-language model are not supported "
            "yet: a process whose rows have no image would skip the vision encoder's gathers that the others take; use "
            "data parallelism")

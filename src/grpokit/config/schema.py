@@ -174,6 +174,13 @@ class RolloutConfig:
         "by the rollout server(s), while the steps before it train, with the weights after step max(0, n-1-k): at "
         "most k updates stale; old log-probs are then the trainer's and rollout.is_correction covers the lag"
     )
+    in_flight_updates: bool = _f(
+        False, "with rollout.max_staleness >= 1: each step's weights are pushed to the rollout servers as soon as it has "
+        "trained, into the generations in flight, which take them between two decode steps and go on, each unfinished "
+        "completion's prefix computed again under them and every token tagged with the weights that sampled it "
+        "(PipelineRL's in-flight updates; rollout/in_flight.py): fresher tokens, but which weights sample which token "
+        "depends on timing, so a run is no longer reproducible from its seed"
+    )
     partial: bool = _f(
         False, "partial rollouts: a step decodes its completions in rounds of at most rollout.partial_tokens tokens and "
         "trains the train.prompts_per_step groups that ended first; the others go on in the next step, under the new "

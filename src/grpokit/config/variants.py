@@ -140,6 +140,8 @@ VARIANT_SETTINGS: dict[str, Variant] = {
     "rollout.agent_timeout": Variant("rollout.agent", lambda c: c.rollout.agent is not None,
                                      "rollout.agent=<module:function>"),
     "rollout.max_sampling_rounds": _DYNAMIC,
+    "rollout.in_flight_updates": Variant("rollout.max_staleness", lambda c: c.rollout.max_staleness > 0,
+                                         "rollout.max_staleness >= 1"),
     "rollout.partial_tokens": _PARTIAL,
     "rollout.partial_spare": _PARTIAL,
     "rollout.partial_max_lag": _PARTIAL,

@@ -85,7 +85,7 @@ RECORD_KEYS = ("step", "prompt", "completion", "finish_reason", "reward", "rewar
 OWN_METRICS = ("loss", "reward", "reward_std", "frac_reward_zero_std", "kl", "entropy", "grad_norm", "learning_rate",
                "num_tokens", "skipped_steps", "step_time", "staleness", "step")
 OWN_NAMESPACES = ("rewards/", "completions/", "clip_ratio/", "time/", "tools/", "turns/", "agents/", "sampling/",
-                  "dynamic_sampling/", "eval/", "distill/")
+                  "dynamic_sampling/", "eval/", "distill/", "partial/", "staleness/")
 
 
 class RewardLog:

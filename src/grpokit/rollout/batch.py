@@ -68,6 +68,10 @@ class RolloutBatch:
     # dropped one) and ids (N, T, k). None: not asked (training never asks).
     top_logps: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
+    # (N, T) the trainer step of the weights that sampled each token, where a weight push landed in
+    # the middle of the generation (rollout.in_flight_updates: rollout/in_flight.py). None: one
+    # generation, one set of weights.
+    versions: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.trained_mask is None:
@@ -192,7 +196,8 @@ def consecutive_groups(prompts: list[list[int]]) -> tuple[list[list[int]], list[
 def from_completions(prompts: list[list[int]], counts: list[int], completions: list[dict], pad_id: int,
                      images: list[tuple] | None = None) -> RolloutBatch:
     """A RolloutBatch from per-completion lists (token_ids, logprobs, entropies or None,
-    finish_reason, and top_logprobs where asked: each token's [[id, log-prob], ...]), those of prompt i being the counts[i] after those of the prompts before it:
+    finish_reason, top_logprobs where asked: each token's [[id, log-prob], ...], weights_steps
+    where a server's generation took pushes in flight), those of prompt i being the counts[i] after those of the prompts before it:
     what a server answers and what vLLM's outputs become. `images`: each prompt's (a
     vision-language model's), carried by each of its completions."""
     N = sum(counts)
@@ -226,6 +231,10 @@ def from_completions(prompts: list[list[int]], counts: list[int], completions: l
                 top_ids[i, t, j], top_logps[i, t, j] = token, logp
     batch = RolloutBatch(prompt_index, prompt_ids, prompt_mask, completion_ids, completion_mask, logps, entropies,
                          [c["finish_reason"] for c in completions], top_logps=top_logps, top_ids=top_ids)
+    if all(None not in c.get("weights_steps", [None]) for c in completions):  # a server's in flight: every token's
+        batch.versions = torch.zeros((N, T), dtype=torch.long)
+        for i, c in enumerate(completions):
+            batch.versions[i, :len(c["weights_steps"])] = torch.tensor(c["weights_steps"], dtype=torch.long)
     if images is not None:
         batch.images = [images[i] for i in prompt_index.tolist()]
     return batch

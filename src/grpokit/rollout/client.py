@@ -83,6 +83,8 @@ class RolloutServer:
         self.measures_entropies = health["engine"] == "transformers"
         self.takes_adapters = bool(health.get("adapters"))
         self.base_checksum = health.get("base_checksum")  # of the base it puts adapters on
+        self.in_flight = bool(health.get("in_flight"))  # it takes pushes during a generation (rollout/in_flight.py)
+        self.pushing = threading.Lock()  # one push at a time, and none while a request reads the version
 
     # ---------------------------------------------------------------- HTTP with retries
 
@@ -220,10 +222,11 @@ class RolloutServer:
         failures = []
         while len(failures) < 3:  # each wait inside is bounded by timeout_s
             try:
-                if self.dirty:
-                    self._push()
-                return self._request(path, {"fingerprint": self.fingerprint, **body, "session": self.session,
-                                            "weights_version": self.version})
+                with self.pushing:  # (not held while the request runs: an in-flight push goes meanwhile)
+                    if self.dirty:
+                        self._push()
+                    expected = {"session": self.session, "weights_version": self.version}
+                return self._request(path, {"fingerprint": self.fingerprint, **body, **expected})
             except _Stale:  # restarted, or a push it did not finish: push again and repeat
                 failures.append(STALE_WEIGHTS)
                 self.dirty = True
@@ -233,10 +236,20 @@ class RolloutServer:
         raise RolloutServerError(f"the rollout server at {self.url} could not be given the trainer's weights, 3 tries: "
                                  + "; ".join(failures))
 
+    def push_now(self, weights: list[tuple[str, torch.Tensor]], step: int | None) -> None:
+        """Push `weights` (a copy taken after step `step`) now, into a generation in flight; a push
+        that fails is made again before the next generation (with_weights)."""
+        with self.pushing:
+            self.gathered, self.weights_step, self.dirty = weights, step, True
+            try:
+                self._push()
+            except (RolloutServerError, _PushFailed, _Stale):
+                pass  # (dirty still: the next request pushes, with its retries, and reports what fails)
+
     def completions(self, body: dict) -> tuple[list[dict], int | None]:
         """POST /generate `body` (prompts, counts, sampling, seeds) with the trainer's weights:
         each completion's dict, in order, and the trainer step of the weights they were sampled
-        with (None: not labelled)."""
+        with (None: not labelled; in flight, those it began with)."""
         answer = self.with_weights("/generate", body)
         if len(answer["completions"]) != sum(body["n"]):
             raise RolloutServerError(f"the rollout server at {self.url} was asked for {sum(body['n'])} completions "
@@ -260,7 +273,14 @@ class ServerEngine:
 
     @classmethod
     def from_config(cls, rollout, model, tokenizer, eos_ids, model_name, lockstep, vision=None) -> ServerEngine:
-        return cls(rollout.server_url, model, tokenizer.pad_token_id, rollout.server_timeout)
+        made = cls(rollout.server_url, model, tokenizer.pad_token_id, rollout.server_timeout)
+        if rollout.in_flight_updates:
+            if cannot := [s.url for s in made.servers if not s.in_flight]:
+                raise StartupError(f"rollout.in_flight_updates: the rollout server(s) at {', '.join(cannot)} take no "
+                                   "weight push during a generation (vLLM's, or an older grpokit serve); serve with "
+                                   "--engine transformers, or turn rollout.in_flight_updates off")
+            made.in_flight = True
+        return made
 
     def __init__(self, urls: str | list[str], model: torch.nn.Module, pad_id: int, timeout_s: float):
         urls = [urls] if isinstance(urls, str) else list(urls)
@@ -272,7 +292,8 @@ class ServerEngine:
         self.last_error: RolloutServerError | None = None  # why the last of them was left out
         self.exact_logprobs = all(s.exact_logprobs for s in self.servers)
         self.measures_entropies = all(s.measures_entropies for s in self.servers)
-        self.weights_step: int | None = None  # the trainer step of the weights the last generation used
+        self.weights_step: int | None = None  # the trainer step of the weights the last generation used (began with)
+        self.in_flight = False  # generations take pushes in flight (`push`), each token tagged (rollout.in_flight_updates)
         self.agents: list[tuple[RolloutServer, int, list[int]]] = []  # an agents' generation: (server, its id, rollouts)
         # A LoRA policy pushes its adapters alone when every server takes them (each holds the base);
         # else the merged weights, which a quantized base cannot give.
@@ -313,6 +334,12 @@ class ServerEngine:
             server.gathered, server.weights_step = weights, step
             server.dirty = True
 
+    def push(self, weights: list[tuple[str, torch.Tensor]], step: int) -> None:
+        """Push these (a copy taken after step `step`) to every server now, into the generations in
+        flight (rollout.in_flight_updates)."""
+        self.pushed_version += 1
+        _concurrently(lambda server, _: server.push_now(weights, step), {server: None for server in self.up})
+
     @property
     def pushed(self) -> tuple[int, int]:
         """(bytes, pushes) sent to the servers since the start."""
@@ -349,7 +376,8 @@ class ServerEngine:
 
             def ask(server: RolloutServer, share):
                 group, share_prompts, share_counts, share_seeds = share
-                request = {"prompts": share_prompts, "n": share_counts, "sampling": sampling, "seeds": share_seeds}
+                request = {"prompts": share_prompts, "n": share_counts, "sampling": sampling, "seeds": share_seeds,
+                           **({"in_flight": True} if self.in_flight else {})}
                 if pngs is not None:
                     request["images"] = [pngs[i] for i in group]
                 return server.completions(request)
@@ -366,10 +394,10 @@ class ServerEngine:
                 steps.add(step)
                 answered.append((group, completions))
             todo.sort()
-        if len(steps) > 1:
+        if len(steps) > 1 and not self.in_flight:  # (in flight, a push may reach one server's generation first)
             raise RolloutServerError(f"the rollout servers sampled one generation with the weights of different "
                                      f"steps {sorted(steps, key=str)}: their weights are out of step")
-        self.weights_step = steps.pop() if steps else None
+        self.weights_step = min(steps, key=lambda s: -1 if s is None else s) if steps else None
         return join_generation(prompts, counts, answered, self.pad_id, images)
 
     # ---------------------------------------------------------------- agents (multiturn/agents.py)

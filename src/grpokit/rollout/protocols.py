@@ -113,6 +113,11 @@ class PipelineEngine(RolloutEngine, Protocol):
         after trainer step `step`, with which later generations are labelled (`weights_step`)."""
         ...
 
+    def push(self, weights: list[tuple[str, torch.Tensor]], step: int) -> None:
+        """rollout.in_flight_updates: send the weights after trainer step `step` now, from the
+        pipeline's push thread, into the generation in flight (rollout/in_flight.py)."""
+        ...
+
 
 @runtime_checkable
 class AgentsEngine(RolloutEngine, Protocol):
@@ -175,6 +180,9 @@ class ServedEngine(Protocol):
     # It takes a LoRA trainer's adapters alone, put on the base it holds (`adapter_layout`,
     # `load_adapters`); else a LoRA trainer pushes it the merged weights (`load_weights`).
     takes_adapters: bool
+    # Its generate takes `until` and `offsets` (TransformersEngine.generate): stopped between two
+    # decode steps and continued, so a weight push lands in the middle of a generation (server.py).
+    stops_between_tokens: bool
 
     def adapter_layout(self, settings: dict) -> list[list]:
         """Make the LoRA adapters of `settings` (models/loading.py adapter_settings) on the base it

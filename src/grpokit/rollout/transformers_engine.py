@@ -31,6 +31,7 @@ class TransformersEngine:
     measures_entropies = True
     remote = False
     takes_adapters = True  # served: a LoRA trainer pushes its adapters alone (load_adapters)
+    stops_between_tokens = True  # generate's until and offsets: served, it takes pushes in flight
 
     @classmethod
     def from_config(cls, rollout, model, tokenizer, eos_ids, model_name, lockstep, vision=None) -> TransformersEngine:
@@ -129,25 +130,28 @@ class TransformersEngine:
         seeds: Sequence[int] | None = None,
         images: list[tuple] | None = None,
         until: Callable[[torch.Tensor, torch.Tensor], bool] | None = None,
+        offsets: Sequence[int] | None = None,
     ) -> RolloutBatch:
         """As RolloutEngine.generate; `until(stopped, count)`, given, is asked after every token with
         which completions (N,) have sampled an EOS and how many tokens each has (N,), and stops the
         generation when it answers true: the others end there, finish reason "length" (partial
-        rollouts, sampling/partial.py). It decodes dynamically then."""
+        rollouts, sampling/partial.py; a server's in-flight weight updates). It decodes dynamically
+        then. `offsets` (N,): where in its seed's stream of uniforms each completion starts, so that
+        a completion continued from its tokens so far draws what it would have drawn going on."""
         model = self.model
         was_training = model.training
         model.eval()  # no dropout while sampling
         try:
-            return self._generate(prompts, n, params, seeds, images, until)
+            return self._generate(prompts, n, params, seeds, images, until, offsets)
         finally:
             model.train(was_training)
 
-    def _generate(self, prompts, n, params, seeds, images, until=None) -> RolloutBatch:
+    def _generate(self, prompts, n, params, seeds, images, until=None, offsets=None) -> RolloutBatch:
         """Prefill each prompt once, share its key/value cache among its completions, then decode
         the completions together, one token a step."""
         device = self.device
         counts = _completion_counts(prompts, n)  # (P,)
-        uniforms = _random_streams(params, seeds, int(counts.sum()), device)
+        uniforms = _random_streams(params, seeds, int(counts.sum()), device, offsets)
         cache = new_cache(self.model)
         prompt_ids, prompt_mask, logits, next_pos = self._prefill(prompts, cache, device, images)
         prompt_index = torch.repeat_interleave(torch.arange(len(prompts)), counts)  # (N,)
@@ -302,16 +306,18 @@ def _completion_counts(prompts: list[list[int]], n: int | Sequence[int]) -> torc
     return counts
 
 
-def _random_streams(params: SamplingParams, seeds: Sequence[int] | None, N: int,
-                    device: torch.device) -> torch.Tensor | None:
-    """(N, max_tokens): completion i's uniforms, from its own generator seeded by seeds[i]; None
-    when greedy (no randomness, no seeds needed)."""
+def _random_streams(params: SamplingParams, seeds: Sequence[int] | None, N: int, device: torch.device,
+                    offsets: Sequence[int] | None = None) -> torch.Tensor | None:
+    """(N, max_tokens): completion i's uniforms, from its own generator seeded by seeds[i], from the
+    offsets[i]-th on (0: the first); None when greedy (no randomness, no seeds needed)."""
     if not params.temperature > 0:
         return None
     if seeds is None or len(seeds) != N:
         raise ValueError(f"sampling needs one seed per completion ({N}), got {seeds if seeds is None else len(seeds)}")
+    offsets = [0] * N if offsets is None else [int(o) for o in offsets]
     return torch.stack([
-        torch.rand(params.max_tokens, generator=torch.Generator().manual_seed(int(s))) for s in seeds
+        torch.rand(o + params.max_tokens, generator=torch.Generator().manual_seed(int(s)))[o:]
+        for s, o in zip(seeds, offsets)
     ]).to(device)
 
 

@@ -269,6 +269,7 @@ class VLLMEngine:
         return self.checksum
 
     takes_adapters = False  # served, it gets a LoRA trainer's merged weights (a vLLM built for LoRA is not)
+    stops_between_tokens = False  # a push waits for the generation in hand to end
 
     def adapter_layout(self, settings: dict) -> list[list]:
         raise NotImplementedError(NO_SERVED_ADAPTERS)
@@ -423,6 +424,7 @@ class DataParallelVLLM:
         return self.checksum
 
     takes_adapters = False  # as VLLMEngine served
+    stops_between_tokens = False
 
     def adapter_layout(self, settings: dict) -> list[list]:
         raise NotImplementedError(NO_SERVED_ADAPTERS)

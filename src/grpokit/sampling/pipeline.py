@@ -24,6 +24,12 @@ train.max_steps for the steps its checkpoint did not hold. The `staleness` metri
 
 Multi-turn generation runs in the worker thread too, tools and agents included: they overlap the
 training of the steps before, as the engine's calls do.
+
+With rollout.in_flight_updates the weights are pushed by a thread of their own as soon as they
+are published, into the generations in flight (rollout/in_flight.py): a generation begins once the
+weights published before it was queued have reached the servers (w(step) or newer), and its later
+tokens may be sampled by weights published since, each token tagged with its step. Which weights
+sample which token then depends on timing: such a run is not reproducible from its seed.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ class Queued:
     seeds: list[int]  # one per completion
     weights_step: int  # the step whose weights sample it: w(step), unless generated again on resume
     batch: Future | RolloutBatch | None  # on the process with the engine; a Future until generated
+    newer: bool = False  # in-flight updates: it may begin with newer weights than weights_step
 
     def failed(self) -> bool:
         """Whether its generation raised (waiting for it to end)."""
@@ -66,7 +73,7 @@ class Queued:
         if answered is None:
             raise ScheduleError("the rollout server does not say which weights it sampled with (no weights_step in its "
                                 "answer): an older grpokit serve? rollout.max_staleness needs the servers upgraded")
-        if answered != self.weights_step:
+        if answered != self.weights_step and not (self.newer and answered > self.weights_step):
             raise ScheduleError(f"step {self.step} was sampled with the weights after step {answered}; rollout."
                                 f"max_staleness schedules those after step {self.weights_step}")
         return batch
@@ -74,23 +81,29 @@ class Queued:
 
 class Pipeline:
     def __init__(self, engine: PipelineEngine | None, max_staleness: int,
-                 generate: Callable[[list, list[int]], RolloutBatch]):
+                 generate: Callable[[list, list[int]], RolloutBatch], in_flight: bool = False):
         """engine: the rollout engine (None on the processes that have none: they draw the same
         prompts and seeds, and are handed their completions); generate(examples, seeds): a step's
-        completions, run in the worker thread."""
-        self.engine, self.k, self.generate = engine, max_staleness, generate
+        completions, run in the worker thread; in_flight: pushes go into the generations in flight."""
+        self.engine, self.k, self.generate, self.in_flight = engine, max_staleness, generate, in_flight
         self.queued: dict[int, Queued] = {}
         self.again: dict[int, list[int]] = {}  # steps of a checkpoint to generate again: their seeds
         self.notes: dict[int, str] = {}  # what the user hears when such a step trains
         self.published: int | None = None  # the step of the weights last handed to the engine
         self.jobs: queue.Queue | None = None
+        self.pushes: queue.Queue | None = None  # in flight: the pushes, in a thread of their own
+        self.last_push: Future | None = None  # in flight: the push of the weights published last
         if engine is not None:
-            # A daemon thread: a generation still waiting on a server never holds the process's exit.
+            # Daemon threads: a generation still waiting on a server never holds the process's exit.
             self.jobs = queue.Queue()
-            threading.Thread(target=self._work, daemon=True, name="grpokit-rollout").start()
+            threading.Thread(target=self._work, args=(self.jobs,), daemon=True, name="grpokit-rollout").start()
+            if in_flight:
+                self.pushes = queue.Queue()
+                threading.Thread(target=self._work, args=(self.pushes,), daemon=True, name="grpokit-push").start()
 
-    def _work(self) -> None:
-        while (job := self.jobs.get()) is not None:
+    @staticmethod
+    def _work(jobs: queue.Queue) -> None:
+        while (job := jobs.get()) is not None:
             future, fn = job
             if future.set_running_or_notify_cancel():
                 try:
@@ -98,9 +111,13 @@ class Pipeline:
                 except BaseException as e:  # noqa: BLE001 - handed to whoever waits on it
                     future.set_exception(e)
 
-    def submit(self, fn: Callable) -> Future:
-        future = Future()
-        self.jobs.put((future, fn))
+    def submit(self, fn: Callable, jobs: queue.Queue | None = None) -> Future:
+        """fn() queued in the worker thread (or on `jobs`); in flight, a generation waits first for
+        the push of the weights published before it was queued."""
+        future, push = Future(), self.last_push
+        if jobs is None and push is not None:
+            fn = lambda fn=fn: (push.exception(), fn())[1]  # noqa: E731 - (a failed push: the request pushes again)
+        (jobs or self.jobs).put((future, fn))
         return future
 
     def weights_step(self, step: int) -> int:
@@ -114,7 +131,9 @@ class Pipeline:
         if self.published == step:
             return
         weights = snapshot()
-        if self.engine is not None:
+        if self.engine is not None and self.in_flight:
+            self.last_push = self.submit(lambda: self.engine.push(weights, step), self.pushes)
+        elif self.engine is not None:
             self.submit(lambda: self.engine.use_weights(weights, step))
         self.published = step
 
@@ -131,7 +150,7 @@ class Pipeline:
                 examples, seeds = draw()
             self.publish(trained, snapshot)  # w(n) for every step queued in order; fresher only on resume
             batch = None if self.engine is None else self.submit(lambda e=examples, s=seeds: self._generate(e, s))
-            self.queued[n] = Queued(n, examples, seeds, trained, batch)
+            self.queued[n] = Queued(n, examples, seeds, trained, batch, self.in_flight)
 
     def _generate(self, examples: list, seeds: list[int]) -> tuple[RolloutBatch, int | None]:
         batch = self.generate(examples, seeds)
@@ -200,7 +219,7 @@ class Pipeline:
                 except Exception as error:  # noqa: BLE001 - an environment's class moved or changed since
                     self._again(e, examples, f"its environments could not be read back ({type(error).__name__}: {error})")
                     continue
-            self.queued[e["step"]] = Queued(e["step"], examples, e["seeds"], e["weights_step"], batch)
+            self.queued[e["step"]] = Queued(e["step"], examples, e["seeds"], e["weights_step"], batch, self.in_flight)
 
     def _again(self, entry: dict, examples: list, why: str | None) -> None:
         """A checkpoint's step held by its seeds, generated again on resume; `why`, when it is not
@@ -211,17 +230,18 @@ class Pipeline:
                                          f"weights: {why}")
 
     def close(self) -> None:
-        """Cancel what is queued; the worker ends after the job in hand, and nothing waits for it."""
-        if self.jobs is None:
-            return
-        while True:
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job[0].cancel()
-        self.jobs.put(None)
+        """Cancel what is queued; the workers end after the job in hand, and nothing waits for them."""
+        for jobs in (self.jobs, self.pushes):
+            if jobs is None:
+                continue
+            while True:
+                try:
+                    job = jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    job[0].cancel()
+            jobs.put(None)
 
 
 # Modules whose classes a checkpoint's pickled conversations name, where they were when it was

@@ -80,7 +80,8 @@ class Rollouts:
         self.remote = engine_class(r.engine).remote  # generating in another process, reached by process 0 alone
         self.engine, self.is_correction = self._connect()
         # rollout.max_staleness > 0: the next steps are generated while this one trains (pipeline.py).
-        self.ahead = Pipeline(self.engine, r.max_staleness, self._generate_ahead) if r.max_staleness else None
+        self.ahead = Pipeline(self.engine, r.max_staleness, self._generate_ahead, r.in_flight_updates) \
+            if r.max_staleness else None
         # The global completions of a step this process owns, in update order (runtime/distributed.py).
         self.rows = distributed.shard_rows(config.completions_per_step, config.completions_per_update,
                                            distributed.world_size(), distributed.rank())
@@ -121,10 +122,11 @@ class Rollouts:
         if self.ahead is not None:  # queued up to step + k; this step's taken (waiting for it)
             self.queue(step)
             queued = self.ahead.take(step)
-            batch = self._own_rows(distributed.on_main(queued.result))
+            whole = distributed.on_main(queued.result)
+            batch = self._own_rows(whole)
             return Sampled(queued.examples, batch, scorer.score(queued.examples, batch, state),
-                           {"staleness": step - 1 - queued.weights_step}, len(queued.examples),
-                           self.ahead.notes.pop(step, None))
+                           {"staleness": step - 1 - queued.weights_step, **token_staleness(whole, step)},
+                           len(queued.examples), self.ahead.notes.pop(step, None))
         examples = self.next_prompts()
         batch = self.sample(examples)
         return Sampled(examples, batch, scorer.score(examples, batch, state), {}, len(examples))
@@ -336,3 +338,13 @@ class _OnMain:
 
     def generate(self, *args, **kwargs) -> RolloutBatch:
         return distributed.on_main(lambda: self.engine.generate(*args, **kwargs).to(torch.device("cpu")))
+
+
+def token_staleness(batch: RolloutBatch, step: int) -> dict[str, float]:
+    """With in-flight weight updates (each token's weights known): the updates between the weights
+    that sampled each trained token of step `step` and the trainer's (those after step - 1), mean
+    and max; none otherwise."""
+    if batch.versions is None or not batch.trained_mask.any():
+        return {}
+    lags = (step - 1 - batch.versions[batch.trained_mask.bool().to(batch.versions.device)]).double()
+    return {"staleness/token_mean": lags.mean().item(), "staleness/token_max": lags.max().item()}
