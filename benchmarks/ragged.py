@@ -19,7 +19,7 @@ cores:
   too: say, a worktree of 997ce89, whose decoder ran every completion until the longest ended
   (`git worktree add /tmp/grpokit-997ce89 997ce89`, then --baseline /tmp/grpokit-997ce89/src);
 - partial: this checkout with neither micro-batch setting, and partial rollouts (rollout.partial=true,
-  rollout.partial_tokens=--partial-tokens): a step trains the groups that ended first and carries
+  rollout.partial_tokens=--partial-tokens, rollout.partial_spare=--partial-spare): a step trains the groups that ended first and carries
   the others on (sampling/partial.py); its kept tokens per second is the figure to compare, its
   lengths being those of rounds, not completions;
 - TRL: TRL's GRPOTrainer (pip install 'grpokit[bench]'), in micro-batches of --micro-batch.
@@ -67,6 +67,7 @@ def main() -> int:
     parser.add_argument("--budget", type=int, default=1024, help="the packed run's train.micro_batch_tokens")
     parser.add_argument("--micro-batch", type=int, default=8, help="the padded run's train.micro_batch_size")
     parser.add_argument("--partial-tokens", type=int, default=64, help="the partial run's rollout.partial_tokens")
+    parser.add_argument("--partial-spare", type=int, help="the partial run's rollout.partial_spare (default: null)")
     parser.add_argument("--runs", nargs="+", default=["packed", "padded"],
                         choices=("packed", "padded", "default", "partial", "baseline", "TRL"))
     parser.add_argument("--baseline", help="src/ folder of another grpokit checkout (the baseline run)")
@@ -85,7 +86,8 @@ def main() -> int:
     padded = (f"train.micro_batch_size={args.micro_batch}",)
     every = {"packed": (grpokit_worker, (None, (f"train.micro_batch_tokens={args.budget}",))),
              "padded": (grpokit_worker, (None, padded)), "default": (grpokit_worker, (None, ())),
-             "partial": (grpokit_worker, (None, ("rollout.partial=true", f"rollout.partial_tokens={args.partial_tokens}"))),
+             "partial": (grpokit_worker, (None, ("rollout.partial=true", f"rollout.partial_tokens={args.partial_tokens}",
+                                                 f"rollout.partial_spare={args.partial_spare or 'null'}"))),
              "baseline": (grpokit_worker, (args.baseline, padded)),
              "TRL": (trl_worker, ())}
     runs = {name: every[name] for name in args.runs}
@@ -125,7 +127,8 @@ def main() -> int:
 
     lines += ["", f"torch {torch.__version__}, transformers {transformers.__version__}; "
               f"packed: train.micro_batch_tokens={args.budget}; padded and baseline: train.micro_batch_size="
-              f"{args.micro_batch}; default: neither; partial: neither, rollout.partial_tokens={args.partial_tokens}; "
+              f"{args.micro_batch}; default: neither; partial: neither, rollout.partial_tokens={args.partial_tokens}, "
+              f"rollout.partial_spare={args.partial_spare or 'null'}; "
               f"TRL: micro-batches of {args.micro_batch}. Kept tokens / s: the completion tokens the steps after the "
               "first trained, over their time."]
     write_table(lines, args.out)

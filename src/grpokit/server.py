@@ -277,8 +277,8 @@ class RolloutService:
             if not start:
                 self._check_weights(request.session, request.weights_version, newer=True)
                 start.update(session=self.session, version=self.version, step=self.weights_step)
-            elif self.session != start["session"] or self.version < 0:  # taken over, or a failed push
-                raise Refused(409, TAKEN_OVER if self.session is not None else STALE_WEIGHTS)
+            elif self.session != start["session"] or self.version < 0:  # a new group, or a failed push
+                raise Refused(409, STALE_WEIGHTS)  # (the client's push finds out whether another trainer took over)
             return self.weights_step
 
         completions = self.pushes.generate(self.engine, self.lock, request.prompts, request.n, params, request.seeds,
@@ -304,7 +304,9 @@ class RolloutService:
 
     def join_group(self, request: GroupRequest) -> dict:
         self.check_fingerprint(request.fingerprint)
-        with self.lock:  # a new trainer (or the same one after a failure) takes the server over
+        # A new trainer (or the same one after a failure) takes the server over; a generation in
+        # flight stops at its next token for it (and is answered "stale weights").
+        with self.pushes.arriving(), self.lock:
             self._forget_weights()
             try:
                 # The client chooses the timeout; the server holds its lock at most 10 minutes for it.

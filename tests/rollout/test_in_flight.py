@@ -96,9 +96,12 @@ def test_a_push_of_unchanged_weights_leaves_the_completions_as_they_were():
 def test_in_flight_updates_need_generation_ahead_and_refuse_what_they_do_not_carry():
     with pytest.raises(ConfigError, match="rollout.in_flight_updates=true is set but rollout.max_staleness"):
         load_config(None, ["rollout.in_flight_updates=true"])
+    ahead = ["rollout.in_flight_updates=true", "rollout.max_staleness=1", "rollout.engine=server",
+             "rollout.server_url=http://127.0.0.1:8000"]
     with pytest.raises(ConfigError, match="rollout.agent=.* with rollout.in_flight_updates"):
-        load_config(None, ["rollout.in_flight_updates=true", "rollout.max_staleness=1", "rollout.engine=server",
-                           "rollout.server_url=http://127.0.0.1:8000", "rollout.agent=examples.agents.x:y"])
+        load_config(None, [*ahead, "rollout.agent=examples.agents.x:y"])
+    with pytest.raises(ConfigError, match="rollout.in_flight_updates with a vision-language model or with tools"):
+        load_config(None, [*ahead, "rollout.tools=[calculator]"])
 
 
 @pytest.mark.process
@@ -138,6 +141,59 @@ def test_a_server_takes_a_push_in_the_middle_of_a_generation(server, tiny):
             expected = completion_logprobs(model, batch.prompt_ids[row:row + 1], batch.prompt_mask[row:row + 1],
                                            batch.completion_ids[row:row + 1])[0]
             torch.testing.assert_close(batch.sampling_logps[row][at], expected[at], rtol=0, atol=1e-4)
+
+
+def test_a_push_the_server_gets_wrong_fails_the_generation_in_flight(tiny):
+    """A push whose checksum is not the trainer's: the generation it landed in is not used (its
+    later tokens came from weights nobody verified), and the run's error names the checksums."""
+    pytest.importorskip("fastapi")
+    import uvicorn
+    from support.processes import free_port
+
+    from grpokit.models.loading import eos_token_ids
+    from grpokit.rollout.client import RolloutServerError, ServerEngine
+    from grpokit.rollout.weights import fingerprint, named_weights
+    from grpokit.server import RolloutService, make_app
+
+    class CorruptingLater(TransformersEngine):
+        loads = 0
+
+        def load_weights(self, pairs):
+            CorruptingLater.loads += 1
+            bad = CorruptingLater.loads > 1
+            return super().load_weights((n, t + (1e-3 if bad and n.endswith("norm.weight") else 0)) for n, t in pairs)
+
+    served, tokenizer = load_model("tiny-random"), tiny[1]
+    engine = CorruptingLater(served, tokenizer.pad_token_id, eos_token_ids(served, tokenizer))
+    port = free_port()
+    app = make_app(RolloutService(engine, "transformers", "tiny-random", fingerprint(served), 49152))
+    http = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=http.run, daemon=True).start()
+    try:
+        while not http.started:
+            time.sleep(0.05)
+        policy = copy.deepcopy(tiny[0])
+        client = ServerEngine(f"http://127.0.0.1:{port}", policy, tokenizer.pad_token_id, timeout_s=60)
+        client.in_flight = True
+        client.use_weights([(n, t.detach().clone()) for n, t in named_weights(policy)], 0)
+        out = {}
+
+        def generate():
+            try:
+                out["batch"] = client.generate(PROMPTS, 2, SamplingParams(300, temperature=1.0), [1, 2, 3, 4])
+            except RolloutServerError as e:
+                out["error"] = e
+
+        thread = threading.Thread(target=generate)
+        thread.start()
+        time.sleep(0.3)
+        client.push([(n, t.detach().clone() + 0.01) for n, t in named_weights(policy)], 1)
+        thread.join()
+        if "error" not in out:  # (the generation ended before the push): the next one fails
+            generate()
+        assert "reports checksum" in str(out["error"])
+    finally:
+        http.should_exit = True
 
 
 @pytest.mark.process

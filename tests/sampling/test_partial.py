@@ -109,14 +109,14 @@ def test_killed_at_a_random_moment_a_run_resumes_with_its_carried_completions(tm
             "train.max_steps=12"]
     assert main([*args, f"train.output_dir={tmp_path / 'straight'}"]) == 0
     rng = random.Random()  # (the module's random is seeded per test)
-    out, at = tmp_path / "killed", rng.randrange(3, 9)
-    print("killed after step", at)
+    out, at, then = tmp_path / "killed", rng.randrange(3, 9), rng.uniform(0, 0.3)
+    print(f"killed {then:.3f} s after step {at}")
     process = grpokit(*args, f"train.output_dir={out}")
     deadline = time.monotonic() + 120
     while not ((out / "metrics.jsonl").exists() and sum("loss" in r for r in read_metrics(out / "metrics.jsonl")) >= at):
         assert process.poll() is None and time.monotonic() < deadline, "the run ended before the moment chosen"
         time.sleep(0.01)
-    time.sleep(rng.uniform(0, 0.3))  # anywhere in the following step
+    time.sleep(then)  # anywhere in the following step
     assert process.poll() is None
     process.kill()
     process.wait()

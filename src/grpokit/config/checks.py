@@ -548,8 +548,8 @@ def _check_rollout_kind(c: Config, facts: Facts) -> list[str]:
             p.need(not refused, f"rollout.agent={r.agent} with {why}: not supported")
     p.need(not (r.partial and vision), "rollout.partial with a vision-language model is not supported yet (its "
            "prompts' images are not carried)")
-    p.need(not (r.in_flight_updates and vision), "rollout.in_flight_updates with a vision-language model is not "
-           "supported yet (a continued completion's images are not sent again)")
+    p.need(not (r.in_flight_updates and (vision or tools)), "rollout.in_flight_updates with a vision-language model "
+           "or with tools and environments is not supported yet (images not sent again, turns' tokens not tagged)")
     p.need(not (vision and lockstep), "sharded weights (FSDP2, ZeRO-3) with a vision-language model are not supported "
            "yet: a process whose rows have no image would skip the vision encoder's gathers that the others take; use "
            "data parallelism")

@@ -36,6 +36,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import asdict
 from urllib.parse import urlparse
 
@@ -85,6 +86,7 @@ class RolloutServer:
         self.base_checksum = health.get("base_checksum")  # of the base it puts adapters on
         self.in_flight = bool(health.get("in_flight"))  # it takes pushes during a generation (rollout/in_flight.py)
         self.pushing = threading.Lock()  # one push at a time, and none while a request reads the version
+        self.push_error: RolloutServerError | None = None  # a push in flight the server got wrong
 
     # ---------------------------------------------------------------- HTTP with retries
 
@@ -236,21 +238,28 @@ class RolloutServer:
         raise RolloutServerError(f"the rollout server at {self.url} could not be given the trainer's weights, 3 tries: "
                                  + "; ".join(failures))
 
-    def push_now(self, weights: list[tuple[str, torch.Tensor]], step: int | None) -> None:
-        """Push `weights` (a copy taken after step `step`) now, into a generation in flight; a push
-        that fails is made again before the next generation (with_weights)."""
+    def push_now(self) -> None:
+        """Push the weights `gathered` now, into a generation in flight. One that does not reach the
+        server is made again before the next request (dirty still: with_weights, with its retries);
+        one the server got wrong (its checksum) fails the request in flight too (`completions`)."""
         with self.pushing:
-            self.gathered, self.weights_step, self.dirty = weights, step, True
+            if not self.dirty:
+                return
             try:
                 self._push()
-            except (RolloutServerError, _PushFailed, _Stale):
-                pass  # (dirty still: the next request pushes, with its retries, and reports what fails)
+            except (_PushFailed, _Stale):
+                pass
+            except RolloutServerError as e:
+                self.push_error = e
+                raise
 
     def completions(self, body: dict) -> tuple[list[dict], int | None]:
         """POST /generate `body` (prompts, counts, sampling, seeds) with the trainer's weights:
         each completion's dict, in order, and the trainer step of the weights they were sampled
         with (None: not labelled; in flight, those it began with)."""
         answer = self.with_weights("/generate", body)
+        if self.push_error is not None:  # a push in flight failed: what followed it was sampled by unverified weights
+            raise self.push_error
         if len(answer["completions"]) != sum(body["n"]):
             raise RolloutServerError(f"the rollout server at {self.url} was asked for {sum(body['n'])} completions "
                                      f"and answered {len(answer['completions'])}")
@@ -337,8 +346,14 @@ class ServerEngine:
     def push(self, weights: list[tuple[str, torch.Tensor]], step: int) -> None:
         """Push these (a copy taken after step `step`) to every server now, into the generations in
         flight (rollout.in_flight_updates)."""
-        self.pushed_version += 1
-        _concurrently(lambda server, _: server.push_now(weights, step), {server: None for server in self.up})
+        up = self.up
+        with ExitStack() as held:  # no server pushes older weights under the new version's checksum meanwhile
+            for server in up:
+                held.enter_context(server.pushing)
+            self.pushed_version += 1
+            for server in up:
+                server.gathered, server.weights_step, server.dirty = weights, step, True
+        _concurrently(lambda server, _: server.push_now(), {server: None for server in up})
 
     @property
     def pushed(self) -> tuple[int, int]:

@@ -145,8 +145,20 @@ class Rollouts:
                                  lambda n: torch.randint(0, 2**62, (n,), generator=self.seed_stream), self.sampling,
                                  stops=isinstance(self.engine, TransformersEngine))
         self.is_correction = self.always_corrected or (self.config.rollout.is_correction and done.lagged)
+        if distributed.world_size() > 1 and not self.remote:
+            self._check_same_rounds(done)
         batch = self._own_rows(done.batch)
         return Sampled(done.examples, batch, scorer.score(done.examples, batch, state), done.metrics, done.drawn)
+
+    def _check_same_rounds(self, done) -> None:
+        """Every process decoded the step's rounds itself: they must have sampled the same tokens
+        (the same kernels), or they would train and carry different completions."""
+        mine = hash((tuple(done.batch.completion_ids.flatten().tolist()),
+                     tuple(len(c.tokens) for g in self.partial.carried for c in g.completions)))
+        if len(set(distributed.gather_lists([mine]))) > 1:
+            raise RuntimeError("rollout.partial: the processes sampled different tokens from the same seeds and "
+                               "weights (their kernels differ), so they would carry different completions; use a "
+                               "rollout server (rollout.engine=server), whose rounds every process shares")
 
     def queue(self, step: int) -> None:
         """Generating ahead, before step `step` trains: queue the steps up to step + k not queued
