@@ -129,6 +129,8 @@ def test_killed_at_a_random_moment_a_run_resumes_with_its_carried_completions(tm
     (["rollout.partial=true", "rollout.is_correction=false"], "the importance weights are what corrects for that"),
     (["rollout.partial=true", "rollout.dynamic_sampling=true"], "rollout.partial with rollout.dynamic_sampling"),
     (["rollout.partial=true", "rollout.tools=[calculator]"], "rollout.partial with tools, environments or agents"),
+    (["rollout.partial=true", "rollout.max_staleness=1", "rollout.engine=server", "rollout.server_url=http://127.0.0.1:8",
+      "rollout.in_flight_updates=true"], "rollout.partial with rollout.in_flight_updates"),
     (["rollout.partial=true", "rollout.partial_tokens=0"], "rollout.partial_tokens=0: must be >= 1"),
     (["rollout.partial_tokens=8"], "rollout.partial_tokens=8 is set but rollout.partial=false"),
 ])
@@ -154,6 +156,38 @@ def test_partial_rollouts_through_a_rollout_server_are_the_in_process_run(server
                  f"train.output_dir={tmp_path / 'served'}"]) == 0
     assert max(r["partial/lag_max"] for r in metric_rows(tmp_path / "served") if "loss" in r) >= 1
     assert_same_run(tmp_path / "served", tmp_path / "local")
+
+
+@pytest.mark.process
+def test_partial_rollouts_generated_ahead_resume_bit_for_bit(server, tmp_path):
+    """rollout.max_staleness=1 with partial rollouts: step n's rounds run on the server while step
+    n - 1 trains, with the weights after step n - 2, and end when enough groups have (no step waits
+    for its longest completion); a run stopped with steps queued and groups carried resumes as the
+    straight run, bit for bit."""
+    pytest.importorskip("fastapi")
+    s = server()
+    ahead = ["rollout.partial=true", "rollout.partial_tokens=3", "rollout.engine=server", f"rollout.server_url={s.url}",
+             "rollout.max_staleness=1", "train.save_every=1"]
+    assert main(["train", *RUN, *ahead, "train.max_steps=4", f"train.output_dir={tmp_path / 'straight'}"]) == 0
+    rows = [r for r in metric_rows(tmp_path / "straight") if "loss" in r]
+    assert [r["staleness"] for r in rows] == [0, 1, 1, 1]  # the schedule's weights
+    assert any(r["partial/carried_groups"] for r in rows) and max(r["partial/lag_max"] for r in rows) >= 2
+    assert all(r["partial/lag_mean"] >= r["staleness"] for r in rows)  # counted from the trainer's weights
+    import time
+
+    from support.processes import grpokit
+
+    # Killed once its step-2 checkpoint is written (step 3 queued then, and groups carried), resumed.
+    stopped = tmp_path / "stopped"
+    process = grpokit("train", *RUN, *ahead, "train.max_steps=4", f"train.output_dir={stopped}")
+    deadline = time.monotonic() + 120
+    while not (stopped / "checkpoints" / "step-2" / "trainer_state.json").exists():
+        assert process.poll() is None and time.monotonic() < deadline, "the run ended before its step-2 checkpoint"
+        time.sleep(0.01)
+    process.kill()
+    process.wait()
+    assert main(["train", *RUN, *ahead, "train.max_steps=4", f"train.output_dir={stopped}"]) == 0
+    assert_same_run(stopped, tmp_path / "straight", steps=4)
 
 
 def test_carried_completions_train_alike_in_any_micro_batches(tmp_path, monkeypatch):

@@ -209,11 +209,13 @@ def test_a_server_that_is_down_or_mute_is_a_clear_error_in_bounded_time(tmp_path
     assert time.monotonic() - start < 30
 
 
+PARTIAL = ["rollout.partial=true", "rollout.partial_tokens=3", "rollout.max_completion_length=12"]
+
+
 @pytest.mark.process
-@pytest.mark.parametrize("sampling", [["rollout.max_staleness=0"], ["rollout.max_staleness=1"],
-                                      ["rollout.partial=true", "rollout.partial_tokens=3",
-                                       "rollout.max_completion_length=12"]],
-                         ids=["in-turn", "generated-ahead", "partial"])
+@pytest.mark.parametrize("sampling", [["rollout.max_staleness=0"], ["rollout.max_staleness=1"], PARTIAL,
+                                      [*PARTIAL, "rollout.max_staleness=1"]],
+                         ids=["in-turn", "generated-ahead", "partial", "partial-generated-ahead"])
 def test_two_trainer_processes_share_one_server(server, tmp_path, sampling):
     """Process 0 alone talks to the server; process 1 gets its rows. The 2-process run equals the
     1-process run (float64: the sums over processes agree to rounding), generated ahead or not, or

@@ -17,6 +17,9 @@ samples with the weights after the one before it); the trainer's importance weig
 and the one that sampled that token. A group begun more than rollout.partial_max_lag versions ago
 is dropped and counted.
 
+Generated ahead (rollout.max_staleness, sampling/rollouts.py), a step's rounds run in the
+pipeline's thread with the weights the schedule gives that step, which tag its tokens.
+
 A step with nothing carried whose groups all end in the first round (rollout.partial_tokens at
 least rollout.max_completion_length) draws the same prompts and seeds and makes the same engine
 call as a step without partial rollouts: the same step, bit for bit.
@@ -180,17 +183,22 @@ class Partial:
 
     # ---------------------------------------------------------------- checkpoints
 
-    def save(self, folder: Path, carried: list[Group]) -> None:
-        """Write `carried` (the groups carried at the moment captured) into checkpoint `folder`."""
-        (folder / PARTIAL_FILE).write_bytes(pickle.dumps({"carried": carried, "dtypes": self.dtypes}))
+    def save(self, folder: Path, carried: list[Group] | dict) -> None:
+        """Write `carried` (the groups carried at the moment captured; generating ahead, the sampling
+        state after the last step queued: rollouts.py) into checkpoint `folder`."""
+        saved = carried if isinstance(carried, dict) else {"carried": carried, "dtypes": self.dtypes}
+        (folder / PARTIAL_FILE).write_bytes(pickle.dumps(saved))
 
-    def restore(self, folder: Path) -> None:
+    def restore(self, folder: Path) -> dict | None:
+        """Take back the groups a checkpoint carried; what it saved (None: nothing)."""
         from grpokit.sampling.pipeline import _Unpickler
 
         path = folder / PARTIAL_FILE
-        if path.is_file():  # (a checkpoint of a run without partial rollouts carries nothing)
-            saved = _Unpickler(io.BytesIO(path.read_bytes())).load()
-            self.carried, self.dtypes = saved["carried"], saved["dtypes"]
+        if not path.is_file():  # (a checkpoint of a run without partial rollouts carries nothing)
+            return None
+        saved = _Unpickler(io.BytesIO(path.read_bytes())).load()
+        self.carried, self.dtypes = saved["carried"], saved["dtypes"]
+        return saved
 
 
 def assemble(groups: list[Group], pad_id: int, logp_dtype: torch.dtype, entropy_dtype: torch.dtype | None) -> RolloutBatch:

@@ -25,6 +25,11 @@ train.max_steps for the steps its checkpoint did not hold. The `staleness` metri
 Multi-turn generation runs in the worker thread too, tools and agents included: they overlap the
 training of the steps before, as the engine's calls do.
 
+With rollout.partial a queued step is a step of partial rollouts (partial.py): its job draws its
+own prompts and seeds in the worker thread, which alone uses the streams then, and gives the step
+with the sampling state after it (groups carried, seed stream, data position), which a checkpoint
+holds with the steps queued (pickled) up to the first that failed.
+
 With rollout.in_flight_updates the weights are pushed by a thread of their own as soon as they
 are published, into the generations in flight (rollout/in_flight.py): a generation begins once the
 weights published before it was queued have reached the servers (w(step) or newer), and its later
@@ -58,7 +63,7 @@ class Queued:
     examples: list  # the step's prompts (tasks.Example)
     seeds: list[int]  # one per completion
     weights_step: int  # the step whose weights sample it: w(step), unless generated again on resume
-    batch: Future | RolloutBatch | None  # on the process with the engine; a Future until generated
+    batch: Future | RolloutBatch | tuple | None  # on the process with the engine; a Future until generated
     newer: bool = False  # in-flight updates: it may begin with newer weights than weights_step
 
     def failed(self) -> bool:
@@ -67,7 +72,7 @@ class Queued:
 
     def result(self) -> RolloutBatch:
         """The step's completions (waiting for them), checked against the schedule."""
-        if isinstance(self.batch, RolloutBatch):
+        if not isinstance(self.batch, Future):  # (taken back from a checkpoint)
             return self.batch
         batch, answered = self.batch.result()
         if answered is None:
@@ -81,10 +86,11 @@ class Queued:
 
 class Pipeline:
     def __init__(self, engine: PipelineEngine | None, max_staleness: int,
-                 generate: Callable[[list, list[int]], RolloutBatch], in_flight: bool = False):
+                 generate: Callable[[list, list[int], int], RolloutBatch], in_flight: bool = False):
         """engine: the rollout engine (None on the processes that have none: they draw the same
-        prompts and seeds, and are handed their completions); generate(examples, seeds): a step's
-        completions, run in the worker thread; in_flight: pushes go into the generations in flight."""
+        prompts and seeds, and are handed their completions); generate(examples, seeds,
+        weights_step): a step's completions (partial rollouts: the step and the sampling state after
+        it, rollouts.py), run in the worker thread; in_flight: pushes go into the generations in flight."""
         self.engine, self.k, self.generate, self.in_flight = engine, max_staleness, generate, in_flight
         self.queued: dict[int, Queued] = {}
         self.again: dict[int, list[int]] = {}  # steps of a checkpoint to generate again: their seeds
@@ -149,11 +155,11 @@ class Pipeline:
             else:
                 examples, seeds = draw()
             self.publish(trained, snapshot)  # w(n) for every step queued in order; fresher only on resume
-            batch = None if self.engine is None else self.submit(lambda e=examples, s=seeds: self._generate(e, s))
+            batch = None if self.engine is None else self.submit(lambda e=examples, s=seeds, w=trained: self._generate(e, s, w))
             self.queued[n] = Queued(n, examples, seeds, trained, batch, self.in_flight)
 
-    def _generate(self, examples: list, seeds: list[int]) -> tuple[RolloutBatch, int | None]:
-        batch = self.generate(examples, seeds)
+    def _generate(self, examples: list, seeds: list[int], weights_step: int) -> tuple[RolloutBatch, int | None]:
+        batch = self.generate(examples, seeds, weights_step)
         return batch, self.engine.weights_step
 
     def take(self, step: int) -> Queued:
@@ -187,7 +193,9 @@ class Pipeline:
         out = []
         for q in pending:
             entry = {"step": q.step, "weights_step": q.weights_step, "seeds": q.seeds}
-            if not q.failed():
+            if not q.failed() and not isinstance(q.result(), RolloutBatch):  # partial rollouts' (step, state)
+                entry["pickled"] = pickle.dumps(q.result())
+            elif not q.failed():
                 batch = q.result()
                 # A vision-language model's images come back with the prompts, drawn again (restore).
                 entry["batch"] = {f.name: getattr(batch, f.name) for f in fields(batch)
@@ -207,6 +215,10 @@ class Pipeline:
         drawn again by draw_examples(); those without completions are generated again."""
         for e in saved:
             examples = draw_examples()
+            if "pickled" in e:  # (the run's own checkpoint)
+                result = _Unpickler(io.BytesIO(e["pickled"])).load() if self.engine is not None else None
+                self.queued[e["step"]] = Queued(e["step"], examples, e["seeds"], e["weights_step"], result)
+                continue
             if "batch" not in e:
                 self._again(e, examples, e.get("unsaved"))
                 continue

@@ -80,14 +80,19 @@ class Rollouts:
         self.remote = engine_class(r.engine).remote  # generating in another process, reached by process 0 alone
         self.engine, self.is_correction = self._connect()
         # rollout.max_staleness > 0: the next steps are generated while this one trains (pipeline.py).
-        self.ahead = Pipeline(self.engine, r.max_staleness, self._generate_ahead, r.in_flight_updates) \
-            if r.max_staleness else None
+        self.ahead = Pipeline(self.engine, r.max_staleness, self._partial_ahead if r.partial else self._generate_ahead,
+                              r.in_flight_updates) if r.max_staleness else None
         # The global completions of a step this process owns, in update order (runtime/distributed.py).
         self.rows = distributed.shard_rows(config.completions_per_step, config.completions_per_update,
                                            distributed.world_size(), distributed.rank())
         self.sampling, self.greedy = SamplingParams.of(r), SamplingParams.of(r, greedy=True)
         self.stream = task.train_stream()
         self.partial = Partial(config, tokenizer.pad_token_id, device) if r.partial else None
+        # Partial rollouts generated ahead: the pipeline's thread alone draws from the streams; the
+        # prompts it has drawn, and the sampling state after the step last trained (what a
+        # checkpoint holds when no step is queued).
+        self.position = 0
+        self.taken_state = self._partial_state() if r.partial and r.max_staleness else None
 
     def _connect(self):
         """The rollout engine (None on the processes other than 0 when it is remote), and whether
@@ -117,6 +122,8 @@ class Rollouts:
         (state: the reward functions' trainer_state)."""
         if self.config.rollout.dynamic_sampling:
             return self._informative(step, scorer, state)
+        if self.partial is not None and self.ahead is not None:
+            return self._partial_taken(step, scorer, state)
         if self.partial is not None:
             return self._partial(step, scorer, state)
         if self.ahead is not None:  # queued up to step + k; this step's taken (waiting for it)
@@ -138,17 +145,55 @@ class Rollouts:
         rows of the trained ones: an in-process engine decodes each whole round on every process
         (the same tokens: a seed per completion, the same weights; under sharded weights its
         forwards are collective anyway), a remote one's rounds are process 0's, handed to all."""
-        engine = _OnMain(self.engine) if self.remote else self.engine
         if self.remote:
             self._hand_weights_to_server()
-        done = self.partial.step(step - 1, engine, self.kind.encoder, lambda k: [next(self.stream) for _ in range(k)],
-                                 lambda n: torch.randint(0, 2**62, (n,), generator=self.seed_stream), self.sampling,
-                                 stops=isinstance(self.engine, TransformersEngine))
-        self.is_correction = self.always_corrected or (self.config.rollout.is_correction and done.lagged)
+        done = self._partial_rounds(step - 1, _OnMain(self.engine) if self.remote else self.engine)
         if distributed.world_size() > 1 and not self.remote:
             self._check_same_rounds(done)
+        return self._partial_sampled(done, scorer, state)
+
+    def _partial_rounds(self, version: int, engine):
+        """A step of partial rollouts sampled with the weights after step `version` (partial.Step)."""
+        def draw(k: int) -> list[Example]:
+            self.position += k
+            return [next(self.stream) for _ in range(k)]
+
+        return self.partial.step(version, engine, self.kind.encoder, draw,
+                                 lambda n: torch.randint(0, 2**62, (n,), generator=self.seed_stream), self.sampling,
+                                 stops=isinstance(self.engine, TransformersEngine))
+
+    def _partial_sampled(self, done, scorer: Scorer, state, metrics: dict | None = None) -> Sampled:
+        """What a step of partial rollouts (`done`) gives the trainer: this process's rows, scored."""
+        self.is_correction = self.always_corrected or (self.config.rollout.is_correction and done.lagged)
         batch = self._own_rows(done.batch)
-        return Sampled(done.examples, batch, scorer.score(done.examples, batch, state), done.metrics, done.drawn)
+        return Sampled(done.examples, batch, scorer.score(done.examples, batch, state), {**done.metrics, **(metrics or {})},
+                       done.drawn)
+
+    def _partial_ahead(self, examples: list, seeds: list, weights_step: int) -> tuple:
+        """A step of partial rollouts generated ahead, in the pipeline's thread, with the weights
+        after `weights_step`: it draws its prompts and seeds itself (`examples` and `seeds` are
+        empty). The step, and the sampling state after it."""
+        done = self._partial_rounds(weights_step, self.engine)
+        done.batch = done.batch.to(torch.device("cpu"))  # (kept in a checkpoint, handed to every process)
+        return done, self._partial_state()
+
+    def _partial_state(self) -> dict:
+        """What partial rollouts generated ahead resume from: the groups carried, the seed stream,
+        the data stream's position (partial.Step lists are not changed once a step is done)."""
+        return {"carried": self.partial.carried, "dtypes": self.partial.dtypes,
+                "seed_stream": self.seed_stream.get_state(), "position": self.position}
+
+    def _partial_taken(self, step: int, scorer: Scorer, state) -> Sampled:
+        """Step `step` of partial rollouts generated ahead (rollout.max_staleness): sampled with the
+        weights after w(step), its rounds ended when enough groups had (no wait for the longest
+        completion); the lag metrics count from the trainer's weights."""
+        self.queue(step)
+        queued = self.ahead.take(step)
+        done, self.taken_state = distributed.on_main(queued.result)
+        stale = step - 1 - queued.weights_step
+        metrics = {"staleness": stale, "partial/lag_mean": done.metrics["partial/lag_mean"] + stale,
+                   "partial/lag_max": done.metrics["partial/lag_max"] + stale}
+        return self._partial_sampled(done, scorer, state, metrics)
 
     def _check_same_rounds(self, done) -> None:
         """Every process decoded the step's rounds itself: they must have sampled the same tokens
@@ -163,8 +208,9 @@ class Rollouts:
     def queue(self, step: int) -> None:
         """Generating ahead, before step `step` trains: queue the steps up to step + k not queued
         yet, with a host copy of the weights after step - 1 (a collective when sharded)."""
-        if self.ahead is not None:
-            self.ahead.fill(step, self.config.train.max_steps, step - 1, self._draw_ahead, self._weights_snapshot)
+        if self.ahead is not None:  # (partial rollouts draw theirs in the pipeline's thread)
+            draw = self._draw_ahead if self.partial is None else lambda: ([], [])
+            self.ahead.fill(step, self.config.train.max_steps, step - 1, draw, self._weights_snapshot)
 
     def next_prompts(self) -> list[Example]:
         """A step's prompts, the next train.prompts_per_step of the data stream (the same on every process)."""
@@ -200,7 +246,7 @@ class Rollouts:
         """The prompts and sampling seeds of the next step queued ahead."""
         return self.next_prompts(), self._step_seeds().tolist()
 
-    def _generate_ahead(self, examples: list[Example], seeds: list[int]) -> RolloutBatch:
+    def _generate_ahead(self, examples: list[Example], seeds: list[int], weights_step: int) -> RolloutBatch:
         """A whole step's completions, generated ahead (in the pipeline's thread)."""
         return self._generate(examples, [self.config.rollout.num_generations] * len(examples), self.sampling, seeds)
 
@@ -311,16 +357,24 @@ class Rollouts:
     # ------------------------------------------------------------------ checkpoints
 
     def pending(self) -> Pending:
-        """The steps generated ahead and the groups carried, now (a checkpoint taken now holds them)."""
-        return Pending([] if self.ahead is None else self.ahead.pending(),
-                       None if self.partial is None else self.partial.carried)
+        """The steps generated ahead and the groups carried, now (a checkpoint taken now holds them;
+        generating partial rollouts ahead, the sampling state after the step last trained)."""
+        carried = self.taken_state if self.taken_state is not None else self.partial and self.partial.carried
+        return Pending([] if self.ahead is None else self.ahead.pending(), carried)
 
     def save(self, folder: Path, pending: Pending) -> None:
-        """Write `pending` into checkpoint `folder` (waiting for the steps still being generated)."""
+        """Write `pending` into checkpoint `folder` (waiting for the steps still being generated).
+        Partial rollouts generated ahead: the steps queued up to the first that failed, and the
+        sampling state after the last of them (the others are generated again on resume)."""
+        queued, carried = pending.queued, pending.carried
+        if self.partial is not None and self.ahead is not None:
+            failed = next((i for i, q in enumerate(queued) if q.failed()), len(queued))
+            queued = queued[:failed]
+            carried = queued[-1].result()[1] if queued else carried
         if self.ahead is not None:
-            torch.save(Pipeline.saved(pending.queued), folder / AHEAD_FILE)
+            torch.save(Pipeline.saved(queued), folder / AHEAD_FILE)
         if self.partial is not None:
-            self.partial.save(folder, pending.carried)
+            self.partial.save(folder, carried)
 
     def resume(self, folder: Path, seed_stream_state: torch.Tensor, examples_seen: int) -> None:
         """Continue from checkpoint `folder`: the seed stream, the data stream's position, and the
@@ -329,9 +383,14 @@ class Rollouts:
         self.stream = self.task.train_stream(start=examples_seen)
         if self.ahead is not None:
             saved = distributed.on_main(lambda: torch.load(folder / AHEAD_FILE, weights_only=True))
-            self.ahead.restore(saved, self.next_prompts)
+            self.ahead.restore(saved, self.next_prompts if self.partial is None else list)
         if self.partial is not None:
-            self.partial.restore(folder)
+            state = self.partial.restore(folder)
+            if self.ahead is not None and state is not None and "position" in state:  # the streams as the last step queued left them
+                self.seed_stream.set_state(state["seed_stream"])
+                self.position = state["position"]
+                self.stream = self.task.train_stream(start=self.position)
+                self.taken_state = state
 
     def close(self) -> None:
         if self.ahead is not None:
