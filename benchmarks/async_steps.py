@@ -1,8 +1,8 @@
 """Synchronous against asynchronous steps (rollout.max_staleness 0 and 1; with --in-flight, 1 with
-rollout.in_flight_updates too) on the default task, the trainer and one rollout server each pinned
-to a core of their own; then two servers against one.
+rollout.in_flight_updates too; with --partial, 1 with partial rollouts too) on the default task,
+the trainer and one rollout server each pinned to a core of their own; then two servers against one.
 
-    python benchmarks/async_steps.py [--steps 20] [--model NAME] [--no-pin] [--in-flight] [section.field=value ...]
+    python benchmarks/async_steps.py [--steps 20] [--model NAME] [--no-pin] [--in-flight] [--partial] [section.field=value ...]
 
 Each run: the bundled model, the built-in task, `train.max_steps` steps, held-out greedy accuracy
 (eval/reward) before and after. The server runs `taskset -c 1` with 1 thread, the trainer
@@ -62,11 +62,11 @@ def start_server(core: int | None, log: Path, model: str, env: dict | None = Non
 
 
 def train(out: Path, core: int | None, urls: list[str], staleness: int, steps: int, model: str,
-          overrides: list[str], in_flight: bool = False) -> list[dict]:
+          overrides: list[str], in_flight: bool = False, partial: bool = False) -> list[dict]:
     command = [sys.executable, "-m", "grpokit", "train", "--no-progress", f"model.name={model}", f"train.max_steps={steps}",
                "train.eval_every=0", "rollout.engine=server", f"rollout.server_url=[{','.join(urls)}]",
                f"rollout.max_staleness={staleness}", f"train.output_dir={out}", *overrides,
-               *(["rollout.in_flight_updates=true"] if in_flight else [])]
+               *(["rollout.in_flight_updates=true"] if in_flight else []), *(["rollout.partial=true"] if partial else [])]
     started = time.monotonic()
     result = subprocess.run(pinned(core, command), capture_output=True, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -82,7 +82,8 @@ def summary(name: str, rows: list[dict]) -> dict:
     out = {"run": name, **{k: statistics.median(r[k] for r in steps) for k in PHASES},
            "eval_start": evals[0]["eval/reward"], "eval_end": evals[-1]["eval/reward"],
            # the trained tokens' staleness, mean over the steps after the first (in flight: each token's)
-           "token_staleness": statistics.mean(r.get("staleness/token_mean", r.get("staleness", 0)) for r in steps[1:])}
+           "token_staleness": statistics.mean(r.get("staleness/token_mean", r.get("partial/lag_mean", r.get("staleness", 0)))
+                                              for r in steps[1:])}
     return out
 
 
@@ -94,7 +95,8 @@ def main() -> None:
     parser.add_argument("--trainer-core", type=int, default=0)
     parser.add_argument("--server-core", type=int, default=1)
     parser.add_argument("--skip-two-servers", action="store_true")
-    parser.add_argument("--in-flight", action="store_true", help="a third run: max_staleness 1, in-flight updates")
+    parser.add_argument("--in-flight", action="store_true", help="another run: max_staleness 1, in-flight updates")
+    parser.add_argument("--partial", action="store_true", help="another run: max_staleness 1, partial rollouts")
     parser.add_argument("--model", default=MODEL, help="model.name of every run and server")
     parser.add_argument("--no-pin", action="store_true", help="no taskset: trainer and servers share the machine")
     parser.add_argument("overrides", nargs="*", metavar="section.field=value", help="config settings of every run")
@@ -115,6 +117,10 @@ def main() -> None:
             runs["in-flight"] = train(args.out / "staleness-in-flight", args.trainer_core, [url], 1, args.steps,
                                       args.model, args.overrides, in_flight=True)
             names["in-flight"] = "max_staleness=1, in_flight_updates"
+        if args.partial:
+            runs["partial"] = train(args.out / "staleness-partial", args.trainer_core, [url], 1, args.steps,
+                                    args.model, args.overrides, partial=True)
+            names["partial"] = "max_staleness=1, partial"
         table = [summary(names[k], rows) for k, rows in runs.items()]
         where = ("unpinned" if args.no_pin else
                  f"trainer on core {args.trainer_core}, server on core {args.server_core}, 1 thread each")
