@@ -324,7 +324,6 @@ def _partial_problems(c: Config) -> list[str]:
     p.need(r.is_correction, "rollout.partial with rollout.is_correction=false: a carried completion's tokens were "
            "sampled by the policies before the update, and the importance weights are what corrects for that")
     for problem, why in (
-            (r.in_flight_updates, "rollout.in_flight_updates (a round's tokens are tagged with the round's weights)"),
             (r.dynamic_sampling, "rollout.dynamic_sampling (its rounds draw prompts by the rewards)"),
             (has_tools(c) or r.agent is not None, "tools, environments or agents (a conversation carried mid-turn "
              "into the next step is not built)")):

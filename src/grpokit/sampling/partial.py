@@ -174,7 +174,8 @@ class Partial:
             c.logps += batch.sampling_logps[i, :kept].tolist()
             c.entropies = None if batch.entropies is None or c.entropies is None else \
                 c.entropies + batch.entropies[i, :kept].tolist()
-            c.versions += [version] * kept
+            # (a server's generation that took weight pushes in flight tags each token itself)
+            c.versions += [version] * kept if batch.versions is None else batch.versions[i, :kept].tolist()
             if reason != "length" and kept == n:  # an EOS (or another stop) within its room
                 c.finish = reason
             elif len(c.tokens) >= self.longest:
