@@ -147,6 +147,35 @@ class RolloutBatch:
 
 
 
+@dataclass
+class Completion:
+    """One completion so far, generated in pieces (partial rollouts' rounds, sampling/partial.py;
+    a server's segments between weight pushes, in_flight.py): its tokens, and each token's sampling
+    log-prob, entropy (None where the engine does not measure them) and weights version."""
+
+    tokens: list[int]
+    logps: list[float]
+    entropies: list[float] | None
+    versions: list[int]
+    finish: str | None = None  # once ended: "stop" (an EOS sampled) or "length" (its longest reached)
+
+    def extend(self, batch: RolloutBatch, row: int, length: int, longest: int, version: int | None) -> None:
+        """Append row `row` of `batch` (`length` tokens), its continuation, cut at `longest` tokens
+        in all, each new token of weights `version` (or of batch.versions', where a server's
+        generation took pushes in flight and tagged its tokens itself); it ends on an EOS (or
+        another stop) within its room, or at `longest` tokens."""
+        kept = min(length, longest - len(self.tokens))  # (a row with less room than its generation's is cut)
+        self.tokens += batch.completion_ids[row, :kept].tolist()
+        self.logps += batch.sampling_logps[row, :kept].tolist()
+        self.entropies = None if batch.entropies is None or self.entropies is None else \
+            self.entropies + batch.entropies[row, :kept].tolist()
+        self.versions += [version] * kept if batch.versions is None else batch.versions[row, :kept].tolist()
+        if batch.finish_reasons[row] != "length" and kept == length:
+            self.finish = batch.finish_reasons[row]
+        elif len(self.tokens) >= longest:
+            self.finish = "length"
+
+
 def decode_completions(tokenizer, batch: RolloutBatch, prompts: list, reasoning=None) -> list:
     """Completions in TRL's shapes: [{"role": "assistant", "content": text}] after a chat prompt
     (with `reasoning`, a models.reasoning.Reasoning, the content is the answer and the reasoning is

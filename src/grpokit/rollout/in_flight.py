@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 
-from grpokit.rollout.batch import SamplingParams, consecutive_groups
+from grpokit.rollout.batch import Completion, SamplingParams, consecutive_groups
 
 
 class Pushes:
@@ -49,31 +49,19 @@ class Pushes:
         newer ones of the same trainer) and gives the label of those it holds. Each completion as
         a server answers it, with the label of every token's weights (`weights_steps`)."""
         own = [p for p, k in zip(prompts, counts) for _ in range(k)]  # each completion's prompt
-        out = [{"token_ids": [], "logprobs": [], "entropies": [], "weights_steps": [], "finish_reason": None}
-               for _ in own]
-        while todo := [i for i, c in enumerate(out) if c["finish_reason"] is None]:
+        out = [Completion([], [], [], []) for _ in own]
+        while todo := [i for i, c in enumerate(out) if c.finish is None]:
             with self.turn:
                 self.turn.wait_for(lambda: self.waiting == 0)
             with lock:
                 label = weights()
-                room = [params.max_tokens - len(out[i]["token_ids"]) for i in todo]
                 # Completions not begun share their prompt's prefill (consecutive identical prompts).
-                unique, runs = consecutive_groups([own[i] + out[i]["token_ids"] for i in todo])
-                batch = engine.generate(unique, runs, replace(params, max_tokens=max(room)),
+                unique, runs = consecutive_groups([own[i] + out[i].tokens for i in todo])
+                batch = engine.generate(unique, runs,
+                                        replace(params, max_tokens=params.max_tokens - min(len(out[i].tokens) for i in todo)),
                                         None if seeds is None else [seeds[i] for i in todo],
-                                        until=lambda *_: self.waiting > 0,
-                                        offsets=[len(out[i]["token_ids"]) for i in todo])
-            lengths = batch.completion_mask.sum(-1).tolist()
-            for j, i in enumerate(todo):
-                c, n = out[i], lengths[j]
-                kept = min(n, room[j])  # (a completion with less room than the segment's is cut)
-                c["token_ids"] += batch.completion_ids[j, :kept].tolist()
-                c["logprobs"] += batch.sampling_logps[j, :kept].tolist()
-                c["entropies"] = None if batch.entropies is None or c["entropies"] is None else \
-                    c["entropies"] + batch.entropies[j, :kept].tolist()
-                c["weights_steps"] += [label] * kept
-                if batch.finish_reasons[j] != "length" and kept == n:  # an EOS within its room
-                    c["finish_reason"] = batch.finish_reasons[j]
-                elif len(c["token_ids"]) >= params.max_tokens:
-                    c["finish_reason"] = "length"
-        return out
+                                        until=lambda *_: self.waiting > 0, offsets=[len(out[i].tokens) for i in todo])
+            for j, (i, n) in enumerate(zip(todo, batch.completion_mask.sum(-1).tolist())):
+                out[i].extend(batch, j, n, params.max_tokens, label)
+        return [{"token_ids": c.tokens, "logprobs": c.logps, "entropies": c.entropies, "weights_steps": c.versions,
+                 "finish_reason": c.finish} for c in out]

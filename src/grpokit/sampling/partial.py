@@ -36,23 +36,12 @@ from pathlib import Path
 
 import torch
 
-from grpokit.rollout.batch import RolloutBatch, SamplingParams
+# (Completion, here before it served a server's segments too: checkpoints name it here)
+from grpokit.rollout.batch import Completion, RolloutBatch, SamplingParams
 from grpokit.tasks.task import Example
 
 # A checkpoint's carried groups (pickled: their examples' columns are the task's own values).
 PARTIAL_FILE = "partial_rollouts.pkl"
-
-
-@dataclass
-class Completion:
-    """One completion so far: its tokens, and each token's sampling log-prob, entropy (None where
-    the engine does not measure them) and weights version."""
-
-    tokens: list[int]
-    logps: list[float]
-    entropies: list[float] | None
-    versions: list[int]
-    finish: str | None = None  # once ended: "stop" (an EOS sampled) or "length" (max_completion_length reached)
 
 
 @dataclass
@@ -167,19 +156,8 @@ class Partial:
         batch = engine.generate(prompts, counts, replace(params, max_tokens=max(rooms) if until_enough else
                                                          min(self.budget, max(rooms))), seeds(len(targets)).tolist(),
                                 **extra)
-        lengths = batch.completion_mask.sum(-1).tolist()
-        for i, (c, n, reason) in enumerate(zip(targets, lengths, batch.finish_reasons)):
-            kept = min(n, self.longest - len(c.tokens))  # (a row with less room than the round's is cut)
-            c.tokens += batch.completion_ids[i, :kept].tolist()
-            c.logps += batch.sampling_logps[i, :kept].tolist()
-            c.entropies = None if batch.entropies is None or c.entropies is None else \
-                c.entropies + batch.entropies[i, :kept].tolist()
-            # (a server's generation that took weight pushes in flight tags each token itself)
-            c.versions += [version] * kept if batch.versions is None else batch.versions[i, :kept].tolist()
-            if reason != "length" and kept == n:  # an EOS (or another stop) within its room
-                c.finish = reason
-            elif len(c.tokens) >= self.longest:
-                c.finish = "length"
+        for i, (c, n) in enumerate(zip(targets, batch.completion_mask.sum(-1).tolist())):
+            c.extend(batch, i, n, self.longest, version)
         return batch
 
     # ---------------------------------------------------------------- checkpoints

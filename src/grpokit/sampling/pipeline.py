@@ -193,10 +193,10 @@ class Pipeline:
         out = []
         for q in pending:
             entry = {"step": q.step, "weights_step": q.weights_step, "seeds": q.seeds}
-            if not q.failed() and not isinstance(q.result(), RolloutBatch):  # partial rollouts' (step, state)
-                entry["pickled"] = pickle.dumps(q.result())
-            elif not q.failed():
-                batch = q.result()
+            batch = None if q.failed() else q.result()
+            if batch is not None and not isinstance(batch, RolloutBatch):  # partial rollouts' (step, state)
+                entry["pickled"] = pickle.dumps(batch)
+            elif batch is not None:
                 # A vision-language model's images come back with the prompts, drawn again (restore).
                 entry["batch"] = {f.name: getattr(batch, f.name) for f in fields(batch)
                                   if f.name not in ("conversations", "images")}

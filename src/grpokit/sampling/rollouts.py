@@ -45,10 +45,11 @@ AHEAD_FILE = "rollouts_ahead.pt"
 @dataclass
 class Pending:
     """The sampling in progress that a checkpoint taken now holds: the steps generated ahead
-    (rollout.max_staleness), the groups carried into the next step (rollout.partial)."""
+    (rollout.max_staleness), the groups carried into the next step (rollout.partial; generated
+    ahead, the sampling state after the step last trained: Rollouts._partial_state)."""
 
     queued: list[Queued]
-    carried: list[Group] | None
+    carried: list[Group] | dict | None
 
     def failed(self) -> list[int]:
         """The steps generated ahead whose generation failed."""
