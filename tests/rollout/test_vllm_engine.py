@@ -2,6 +2,7 @@
 a GPU): request building, result conversion, weight names and loading, sleep mode; the trainer's
 importance-sampling correction for an engine whose log-probs are not its own."""
 
+import copy
 import json
 import sys
 import types
@@ -378,7 +379,7 @@ def test_a_lora_policy_reaches_vllm_through_its_lora_loading_call(fake_vllm, tin
     from grpokit.rollout.vllm_engine import VLLMEngine
     from grpokit.rollout.weights import adapter_tensors, base_weights
 
-    base, tokenizer = tiny
+    base, tokenizer = copy.deepcopy(tiny[0]), tiny[1]  # (peft puts its layers into the model it is given)
     policy = apply_lora(base, load_config(None, ["model.lora_rank=4"]).model, "tiny-random")
     engine = VLLMEngine("/models/x", "float32", tokenizer.pad_token_id, [2], policy=policy, sleep=True)
     llm = engine.llm
