@@ -134,3 +134,6 @@ def test_the_lag_alert_speaks_of_lagged_tokens_and_out_of_bounds_importance_weig
     assert [(f.kind, f.step) for f, _ in clipped] == [("lag", 4)]
     assert "25% of the importance weights fell outside their bounds" in clipped[0][0].evidence
     assert diagnose(rows([0.3] * 4, [0.3, 0.3, 0.3, 0.2]), facts) == []  # high but not growing
+    in_flight = [{k if k != "partial/lag_mean" else "staleness/token_mean": v for k, v in r.items()}
+                 for r in rows([0.2, 1.1, 1.3, 1.2], [0.0] * 4)]  # in-flight weight updates log each token's lag
+    assert [(f.kind, f.step) for f, _ in diagnose(in_flight, facts)] == [("lag", 4)]

@@ -31,8 +31,8 @@ compares windows of WINDOW steps (medians or means, robust to a single odd step)
   waste/decode (token positions computed / tokens kept, training/metrics.py `Waste`) is above
   2: more than half of that compute went to padding or to completions that had ended.
 - `lag`: over the last LAG_STEPS steps (it shows from the first), the trained tokens' mean lag
-  (partial/lag_mean: versions between the weights that sampled a token and the step's, partial
-  rollouts) averaged LAG_MEAN or more, or the share of importance weights outside their bounds
+  (partial/lag_mean with partial rollouts, staleness/token_mean with in-flight weight updates:
+  versions between the weights that sampled a token and the step's) averaged LAG_MEAN or more, or the share of importance weights outside their bounds
   (sampling/is_truncated_fraction or is_masked_fraction) averaged OUTSIDE or more and grew from the
   first to the last of them: the trainer learns from samples the current policy would not draw.
 - `agents`: in the last step, rollouts' agents failed (agents/failed) or requests of theirs were
@@ -252,13 +252,13 @@ def waste(rows, evals, facts) -> Finding | None:
 
 LAG_STEPS, LAG_MEAN, OUTSIDE = 3, 1.0, 0.2
 LAG_FIX = ("lower the lag: a larger rollout.partial_tokens or a smaller rollout.partial_spare (fewer groups carried), a "
-           "smaller rollout.partial_max_lag or rollout.max_staleness, or a lower train.learning_rate (the policy then "
-           "moves less between the sampler's weights and the trainer's)")
+           "smaller rollout.partial_max_lag or rollout.max_staleness, or a lower train.learning_rate (the policy then moves "
+           "less between the sampler's weights and the trainer's)")
 
 
 def lag(rows, evals, facts) -> Finding | None:
     recent = rows[-LAG_STEPS:]
-    lags = _values(recent, "partial/lag_mean")
+    lags = _values(recent, "partial/lag_mean") or _values(recent, "staleness/token_mean")
     if len(lags) == LAG_STEPS and (mean := statistics.fmean(lags)) >= LAG_MEAN:
         return Finding("lag", recent[-1]["step"], f"the trained tokens were sampled {mean:.2f} weight versions before "
                        f"their step on average over {_span(recent)}", LAG_FIX)
