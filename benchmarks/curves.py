@@ -137,6 +137,8 @@ SCRIPTS = (
     Script("variants", "docs/math.md", "dapo", ("benchmarks/variants.py", "--out", "{out}")),
     Script("distill", "docs/distillation.md", "default GRPO run, seed 0 (the teacher's own run)",
            ("benchmarks/distill.py", "--out", "{out}", "--seeds", "0", "1")),
+    Script("partial-learning", "docs/speed-and-memory.md", "default, seed 0",
+           ("benchmarks/partial_learning.py", "--out", "{out}")),
 )
 
 
