@@ -13,7 +13,7 @@ the conversation token in, token out: a framework that rewrites the history), re
 and failed rollouts; the mean
 reward and the step's seconds. A framework that is not installed is skipped, with the command that
 installs it. The suite runs the Agents SDK and LangGraph examples on tiny-random
-(tests/multiturn/test_agents.py); this runs every example on a real model.
+(tests/rollouts/test_agents.py); this runs every example on a real model.
 Written to benchmarks/results/agent_frameworks.md.
 """
 

@@ -1,6 +1,6 @@
 """What the agent path costs: the default run against the same run through a verifiers
 SingleTurnEnv of the built-in task (examples/verifiers_arithmetic.py given the built-in task's
-prompts in its order), which trains bit for bit as the default run does (tests/multiturn/test_agents.py).
+prompts in its order), which trains bit for bit as the default run does (tests/rollouts/test_agents.py).
 The difference is the agents' own: the endpoint, the openai clients, verifiers' rollout and rubric.
 
     python benchmarks/agent_overhead.py [--steps 10] [section.field=value ...]

@@ -8,7 +8,7 @@ Each cell is the largest difference, in nats, between the path's log-probs and t
 over a ragged batch of 6 completions of 3 to 16 tokens after prompts of 5 and 9 (a window of 8
 tokens, so most sequences outrun it), with and without an agent's rows of several sequences; a
 path that is not exact for the family is refused, and the cell says why. The decoders' cells are
-their sampling log-probs, which they compute in float32 (rollout/decoding.py). "gradients" is the
+their sampling log-probs, which they compute in float32 (engines/decoding.py). "gradients" is the
 relative difference between the gradients of two passes over the same batch (the prompt shared,
 and every sequence whole): where transformers computes in float32 inside a float64 model (its
 RMSNorm layers), this is the floor of float64 mode. "LoRA" is what model.lora_target_modules=
@@ -31,10 +31,10 @@ from curves import provenance  # noqa: E402 - benchmarks/ and tests/ are not pac
 from support.architectures import FAMILIES, build  # noqa: E402
 from support.passes import DECODERS, PASSES, mask_of, pass_logprobs, plain_logprobs, ragged_batch, sampled  # noqa: E402
 
+from grpokit.engines.static_decoder import static_decoding_problem  # noqa: E402
 from grpokit.models.architecture import layers_of  # noqa: E402
 from grpokit.models.logprobs import check_chunkable, completion_logprobs  # noqa: E402
 from grpokit.models.routers import routed_choices  # noqa: E402
-from grpokit.rollout.static_decoder import static_decoding_problem  # noqa: E402
 
 MARKERS = ("<!-- architectures table -->\n", "<!-- end architectures table -->")
 

@@ -8,7 +8,7 @@ default), one generation by the transformers engine, timed; its completions must
 setting's token for token (the run stops if not). Printed: seconds, decoding steps (forward
 calls), the most rows in a step, the largest key/value cache a step held (every layer's keys and
 values, MiB), decoding's waste (token positions run / tokens kept), and how many completions
-are not, token for token, the first setting's (float32 rounding; tests/rollout/test_decoding.py
+are not, token for token, the first setting's (float32 rounding; tests/engines/test_decoding.py
 checks they are the same in float64).
 
     python benchmarks/decode_slots.py         # slots all, 16, 8, 4; about 6 minutes on 2 CPU cores
@@ -40,10 +40,10 @@ def main() -> int:
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode_slots.md"))
     args = parser.parse_args()
+    from grpokit.engines.batch import SamplingParams
+    from grpokit.engines.transformers_engine import TransformersEngine
     from grpokit.models.bundled import BUNDLED
     from grpokit.models.loading import eos_token_ids, load_model, load_tokenizer
-    from grpokit.rollout.batch import SamplingParams
-    from grpokit.rollout.transformers_engine import TransformersEngine
     from grpokit.tasks.arithmetic import ArithmeticTask
 
     model, tokenizer = load_model(BUNDLED), load_tokenizer(BUNDLED)

@@ -86,8 +86,8 @@ def push_bytes(model: Path, rank: int = 16) -> str:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from grpokit.config.loading import load_config
+    from grpokit.engines.weights import adapter_tensors, base_weights
     from grpokit.models.loading import apply_lora
-    from grpokit.rollout.weights import adapter_tensors, base_weights
 
     with torch.device("meta"):
         base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model), dtype=torch.float32)

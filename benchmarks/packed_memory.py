@@ -32,7 +32,7 @@ def _kib(field: str) -> int:
 def ragged_batch(cap: int, tokenizer):
     import torch
 
-    from grpokit.rollout.batch import RolloutBatch
+    from grpokit.engines.batch import RolloutBatch
     from grpokit.tasks.arithmetic import ArithmeticTask
 
     task = ArithmeticTask(seed=0, eval_size=0)

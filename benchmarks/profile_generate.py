@@ -30,8 +30,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from torch.profiler import ProfilerActivity, profile
 
-    from grpokit.rollout.batch import SamplingParams
-    from grpokit.rollout.transformers_engine import TransformersEngine
+    from grpokit.engines.batch import SamplingParams
+    from grpokit.engines.transformers_engine import TransformersEngine
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).cuda().eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model)

@@ -75,7 +75,7 @@ def grpokit_worker(conn, args, src: str | None = None, overrides: tuple[str, ...
     keep_freed_memory()  # as `grpokit train` does (grpokit/runtime/allocator.py)
     trainer = Trainer(config, progress=False)
     lengths = []  # each generation's completion lengths
-    engine, generate = trainer.rollouts.engine, trainer.rollouts.engine.generate
+    engine, generate = trainer.sampler.engine, trainer.sampler.engine.generate
 
     def recorded(*a, **k):
         batch = generate(*a, **k)

@@ -48,7 +48,7 @@ ZERO3 = ROOT / "examples" / "accelerate" / "cpu-2-processes-zero3.yaml"
 
 # name -> (launcher, servers, arguments): launcher "python" (one process), "torchrun" (2 processes)
 # or an accelerate config; servers: how many `grpokit serve` of tiny-random the run is given
-# (rollout.server_url lists them).
+# (rollout.server_url lists them, unless an argument names the first, {server0}: the judge's).
 RUNS = {
     "default": ("python", 0, ["train.max_steps=8", "train.eval_every=4", "data.eval_size=20", "train.save_every=4"]),
     "dapo": ("python", 0, ["train.max_steps=3", *SMALL, "algorithm.loss_type=dapo", "algorithm.beta=0.01",
@@ -78,6 +78,12 @@ RUNS = {
     # ragged completions of up to 24 tokens (so the step picks packed passes).
     "lora": ("python", 0, ["train.max_steps=3", *TINY, "model.lora_rank=8", "algorithm.beta=0.04",
                            "rollout.max_completion_length=24"]),
+    # A teacher's per-token signal (distill.teacher), and the built-in judge reward asking a
+    # `grpokit serve` of tiny-random (its replies rarely parse: judge/failed, None rewards).
+    "teacher": ("python", 0, ["train.max_steps=3", *TINY, "distill.teacher=tiny-random"]),
+    "judge": ("python", 1, ["train.max_steps=3", *TINY[:1], *TINY[2:],
+                            "reward.functions=[judge,{out}/helpers.py:shortness]", "reward.judge_url={server0}/v1",
+                            "reward.judge_retries=0", "reward.judge_timeout=30"]),
     "fsdp2": (str(FSDP2), 0, ["train.max_steps=3", *TINY, "algorithm.beta=0.04", "train.micro_batch_size=2"]),
     "zero3": (str(ZERO3), 0, ["train.max_steps=3", *TINY, "algorithm.beta=0.04", "train.micro_batch_size=2"]),
 }
@@ -89,8 +95,10 @@ def environment(src: Path) -> dict:
 
 def command(name: str, out: Path, urls: list[str]) -> list[str]:
     launcher, _, args = RUNS[name]
-    args = [a.format(out=out) for a in args] + ["--no-progress", f"train.output_dir={out / name}"]
-    if urls:
+    named = any("{server0}" in a for a in args)
+    args = [a.format(out=out, server0=urls[0] if urls else "") for a in args] + \
+        ["--no-progress", f"train.output_dir={out / name}"]
+    if urls and not named:
         args.append(f"rollout.server_url=[{','.join(urls)}]")
     if launcher == "python":
         return [sys.executable, "-m", "grpokit", "train", *args]

@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from grpokit.config.loading import flatten, load_config, settle
-from grpokit.config.schema import Config
 from grpokit.rewards.reward_set import BUILTIN_REWARDS, REWARD_FUNCTIONS
 from grpokit.rundir.folder import TrainResult
 from grpokit.runtime import user_code
 from grpokit.runtime.errors import ConfigError
+from grpokit.settings.schema import Config
 from grpokit.tasks.dataset import IMAGE_COLUMNS
 
 
@@ -140,41 +140,33 @@ def evaluate(config: Config, model_path: str, num_samples: int = 1, output: str 
     completion with its rewards to that JSONL file. Its metrics."""
     import torch
 
-    from grpokit.models.loading import eos_token_ids, load_model
+    from grpokit.engines.batch import SamplingParams
     from grpokit.rewards.reward_set import trainer_state
-    from grpokit.rollout.batch import SamplingParams
-    from grpokit.rollout.protocols import make_engine
     from grpokit.runtime import distributed
     from grpokit.sampling.evaluation import score, summarize
     from grpokit.training import setup
 
-    facts = setup.checked_facts(config, model_name=model_path)
-    run = setup.prepare(config, model_name=model_path, model_facts=facts.model, train=False)
-    if not run.task.eval_examples:
-        raise ConfigError(f"no held-out prompts to score: data.eval_size={config.data.eval_size} (a run trained "
-                          "with data.eval_size=0 keeps that in its config): add data.eval_size=100, or data.eval_path")
-    for note in getattr(run.task, "notes", ()):
+    run = setup.build(config, "eval", model_name=model_path)
+    for note in run.notes:
         print(note)
-    model = load_model(model_path, config.model.dtype).to("cuda" if torch.cuda.is_available() else "cpu")
-    engine = make_engine(config.rollout, model, run.tokenizer, eos_token_ids(model, run.tokenizer), model_path,
-                         vision=run.vision)
-    kind = setup.make_kind(config, run, model)
     params = SamplingParams.of(config.rollout, greedy=num_samples == 1)
+    rewards, examples = run.prepared.rewards, run.prepared.task.eval_examples
     logged = {}
     try:
         with torch.no_grad():
-            records = score(kind, engine, run.tokenizer, run.rewards, run.task.eval_examples, params, num_samples,
+            records = score(run.kind, run.engine, run.tokenizer, rewards, examples, params, num_samples,
                             seed=config.train.seed, logged=logged,
-                            state=trainer_state(config, _steps_trained(Path(model_path), config)))
+                            state=trainer_state(_steps_trained(Path(model_path), config), config.train.max_steps,
+                                                config.updates_per_step))
     finally:
-        kind.close()
-        engine.close()
+        run.kind.close()
+        run.engine.close()
     if output:
         with Path(output).open("w") as f:
             for record in records:
-                prompt = run.task.eval_examples[record["index"]].prompt
+                prompt = examples[record["index"]].prompt
                 f.write(json.dumps({"prompt": prompt, **record}, default=str) + "\n")
-    return {**summarize(records, run.rewards.names, num_samples, prefix=""), **distributed.means(logged)}
+    return {**summarize(records, rewards.names, num_samples, prefix=""), **distributed.means(logged)}
 
 
 def _steps_trained(model: Path, config) -> int:

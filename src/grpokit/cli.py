@@ -9,7 +9,28 @@ from pathlib import Path
 
 from grpokit.config.loading import describe, load_config
 from grpokit.config.variants import reset_unused
-from grpokit.runtime.errors import ConfigError, StartupError
+from grpokit.runtime.errors import ConfigError, RunStopped, StartupError
+
+
+def _stopped(stop: RunStopped, config) -> int:
+    """What a run that stopped says, once, and its exit status."""
+    from grpokit.runtime import distributed
+
+    if stop.checkpoint is not None:  # a signal, after a step: every process stopped after the same one, and saved it
+        main = distributed.is_main()
+        distributed.finish()
+        if main:
+            print(f"grpokit: {stop}\nresume with: grpokit train --config {stop.checkpoint.parent.parent / 'config.yaml'}",
+                  file=sys.stderr)
+    elif stop.signum is not None:  # a signal while a step was stuck in the user's code
+        if distributed.is_main():
+            print(f"grpokit: stopped: {stop}\n{_resume_hint(config)}", file=sys.stderr)
+    elif stop.in_users_code or os.environ.get("RANK", "0") == "0":
+        # The user's code fails on the process that called it; the rest on every process alike.
+        print(f"grpokit: the run stopped: {stop}", file=sys.stderr)
+        if not stop.says_what_to_do:
+            print(_resume_hint(config), file=sys.stderr)
+    return 1 if stop.signum is None else 128 + stop.signum  # 143 SIGTERM, 130 Ctrl-C
 
 
 def _train(args) -> int:
@@ -18,38 +39,14 @@ def _train(args) -> int:
         raise ConfigError("--merge merges LoRA adapters into the model, but model.lora_rank=0 trains every weight: "
                           "final/ already holds the whole model")
     from grpokit import api
-    from grpokit.multiturn.tools import EnvironmentFailed
-    from grpokit.rewards.reward_set import RewardError
-    from grpokit.rollout.client import RolloutServerError
-    from grpokit.rundir.checkpoint import CheckpointError
     from grpokit.runtime import distributed
     from grpokit.runtime.allocator import keep_freed_memory
-    from grpokit.runtime.signals import StoppedWhileWaiting
-    from grpokit.runtime.user_code import UserCodeExit
-    from grpokit.training.trainer import Interrupted, NonFiniteError
 
     keep_freed_memory()  # every step allocates the same tensors again: reuse their pages (allocator.py)
     try:
         result = api.run(config, progress=not args.no_progress)
-    except Interrupted as stop:  # every process stopped after the same step
-        main = distributed.is_main()
-        distributed.finish()
-        if main:
-            print(f"grpokit: {stop}\nresume with: grpokit train --config {stop.checkpoint.parent.parent / 'config.yaml'}",
-                  file=sys.stderr)
-        return 128 + stop.signum  # the shell's convention for "ended by signal N": 143 SIGTERM, 130 Ctrl-C
-    except StoppedWhileWaiting as stop:  # SIGTERM / Ctrl-C while a step was stuck in the user's code
-        if distributed.is_main():
-            print(f"grpokit: stopped: {stop}\n{_resume_hint(config)}", file=sys.stderr)
-        return 128 + stop.signum
-    except (RewardError, EnvironmentFailed, UserCodeExit, RolloutServerError, CheckpointError, NonFiniteError) as e:
-        # A run that stopped for a reason its message states in full: no traceback. The user's code
-        # fails on the process that called it; the rest on every process alike.
-        if isinstance(e, (RewardError, EnvironmentFailed, UserCodeExit)) or os.environ.get("RANK", "0") == "0":
-            print(f"grpokit: the run stopped: {e}", file=sys.stderr)
-            if not isinstance(e, NonFiniteError):  # its message says what to do instead
-                print(_resume_hint(config), file=sys.stderr)
-        return 1
+    except RunStopped as stop:
+        return _stopped(stop, config)
     main = distributed.is_main()
     distributed.finish()
     if not main:
@@ -181,10 +178,10 @@ def _serve(args) -> int:
         import uvicorn  # noqa: F401
     except ImportError:
         raise StartupError("grpokit serve needs FastAPI and uvicorn: pip install 'grpokit[server]'") from None
-    from grpokit.config.schema import QUANTIZATIONS
+    from grpokit.engines.protocols import ENGINES, engine_class
     from grpokit.models.loading import DTYPES
-    from grpokit.rollout.protocols import ENGINES, engine_class
     from grpokit.server import serve
+    from grpokit.settings.schema import QUANTIZATIONS
 
     servable = [name for name in ENGINES if not engine_class(name).remote]  # a server cannot serve a server
     if args.engine not in servable:
@@ -215,7 +212,7 @@ def _serve(args) -> int:
 
             torch.set_num_threads(args.threads)
     if args.engine == "vllm":  # said before any model loads or process starts
-        from grpokit.rollout.vllm_engine import import_vllm
+        from grpokit.engines.vllm_engine import import_vllm
 
         import_vllm()
     serve(args.model, args.engine, args.host, args.port, args.dtype, args.tensor_parallel_size, args.data_parallel_size,

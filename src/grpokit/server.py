@@ -14,7 +14,7 @@ HTTP (FastAPI) carries control; tensors go over a torch.distributed group (weigh
   Returns each completion's token ids, sampling log-probs, entropies (or null when the engine does
   not measure them) and finish reason, and the `weights_version` and `weights_step` sampled with.
   With `in_flight`, weight pushes land during the generation, between two decode steps
-  (rollout/in_flight.py): it begins with the weights expected or newer ones of the same trainer,
+  (engines/in_flight.py): it begins with the weights expected or newer ones of the same trainer,
   and each completion says the `weights_steps` of its tokens (`/health`'s `in_flight`: the
   transformers engine, text models). Answers 409 when the fingerprint differs (the body lists
   what differs), when the weights are not the expected ones (`"stale weights"`: the trainer
@@ -28,8 +28,8 @@ HTTP (FastAPI) carries control; tensors go over a torch.distributed group (weigh
   own base (quantized or not, as `grpokit serve --quantization` loaded it) and samples with base +
   adapters, as the trainer's forward computes; `/health` says whether the engine takes them
   (`adapters`; vLLM's here does not, and gets the merged weights).
-- Agents (`rollout.agent` with `rollout.engine=server`, multiturn/agents.py): the OpenAI-compatible
-  routes of multiturn/endpoint.py, `/r/<generation>-<rollout>/v1/chat/completions`, `/completions`,
+- Agents (`rollout.agent` with `rollout.engine=server`, rollouts/agents.py): the OpenAI-compatible
+  routes of rollouts/endpoint.py, `/r/<generation>-<rollout>/v1/chat/completions`, `/completions`,
   `/responses` and `/models`, so that the agents' requests reach the server itself. `POST /agents/open` starts
   a generation of that many rollouts (sampling parameters, one seed per rollout, the weights it
   expects, as /generate): the server generates their requests in rounds, as the trainer's own
@@ -56,15 +56,15 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from grpokit.engines.batch import SamplingParams, alternatives
+from grpokit.engines.in_flight import Pushes
+from grpokit.engines.protocols import ServedEngine
+from grpokit.engines.weights import WeightGroup, device_id, fingerprint_differences, layout_hash
+from grpokit.engines.wire import BASE_DIFFERS, STALE_WEIGHTS, TAKEN_OVER
+from grpokit.engines.wire import from_png
 from grpokit.models.teacher import vocabulary_digest
-from grpokit.multiturn.endpoint import KEEP_ALIVE_S, Endpoint
-from grpokit.multiturn.tool_formats import Replies
-from grpokit.rollout.batch import SamplingParams, alternatives
-from grpokit.rollout.in_flight import Pushes
-from grpokit.rollout.protocols import ServedEngine
-from grpokit.rollout.weights import WeightGroup, device_id, fingerprint_differences, layout_hash
-from grpokit.rollout.wire import BASE_DIFFERS, STALE_WEIGHTS, TAKEN_OVER
-from grpokit.rollout.wire import from_png
+from grpokit.rollouts.endpoint import KEEP_ALIVE_S, Endpoint
+from grpokit.rollouts.tool_formats import Replies
 from grpokit.runtime.errors import StartupError
 
 
@@ -90,7 +90,7 @@ class GenerateRequest(BaseModel):
     sampling: Sampling
     seeds: list[int] | None = None
     images: list[list[str]] | None = None  # a vision-language model's: each prompt's images, PNG in base64
-    # Weight pushes may land during it, between two decode steps (rollout/in_flight.py): it begins
+    # Weight pushes may land during it, between two decode steps (engines/in_flight.py): it begins
     # with the weights expected or newer ones, and each token is tagged with its weights' step.
     in_flight: bool = False
 
@@ -267,7 +267,7 @@ class RolloutService:
         return {"weights_version": version, "weights_step": step, "completions": completions}
 
     def _in_flight(self, request: GenerateRequest, params: SamplingParams, images: dict) -> dict:
-        """/generate letting weight pushes in between two decode steps (rollout/in_flight.py)."""
+        """/generate letting weight pushes in between two decode steps (engines/in_flight.py)."""
         if not self.engine.stops_between_tokens or images or params.top_logprobs:
             raise Refused(422, f"in_flight: the {self.engine_name} engine of a text model takes weight pushes during a "
                                "generation, without alternatives per token (top_logprobs); this one cannot")
@@ -537,11 +537,15 @@ def serve(model_name: str, engine_name: str, host: str, port: int, dtype: str, t
             raise StartupError(f"grpokit serve cannot listen on {host}:{port}: {e.strerror or e} (choose another "
                                "--port, or stop what uses it)") from None
 
-    from grpokit.training.setup import served_engine
+    from grpokit.settings.schema import Config, ModelConfig, RolloutConfig
+    from grpokit.training import setup
 
-    engine, fp, tokenizer, eos = served_engine(model_name, engine_name, dtype, tensor_parallel_size, data_parallel_size,
-                                               decode_slots, quantization)
-    service = RolloutService(engine, engine_name, model_name, fp, fp["vocab_size"], tokenizer, eos)
+    config = Config(model=ModelConfig(name=model_name, dtype=dtype, quantization=quantization),
+                    rollout=RolloutConfig(engine=engine_name, decode_slots=decode_slots))
+    parts = setup.build(config, "serve", tensor_parallel_size=tensor_parallel_size,
+                        data_parallel_size=data_parallel_size)
+    engine, fp = parts.engine, parts.fingerprint
+    service = RolloutService(engine, engine_name, model_name, fp, fp["vocab_size"], parts.tokenizer, parts.eos_ids)
     spread = f", tensor parallel {tensor_parallel_size} x data parallel {data_parallel_size}" if engine_name == "vllm" else ""
     quantized = "" if quantization == "none" else f", {quantization}"
     print(f"grpokit serve: {model_name} ({engine_name}, {dtype}{quantized}{spread}) on http://{host}:{port}", flush=True)

@@ -306,7 +306,7 @@ def test_a_group_is_informative_by_its_advantages_not_its_summed_rewards():
 
 
 def test_the_collector_keeps_informative_groups_in_order_then_fills():
-    from grpokit.rollout.batch import RolloutBatch
+    from grpokit.engines.batch import RolloutBatch
     from grpokit.sampling.dynamic_sampling import Collector, Round
 
     G = 2
@@ -480,7 +480,7 @@ def test_mask_truncated_completions_leave_the_loss(tmp_path):
 
 def test_top_entropy_quantile_keeps_that_share_of_the_update_tokens(tmp_path):
     trainer = trainer_on(tmp_path, "algorithm.top_entropy_quantile=0.25")
-    batch = trainer.rollouts.sample(trainer.rollouts.next_prompts())
+    batch = trainer.sampler.sample(trainer.sampler.next_prompts())
     mask = loss_mask(batch.trained_mask, batch.finish_reasons, mask_truncated=False)
     rows = torch.arange(8)
     chosen = high_entropy_tokens(batch.entropies, mask, rows, 0.25)

@@ -4,9 +4,9 @@ import yaml
 from grpokit.cli import main
 from grpokit.config.checks import Facts, check
 from grpokit.config.loading import describe, load_config
-from grpokit.config.schema import Config
 from grpokit.runtime.errors import ConfigError
 from grpokit.runtime.launch import Launch
+from grpokit.settings.schema import Config
 
 
 def test_defaults_are_valid_and_overrides_apply(tmp_path):
@@ -104,7 +104,7 @@ def test_rollout_engine_settings_that_contradict_each_other():
 
 
 def test_reward_functions_field(tmp_path):
-    from grpokit.config.schema import reward_specs
+    from grpokit.settings.schema import reward_specs
 
     c = load_config(None, ["reward.functions=[exact_answer, {name: my.py:f, weight: 0.5, target: 3}]"])
     assert reward_specs(c, (("x", 1.0),)) == (("exact_answer", 1.0, {}), ("my.py:f", 0.5, {"target": 3}))
@@ -137,7 +137,7 @@ def test_the_docs_config_reference_is_current():
 
 def test_allowed_values_come_from_the_registries(monkeypatch):
     """A loss, task or engine registered where it lives is accepted by the config, with nothing else to edit."""
-    from grpokit import rollout, tasks
+    from grpokit import engines, tasks
     from grpokit.algorithm import loss
 
     for key, value in (("algorithm.loss_type", "mine"), ("data.task", "mine"), ("rollout.engine", "mine")):
@@ -145,6 +145,6 @@ def test_allowed_values_come_from_the_registries(monkeypatch):
             load_config(None, [f"{key}=mine"])
     monkeypatch.setitem(loss.LOSSES, "mine", loss.LOSSES["dapo"])
     monkeypatch.setitem(tasks.TASKS, "mine", tasks.TASKS["arithmetic"])
-    monkeypatch.setitem(rollout.ENGINES, "mine", rollout.ENGINES["transformers"])
+    monkeypatch.setitem(engines.ENGINES, "mine", engines.ENGINES["transformers"])
     config = load_config(None, ["algorithm.loss_type=mine", "data.task=mine", "rollout.engine=mine"])
     assert (config.algorithm.loss_type, config.data.task, config.rollout.engine) == ("mine", "mine", "mine")

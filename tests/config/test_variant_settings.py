@@ -12,9 +12,9 @@ import yaml
 from grpokit.cli import main
 from grpokit.config.checks import check
 from grpokit.config.loading import flatten, load_config
-from grpokit.config.schema import Config
 from grpokit.config.variants import VARIANT_SETTINGS
 from grpokit.runtime.errors import ConfigError
+from grpokit.settings.schema import Config
 from grpokit.trl_config import from_trl
 
 ROOT = Path(__file__).parents[2]

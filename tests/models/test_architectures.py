@@ -14,17 +14,17 @@ import torch
 from support.architectures import FAMILIES, build
 from support.passes import DECODERS, PASSES, mask_of, pass_logprobs, plain_logprobs, ragged_batch, sampled
 
+from grpokit.engines.static_decoder import static_decoding_problem
 from grpokit.models.architecture import layers_of
 from grpokit.models.logprobs import LogProbs, check_chunkable
 from grpokit.models.packing import AUTO
-from grpokit.rollout.static_decoder import static_decoding_problem
 
 # The agreement of a pass with the plain forward in float64: the last bits (~1e-15), except where
 # the architecture's own kernels compute in float32 inside a float64 model: Qwen3.5's Gated
 # DeltaNet computes its decay in float32, DeepSeek-V3's router its scores.
 FLOOR = {"qwen3_5": 1e-7, "qwen3_5_moe": 1e-7, "deepseek_v3": 1e-8}
 EXACT = 1e-12
-# The decoders draw from float32 logits (rollout/decoding.py sample_next), whatever the model's dtype.
+# The decoders draw from float32 logits (engines/decoding.py sample_next), whatever the model's dtype.
 SAMPLED = 1e-5
 
 
@@ -135,9 +135,9 @@ def _gradients(trainer) -> list:
 def _ragged(trainer):
     from support.exact import cut_ragged
 
-    examples = [next(trainer.rollouts.stream) for _ in range(trainer.config.train.prompts_per_step)]
-    batch = trainer.rollouts.engine.generate([trainer.rollouts.kind.encoder(e) for e in examples],
-                                             trainer.config.rollout.num_generations, trainer.rollouts.sampling,
+    examples = [next(trainer.sampler.stream) for _ in range(trainer.config.train.prompts_per_step)]
+    batch = trainer.sampler.engine.generate([trainer.sampler.kind.encoder(e) for e in examples],
+                                             trainer.config.rollout.num_generations, trainer.sampler.sampling,
                                              seeds=range(8))
     return examples, cut_ragged(batch, trainer.tokenizer.eos_token_id)
 
@@ -254,9 +254,9 @@ def test_a_stopped_run_resumes_exactly(folders, tmp_path, family):
 def test_a_sampled_token_is_routed_in_training_as_when_it_was_sampled(models, family):
     """The in-process engine's routing of every sampled token (each MoE layer's top-k experts) is
     the training pass's routing of the position that predicts it (recorded from the routers)."""
+    from grpokit.engines.batch import SamplingParams
+    from grpokit.engines.transformers_engine import TransformersEngine
     from grpokit.models.routers import RouterLogits, router_modules
-    from grpokit.rollout.batch import SamplingParams
-    from grpokit.rollout.transformers_engine import TransformersEngine
 
     model, k = models(family), models(family).config.num_experts_per_tok
     routers = [m for _, m in router_modules(model)[0]]

@@ -28,7 +28,7 @@ def test_only_adapters_train_and_the_reference_is_the_base_model(tmp_path):
     train_only_adapters(trainer)
     # The adapters' off-switch gives the base model's log-probs exactly.
     base = load_model("tiny-random").requires_grad_(False)  # frozen, as under the adapters (same CPU kernels)
-    batch = trainer.rollouts.sample(trainer.rollouts.next_prompts())
+    batch = trainer.sampler.sample(trainer.sampler.next_prompts())
     active = torch.ones(len(batch.finish_reasons), dtype=torch.bool)
     ref = trainer.logprobs.ref(batch, active)
     assert torch.equal(ref, trainer.logprobs.frozen(base, batch, active))
@@ -76,8 +76,8 @@ def test_a_rollout_engine_gets_the_merged_weights_under_the_base_names(tiny):
     """What a server or vLLM receives: W + scale * B @ A under the plain model's names, computed
     apart (the policy's base weights are left untouched)."""
     from grpokit.config.loading import load_config
+    from grpokit.engines.weights import fingerprint, named_weights
     from grpokit.models.loading import apply_lora
-    from grpokit.rollout.weights import fingerprint, named_weights
 
     model = load_model("tiny-random")
     config = load_config(None, ["model.lora_rank=4"])
@@ -109,8 +109,8 @@ def test_a_lora_run_through_a_rollout_server_pushes_its_adapters_alone(tmp_path,
     (checked by checksum), `weights/push_bytes` says their size, and the run is the in-process run
     bit for bit (the server computes base + adapters as the trainer's forward does)."""
     pytest.importorskip("fastapi")
+    from grpokit.engines.weights import adapter_tensors, checksum, named_weights
     from grpokit.models.loading import load_adapter
-    from grpokit.rollout.weights import adapter_tensors, checksum, named_weights
 
     s = server()
     served, local = tmp_path / "served", tmp_path / "local"
@@ -139,7 +139,7 @@ def test_adapter_pushes_sample_as_merged_pushes(tmp_path, server):
     log-probs (to rounding) as one given the merged weights, and as the trainer computes them."""
     pytest.importorskip("fastapi")
     from grpokit.config.loading import load_config
-    from grpokit.rollout.client import ServerEngine
+    from grpokit.engines.client import ServerEngine
     from grpokit.training.trainer import Trainer
 
     adapters, merged = server("--dtype", "float64"), server("--dtype", "float64")
@@ -151,7 +151,7 @@ def test_adapter_pushes_sample_as_merged_pushes(tmp_path, server):
     engines = [ServerEngine(url, policy, trainer.tokenizer.pad_token_id, 60.0) for url in (adapters.url, merged.url)]
     assert engines[0].adapter_only
     engines[1].adapter_only, engines[1].servers[0].adapters = False, None  # as to an engine that takes whole weights
-    examples, rollouts = trainer.rollouts.next_prompts(), trainer.rollouts
+    examples, rollouts = trainer.sampler.next_prompts(), trainer.sampler
     batches = [rollouts.kind.generate(e, examples, [4] * len(examples), rollouts.sampling, list(range(4 * len(examples))))
                for e in engines]
     assert engines[0].pushed[0] < engines[1].pushed[0] / 10
@@ -172,10 +172,10 @@ def test_a_server_refuses_adapters_onto_another_base_or_of_settings_it_cannot_ma
     right ones are taken after."""
     pytest.importorskip("fastapi")
     from grpokit.config.loading import load_config
+    from grpokit.engines.batch import SamplingParams
+    from grpokit.engines.client import RolloutServerError, ServerEngine
+    from grpokit.engines.weights import adapter_tensors, checksum
     from grpokit.models.loading import apply_lora, load_tokenizer
-    from grpokit.rollout.batch import SamplingParams
-    from grpokit.rollout.client import RolloutServerError, ServerEngine
-    from grpokit.rollout.weights import adapter_tensors, checksum
 
     s = server()
     full = [a for a in RUN if not a.startswith("model.lora_rank")]
@@ -206,15 +206,15 @@ def test_lora_generated_ahead_pushes_copies_of_its_adapters(tmp_path, server, mo
     pytest.importorskip("fastapi")
     from support.runs import assert_close_metrics
 
-    from grpokit.rollout.client import RolloutServer
+    from grpokit.engines.client import RolloutServer
 
     args = [*RUN, "model.dtype=float64", "train.max_steps=3", "rollout.engine=server", "rollout.max_staleness=1"]
     s = server("--dtype", "float64")
     assert main(["train", *args, f"rollout.server_url={s.url}", f"train.output_dir={tmp_path / 'adapters'}"]) == 0
     rows = metric_rows(tmp_path / "adapters")
     assert [r["staleness"] for r in rows if "loss" in r] == [0, 1, 1]
+    from grpokit.engines.weights import adapter_tensors
     from grpokit.models.loading import load_adapter
-    from grpokit.rollout.weights import adapter_tensors
 
     trained = load_adapter(load_model("tiny-random", "float64"), str(tmp_path / "adapters" / "final"))
     adapters = sum(t.numel() * t.element_size() for _, t in adapter_tensors(trained))

@@ -6,9 +6,9 @@ import copy
 import pytest
 import torch
 
+from grpokit.engines.batch import RolloutBatch
 from grpokit.models.logprobs import LogProbs, completion_logprobs, packed_logprobs
 from grpokit.models.packing import AUTO, AUTO_TOKENS, pack, padded_waste, plan, split_to
-from grpokit.rollout.batch import RolloutBatch
 
 
 @pytest.fixture

@@ -44,13 +44,13 @@ def test_adapters_train_on_a_quantized_base_that_samples_and_scores_alike(tmp_pa
     train_only_adapters(trainer)
 
     # The engine's sampling log-probs are the trainer's (both decoders): no importance correction.
-    batch = trainer.rollouts.sample(trainer.rollouts.next_prompts())
+    batch = trainer.sampler.sample(trainer.sampler.next_prompts())
     active = torch.ones(len(batch.finish_reasons), dtype=torch.bool)
     mask = batch.completion_mask.bool()
     training = trainer.logprobs.frozen(trainer.policy, batch, active)
     torch.testing.assert_close(batch.sampling_logps[mask], training[mask], atol=2e-5, rtol=0)
-    trainer.rollouts.engine.decoder = "static"
-    static = trainer.rollouts.sample(trainer.rollouts.next_prompts())
+    trainer.sampler.engine.decoder = "static"
+    static = trainer.sampler.sample(trainer.sampler.next_prompts())
     mask = static.completion_mask.bool()
     torch.testing.assert_close(static.sampling_logps[mask],
                                trainer.logprobs.frozen(trainer.policy, static, active)[mask], atol=2e-5, rtol=0)

@@ -15,12 +15,12 @@ from support.servers import get_health
 from support.vlms import BUILDS, image, messages
 
 from grpokit.config.loading import load_config
+from grpokit.engines import transformers_engine
+from grpokit.engines.batch import SamplingParams
+from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.models.logprobs import completion_logprobs
 from grpokit.models.vision import IMAGE_TOKEN, Vision
 from grpokit.rewards.reward_set import REWARD_FUNCTIONS
-from grpokit.rollout import transformers_engine
-from grpokit.rollout.batch import SamplingParams
-from grpokit.rollout.transformers_engine import TransformersEngine
 from grpokit.runtime.errors import ConfigError, StartupError
 from grpokit.tasks.task import DataError
 from grpokit.training.trainer import Trainer
@@ -172,10 +172,10 @@ def make_trainer(tmp_path, monkeypatch):
 
 
 def fixed_batch(trainer):
-    examples = [next(trainer.rollouts.stream) for _ in range(trainer.config.train.prompts_per_step)]
+    examples = [next(trainer.sampler.stream) for _ in range(trainer.config.train.prompts_per_step)]
     assert sorted(len(e.images) for e in examples) == [0, 1, 3]
-    batch = trainer.rollouts.engine.generate([trainer.rollouts.kind.encoder(e) for e in examples],
-                                             trainer.config.rollout.num_generations, trainer.rollouts.sampling,
+    batch = trainer.sampler.engine.generate([trainer.sampler.kind.encoder(e) for e in examples],
+                                             trainer.config.rollout.num_generations, trainer.sampler.sampling,
                                              seeds=range(trainer.config.completions_per_step),
                                              images=[e.images for e in examples])
     return examples, cut_ragged(batch, trainer.tokenizer.eos_token_id)

@@ -11,8 +11,8 @@ from support.runs import completions_log
 from support.synthetic import SYNTHETIC_STEPS, healthy_row, write_synthetic_run
 
 from grpokit.cli import main
-from grpokit.config.schema import Config
 from grpokit.rundir.diagnose import RunFacts, Watch, diagnose
+from grpokit.settings.schema import Config
 
 KINDS = ["grad_norm", "clip_ratio", "zero_std", "reward_flat", "truncation", "kl", "waste", "agents"]
 

@@ -93,8 +93,8 @@ def test_report_opens_in_headless_chromium_and_shows_the_plots(run, tmp_path):
 
 
 def test_alerts_are_drawn_on_the_timeline_and_listed(tmp_path):
-    from grpokit.config.schema import Config
     from grpokit.rundir.diagnose import RunFacts, Watch
+    from grpokit.settings.schema import Config
 
     run = tmp_path / "run"
     rows = write_synthetic_run(run, "grad_norm")

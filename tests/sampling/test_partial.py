@@ -12,10 +12,10 @@ from support.runs import assert_same_run, metric_rows, untimed_metrics
 
 from grpokit.cli import main
 from grpokit.config.loading import load_config
+from grpokit.engines.batch import SamplingParams
+from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.models.loading import load_model, load_tokenizer
 from grpokit.models.logprobs import completion_logprobs
-from grpokit.rollout.batch import SamplingParams
-from grpokit.rollout.transformers_engine import TransformersEngine
 from grpokit.runtime.errors import ConfigError
 from grpokit.sampling.partial import Partial
 from grpokit.tasks.task import Example

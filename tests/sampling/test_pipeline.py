@@ -140,8 +140,8 @@ def test_a_step_whose_environments_cannot_be_saved_is_generated_again_on_resume(
     the step by its seeds, and the resumed run says it generated it again."""
     import threading
 
-    from grpokit.multiturn.conversation import Conversation
-    from grpokit.rollout.batch import from_completions
+    from grpokit.engines.batch import from_completions
+    from grpokit.rollouts.conversation import Conversation
 
     batch = from_completions([[1, 2]], [1], [{"token_ids": [3], "logprobs": [0.0], "finish_reason": "stop"}], 0)
     batch.conversations = [Conversation([], environment=threading.Lock())]
@@ -194,3 +194,27 @@ def test_contradictory_async_settings_are_refused(setting, message, tmp_path, ca
     assert main(["train", *SERVER_RUN, "rollout.max_staleness=1", *setting,
                  f"train.output_dir={tmp_path / 'run'}"]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("old, new", [
+    ("grpokit.rollout.batch", "grpokit.engines.batch"),  # engines/ was rollout/
+    ("grpokit.multiturn.conversation", "grpokit.rollouts.conversation"),  # rollouts/ was multiturn/
+    ("grpokit.rollout.conversation", "grpokit.rollouts.conversation"),  # and before that, rollout/
+])
+def test_a_checkpoint_naming_a_module_where_it_was_still_loads(old, new):
+    """A checkpoint's pickles (queued steps, carried groups, conversations) name the modules of
+    their classes as they were when it was written: read back, each class is found where it is now."""
+    import io
+    import pickle
+
+    from grpokit.engines.batch import SamplingParams
+    from grpokit.rollouts.conversation import Conversation
+    from grpokit.sampling.pipeline import _Unpickler
+
+    value = SamplingParams(max_tokens=8, temperature=0.7) if new.endswith("batch") else \
+        Conversation(messages=[{"role": "assistant", "content": "12"}], turns=1)
+    written = pickle.dumps(value, protocol=0).replace(f"c{new}\n".encode(), f"c{old}\n".encode())
+    assert old.encode() in written and new.encode() not in written  # as an older grpokit wrote it
+    with pytest.raises(ModuleNotFoundError):
+        pickle.loads(written)
+    assert _Unpickler(io.BytesIO(written)).load() == value

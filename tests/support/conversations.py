@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 
-# An agent (multiturn/agents.py) of two requests, the second continuing the first: a reward with
+# An agent (rollouts/agents.py) of two requests, the second continuing the first: a reward with
 # variance on a random model. Python source, for the agent files tests write.
 FOLLOW_UP_AGENT = '''
 async def follow_up(client, model, row):

@@ -43,8 +43,8 @@ def update_difference(start: dict, a: dict, b: dict) -> float:
 def step_on(trainer, examples, batch) -> dict:
     """One training step of `trainer` on a fixed rollout `batch` (this process's completions of
     `examples`): its sampling phase handed `batch`, every other phase as in training. Its metrics row."""
-    trainer.rollouts.next_prompts = lambda: examples
-    trainer.rollouts.sample = lambda _: batch
+    trainer.sampler.next_prompts = lambda: examples
+    trainer.sampler.sample = lambda _: batch
     return trainer.train_step(trainer.progress.step + 1)
 
 
@@ -54,8 +54,8 @@ def with_tool_turns(batch, tool_ids: list[int]):
     sampled values; a completion of one token gets the tool result after it."""
     import torch
 
-    from grpokit.multiturn.conversation import Conversation
-    from grpokit.rollout.batch import RolloutBatch
+    from grpokit.engines.batch import RolloutBatch
+    from grpokit.rollouts.conversation import Conversation
 
     N = len(batch.finish_reasons)
     lengths = batch.completion_mask.sum(-1).tolist()
@@ -88,7 +88,7 @@ def off_the_sampler(trainer, batch):
     moved = copy.copy(batch)
     moved.sampling_logps = batch.sampling_logps + 0.3 * torch.randn(batch.sampling_logps.shape, generator=g,
                                                                     dtype=batch.sampling_logps.dtype)
-    trainer.rollouts.is_correction = True
+    trainer.sampler.is_correction = True
     return moved
 
 

@@ -2,5 +2,5 @@
 the imports to, and what the test folders mirror. A layer is one or more folders of src/grpokit;
 the modules at the top of the package (api.py, cli.py, server.py, trl_config.py) are the top layer."""
 
-LAYERS = [("runtime",), ("algorithm",), ("models",), ("rollout",), ("tasks", "rewards"), ("multiturn",), ("config",),
+LAYERS = [("runtime", "settings"), ("algorithm",), ("models",), ("engines",), ("tasks",), ("rewards",), ("rollouts",), ("config",),
           ("sampling",), ("rundir",), ("training",)]

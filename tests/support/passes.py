@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from grpokit.engines.batch import RolloutBatch
 from grpokit.models.logprobs import LogProbs
-from grpokit.rollout.batch import RolloutBatch
 
 # Two prompts of 5 and 9 tokens, three completions each, of 3 to 16 tokens: with a window of 8
 # (support/architectures.py WINDOW), most sequences are longer than the window.
@@ -111,8 +111,8 @@ DECODERS = ("dynamic", "dynamic, 2 slots", "static")
 def sampled(model, decoder: str, temperature: float = 1.0, max_tokens: int = 14):
     """A batch sampled from PROMPTS (GROUP each) by the in-process engine's decoder `decoder`
     (DECODERS); the EOS is id 2, which a random model rarely samples, so completions run long."""
-    from grpokit.rollout.batch import SamplingParams
-    from grpokit.rollout.transformers_engine import TransformersEngine
+    from grpokit.engines.batch import SamplingParams
+    from grpokit.engines.transformers_engine import TransformersEngine
 
     name, slots = ("dynamic", 2) if decoder == "dynamic, 2 slots" else (decoder, None)
     engine = TransformersEngine(model, pad_id=0, eos_ids=[2], decoder=name, slots=slots)

@@ -15,9 +15,9 @@ import transformers.models.llama.modeling_llama  # noqa: E402,F401
 
 import grpokit.api  # noqa: E402,F401
 import grpokit.cli  # noqa: E402,F401
+import grpokit.engines.client  # noqa: E402,F401
 from grpokit.models.bundled import bundled_tokenizer  # noqa: E402
-import grpokit.multiturn.kinds  # noqa: E402,F401
-import grpokit.rollout.client  # noqa: E402,F401
+import grpokit.rollouts.kinds  # noqa: E402,F401
 import grpokit.server  # noqa: E402,F401
 import grpokit.training.trainer  # noqa: E402,F401
 

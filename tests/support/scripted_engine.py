@@ -6,7 +6,7 @@ template begins one); a reply is text (encoded) or token ids (kept as they are),
 cut to the turn's max_tokens. The trainer computes the
 log-probs itself (exact_logprobs), so the script's tokens train like sampled ones."""
 
-from grpokit.rollout.batch import from_completions
+from grpokit.engines.batch import from_completions
 
 SCRIPT: list = []
 TURN_MARK = "<tool_response>"

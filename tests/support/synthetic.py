@@ -55,7 +55,7 @@ def with_failure(kind: str, step: int, row: dict, rng: random.Random) -> dict:
 def write_synthetic_run(folder: Path, kind: str | None, beta: float = 0.0) -> list[dict]:
     """A run folder (config.yaml, metrics.jsonl) of SYNTHETIC_STEPS steps, healthy or with the
     failure `kind` from halfway, evaluated every 10 steps; its rows."""
-    from grpokit.config.schema import Config
+    from grpokit.settings.schema import Config
 
     rng = random.Random(0)
     folder.mkdir()

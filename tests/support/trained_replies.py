@@ -25,7 +25,7 @@ import torch
 from grpokit.models.bundled import tiny_config
 from grpokit.models.loading import load_tokenizer, save_model
 from grpokit.models.templates import TOOLS_TEMPLATE
-from grpokit.multiturn.tools import schema
+from grpokit.rollouts.tools import schema
 from grpokit.tasks.calculator import calculator, question
 
 EXPRESSIONS = ("6 * 7", "6 * 70")

@@ -4,7 +4,7 @@ run (support/processes.py: `run_worker`, as torchrun starts them), in float64 (e
     update_worker.py OUT MODE OVERRIDES_JSON
 
 MODE "learn": every process builds the same global rollout batch (same prompts, same per-completion
-seeds), keeps the completions it owns (`trainer.rollouts.rows`) and runs a training step on them (exact.step_on):
+seeds), keeps the completions it owns (`trainer.sampler.rows`) and runs a training step on them (exact.step_on):
 one step's updates on a fixed rollout batch. MODE "learn-each": "learn" for each of a list of
 override lists, one after the other in the same processes. MODE "train": `Trainer.train()`, a whole
 (short) run. Each process saves its starting and final parameters and the metrics to OUT/rank<r>.pt
@@ -33,9 +33,9 @@ from support.exact import cut_ragged, float64_everywhere, off_the_sampler, step_
 from support.vlms import BUILDS
 
 from grpokit.config.loading import load_config
+from grpokit.engines.prompts import images_of
+from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.rewards.reward_set import REWARD_FUNCTIONS
-from grpokit.rollout.prompts import images_of
-from grpokit.rollout.transformers_engine import TransformersEngine
 from grpokit.runtime import distributed
 from grpokit.training.trainer import Trainer
 
@@ -82,11 +82,11 @@ def run(out: str, mode: str, overrides: list[str]) -> dict:
     start = {k: v.detach().clone() for k, v in trainer.policy.named_parameters()}
     if mode == "learn":
         P = config.train.prompts_per_step
-        examples = [next(trainer.rollouts.stream) for _ in range(P)]
+        examples = [next(trainer.sampler.stream) for _ in range(P)]
         if half_constant:
             SILENT_PROMPTS.update(str(e.prompt) for e in examples[P // 2 :])
-        whole = trainer.rollouts.engine.generate(
-            [trainer.rollouts.kind.encoder(e) for e in examples], config.rollout.num_generations, trainer.rollouts.sampling,
+        whole = trainer.sampler.engine.generate(
+            [trainer.sampler.kind.encoder(e) for e in examples], config.rollout.num_generations, trainer.sampler.sampling,
             seeds=range(config.completions_per_step), **images_of(examples, trainer.vision),
         )
         if ragged:
@@ -95,12 +95,12 @@ def run(out: str, mode: str, overrides: list[str]) -> dict:
             whole = with_tool_turns(whole, trainer.tokenizer("<tool_response>\n42\n</tool_response>")["input_ids"])
         if off_sampler:
             whole = off_the_sampler(trainer, whole)
-        metrics = step_on(trainer, examples, whole.select(trainer.rollouts.rows))
+        metrics = step_on(trainer, examples, whole.select(trainer.sampler.rows))
     else:
         trainer.train()
         metrics = None
     params = {k: v.detach().clone() for k, v in trainer.policy.named_parameters()}
-    return {"start": start, "params": params, "metrics": metrics, "rows": trainer.rollouts.rows}
+    return {"start": start, "params": params, "metrics": metrics, "rows": trainer.sampler.rows}
 
 
 if __name__ == "__main__":

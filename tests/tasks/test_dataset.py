@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from grpokit.config.loading import load_config
-from grpokit.config.schema import DataConfig
 from grpokit.runtime.errors import ConfigError
+from grpokit.settings.schema import DataConfig
 from grpokit.tasks.dataset import DatasetTask, read_rows, to_example
 from grpokit.tasks.task import DataError
 
@@ -114,7 +114,7 @@ def test_the_trainer_truncates_from_the_left(tmp_path):
                                 "data.long_prompts=truncate", f"train.output_dir={tmp_path / 'run'}"])
     trainer = Trainer(config, progress=False)
     example = trainer.task.train_examples[0]
-    encoder = trainer.rollouts.kind.encoder
+    encoder = trainer.sampler.kind.encoder
     full = encoder.ids(example, None)
     assert len(full) > 16 and encoder(example) == full[-16:]  # the end: the generation prompt
 

@@ -233,8 +233,8 @@ def test_overrides_as_sections_and_dotted_keys_win_over_the_config(tmp_path):
 def test_the_model_card_names_the_hub_model_and_dataset():
     from huggingface_hub import ModelCard
 
-    from grpokit.config.schema import Config
     from grpokit.rundir.model_card import model_card
+    from grpokit.settings.schema import Config
 
     config = Config()
     config.data.path, config.model.lora_rank = "trl-lib/DeepMath-103K", 8
@@ -262,7 +262,7 @@ def test_tools_and_an_environment_as_python_objects(tmp_path, monkeypatch):
     """Tools and an environment class given as objects (a closure among them): registered, named in
     config.yaml, and called by the model's tool calls (the scripted engine writes them)."""
     from support import scripted_engine
-    from grpokit.rollout.protocols import ENGINES
+    from grpokit.engines.protocols import ENGINES
 
     monkeypatch.setitem(ENGINES, "scripted", "support.scripted_engine:ScriptedEngine")
     offset = 10

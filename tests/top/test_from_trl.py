@@ -9,8 +9,8 @@ import pytest
 import grpokit
 from support import scripted_engine
 from grpokit.config.loading import load_config
-from grpokit.rollout.batch import from_completions
-from grpokit.rollout.protocols import ENGINES
+from grpokit.engines.batch import from_completions
+from grpokit.engines.protocols import ENGINES
 from grpokit.trl_config import FIELDS, FILLED_IN, FromTRLError, from_trl, table
 
 trl = pytest.importorskip("trl", reason="TRL is in the test extra: pip install -e '.[test]'")

@@ -21,7 +21,7 @@ from support.trained_replies import tool_caller
 from safetensors.torch import load_file
 
 from grpokit.cli import main
-from grpokit.rollout.weights import checksum, named_weights
+from grpokit.engines.weights import checksum, named_weights
 
 pytest.importorskip("fastapi", reason="the server needs: pip install 'grpokit[server]'")
 
@@ -63,9 +63,9 @@ def test_the_trainer_checks_every_push(tmp_path, monkeypatch, capsys):
     """A server that generates with other weights than those pushed is caught at the first push."""
     import uvicorn
 
+    from grpokit.engines.transformers_engine import TransformersEngine
+    from grpokit.engines.weights import fingerprint
     from grpokit.models.loading import eos_token_ids, load_model, load_tokenizer
-    from grpokit.rollout.transformers_engine import TransformersEngine
-    from grpokit.rollout.weights import fingerprint
     from grpokit.server import RolloutService, make_app
 
     class Corrupting(TransformersEngine):
@@ -132,8 +132,8 @@ def test_a_mismatched_model_is_refused(server, tmp_path, capsys):
 
 @pytest.mark.process
 def test_malformed_requests_get_422_with_the_reason(server, tiny):
-    from grpokit.rollout.batch import SamplingParams
-    from grpokit.rollout.client import RolloutServerError, ServerEngine
+    from grpokit.engines.batch import SamplingParams
+    from grpokit.engines.client import RolloutServerError, ServerEngine
 
     s = server()
     model, tokenizer = tiny
@@ -147,8 +147,8 @@ def test_malformed_requests_get_422_with_the_reason(server, tiny):
     assert status == 200 and len(body["completions"]) == 2
     assert all(len(c["token_ids"]) == len(c["logprobs"]) <= 3 for c in body["completions"])
     # min_p reaches the server's sampler: the in-process engine's completions and log-probs.
+    from grpokit.engines.transformers_engine import TransformersEngine
     from grpokit.models.loading import eos_token_ids
-    from grpokit.rollout.transformers_engine import TransformersEngine
 
     # So do the alternatives an agent's request asks for (top_logprobs), minus those min-p dropped.
     params = SamplingParams(4, temperature=0.7, min_p=0.5, top_logprobs=3)
@@ -267,9 +267,11 @@ def test_serve_on_a_busy_port_says_so_before_loading_the_model(tmp_path):
 
 
 def test_decode_slots_reach_the_served_engine_or_are_refused(capsys):
-    from grpokit.training.setup import served_engine
+    from grpokit.settings.schema import Config, ModelConfig, RolloutConfig
+    from grpokit.training import setup
 
-    assert served_engine("tiny-random", "transformers", "float32", decode_slots=3)[0].slots == 3
+    served = Config(model=ModelConfig(name="tiny-random", dtype="float32"), rollout=RolloutConfig(decode_slots=3))
+    assert setup.build(served, "serve").engine.slots == 3
     for args in (["--decode-slots", "0"], ["--decode-slots", "4", "--engine", "vllm"]):
         assert main(["serve", "--model", "tiny-random", *args]) == 2
         assert f"--decode-slots {args[1]}: must be >= 1, with --engine transformers" in capsys.readouterr().err
@@ -367,7 +369,7 @@ def test_a_server_of_the_list_that_is_down_at_start_is_named(server, tmp_path, c
 
 
 def test_prompt_groups_are_split_by_expected_tokens():
-    from grpokit.rollout.balance import split_groups
+    from grpokit.engines.balance import split_groups
 
     assert split_groups([10, 10, 10, 10], 2) == [[0, 2], [1, 3]]
     assert split_groups([40, 10, 10, 10, 10], 2) == [[0], [1, 2, 3, 4]]  # the costly group alone

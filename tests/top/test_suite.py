@@ -13,8 +13,7 @@ TESTS = Path(__file__).parents[1]
 
 def test_the_test_folders_are_the_layers():
     folders = {p.name for p in TESTS.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
-    # tasks/ and rewards/ are one layer: their tests share tests/tasks/ (test_rewards.py among them)
-    assert folders == {f for layer in LAYERS for f in layer} - {"rewards"} | {"top", "support"}
+    assert folders == {f for layer in LAYERS for f in layer} | {"top", "support"}
     assert not list(TESTS.glob("test_*.py")), "a test module belongs in its layer's folder"
     assert not list((TESTS / "support").glob("test_*.py"))
 

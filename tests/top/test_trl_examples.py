@@ -16,9 +16,9 @@ from support.runs import completions_log, metric_rows
 
 import grpokit
 from support import scripted_engine
+from grpokit.engines.batch import from_completions
+from grpokit.engines.protocols import ENGINES
 from grpokit.rewards.reward_set import RewardError
-from grpokit.rollout.batch import from_completions
-from grpokit.rollout.protocols import ENGINES
 from grpokit.runtime.errors import ConfigError
 
 trl = pytest.importorskip("trl", reason="TRL is in the test extra: pip install -e '.[test]'")

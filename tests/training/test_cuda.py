@@ -67,9 +67,9 @@ def test_micro_batching_changes_nothing_in_float64(tmp_path):
 def test_the_captured_static_decoder_samples_what_the_dynamic_one_does(dtype):
     """rollout.decoder=static on CUDA (its step replayed as a CUDA graph) against the dynamic
     decoder: the same tokens, masks and finish reasons, log-probs to rounding."""
+    from grpokit.engines.batch import SamplingParams
+    from grpokit.engines.transformers_engine import TransformersEngine
     from grpokit.models.loading import load_model, load_tokenizer
-    from grpokit.rollout.batch import SamplingParams
-    from grpokit.rollout.transformers_engine import TransformersEngine
 
     model, tokenizer = load_model("tiny-random").to("cuda", dtype), load_tokenizer("tiny-random")
     prompts = [tokenizer(text)["input_ids"] for text in ("What is 2 + 2?", "Hi", "A longer prompt than the two others")]

@@ -19,8 +19,8 @@ from transformers.models.llama import modeling_llama
 
 from grpokit.algorithm.loss import LOSSES
 from grpokit.config.loading import load_config
+from grpokit.engines.transformers_engine import TransformersEngine
 from grpokit.rewards.reward_set import REWARD_FUNCTIONS
-from grpokit.rollout.transformers_engine import TransformersEngine
 from grpokit.runtime.distributed import shard_rows
 from grpokit.tasks.arithmetic import ArithmeticTask
 from grpokit.training.trainer import Trainer
@@ -71,9 +71,9 @@ def one_step(trainer, examples, batch):
 def fixed_batch(trainer, seed=7):
     """A rollout batch of the trainer's first prompts; a random model never samples EOS, so most
     completions are cut to ragged lengths (ending in EOS) for the normalizers to matter."""
-    examples = [next(trainer.rollouts.stream) for _ in range(trainer.config.train.prompts_per_step)]
-    batch = trainer.rollouts.engine.generate(
-        [trainer.rollouts.kind.encoder(e) for e in examples], trainer.config.rollout.num_generations, trainer.rollouts.sampling,
+    examples = [next(trainer.sampler.stream) for _ in range(trainer.config.train.prompts_per_step)]
+    batch = trainer.sampler.engine.generate(
+        [trainer.sampler.kind.encoder(e) for e in examples], trainer.config.rollout.num_generations, trainer.sampler.sampling,
         seeds=range(seed * 1000, seed * 1000 + trainer.config.completions_per_step),
     )
     return examples, cut_ragged(batch, trainer.tokenizer.eos_token_id)

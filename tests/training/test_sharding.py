@@ -107,7 +107,7 @@ def test_a_sharded_run_equals_the_one_process_run(name, one_process, tmp_path):
 
 def test_partial_rollouts_under_fsdp2_equal_the_one_process_run(tmp_path):
     """rollout.partial with sharded weights, whose forwards are collective: every process decodes
-    the same rounds and carries the same groups (sampling/rollouts.py), then keeps its rows."""
+    the same rounds and carries the same groups (sampling/sampler.py), then keeps its rows."""
     partial = ["train.max_steps=3", "rollout.partial=true", "rollout.partial_tokens=3", "rollout.max_completion_length=12"]
     train(tmp_path, "one", *partial)
     train(tmp_path, "run", *partial, config=EXAMPLES / "cpu-2-processes-fsdp2.yaml")
@@ -290,8 +290,8 @@ def test_lora_under_fsdp2_equals_the_one_process_run(tmp_path, server):
     whole = server()
     train(tmp_path / "merged", "run", "train.max_steps=3", *lora, "rollout.engine=server",
           f"rollout.server_url={whole.url}", config=fsdp2, script=tmp_path / "whole_weights_only.py")
+    from grpokit.engines.weights import checksum, named_weights
     from grpokit.models.loading import load_adapter, load_model
-    from grpokit.rollout.weights import checksum, named_weights
 
     merged = named_weights(load_adapter(load_model("tiny-random"), str(tmp_path / "merged" / "run" / "final")))
     assert get_health(whole.url)["checksum"] == checksum(merged)
@@ -303,7 +303,7 @@ def test_lora_under_fsdp2_equals_the_one_process_run(tmp_path, server):
 WHOLE_WEIGHTS_ONLY = '''
 import sys
 from grpokit.cli import main
-from grpokit.rollout.client import RolloutServer
+from grpokit.engines.client import RolloutServer
 
 checked = RolloutServer._check_server
 RolloutServer._check_server = lambda self: {**checked(self), "adapters": False}
@@ -332,8 +332,8 @@ def test_lora_under_deepspeed_equals_the_one_process_run(tmp_path, server):
     whole = server()
     train(tmp_path, "merged", *lora, "rollout.engine=server", f"rollout.server_url={whole.url}",
           config=EXAMPLES / "cpu-2-processes-zero3.yaml", script=tmp_path / "whole_weights_only.py")
+    from grpokit.engines.weights import checksum, named_weights
     from grpokit.models.loading import load_adapter, load_model
-    from grpokit.rollout.weights import checksum, named_weights
 
     merged = named_weights(load_adapter(load_model("tiny-random"), str(tmp_path / "merged" / "final")))
     assert get_health(whole.url)["checksum"] == checksum(merged)

@@ -15,10 +15,10 @@ import math
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
-from grpokit.config.schema import DECODERS, QUANTIZATIONS, Config, setting
 from grpokit.config.variants import VARIANT_SETTINGS, has_tools, unused_settings
 from grpokit.runtime.errors import ConfigError
 from grpokit.runtime.launch import Launch
+from grpokit.settings.schema import DECODERS, QUANTIZATIONS, Config, setting
 
 
 @dataclass(frozen=True)
@@ -61,11 +61,11 @@ def model_facts(name: str, model=None, tokenizer=None, local_only: bool = False)
     """ModelFacts of the model named `name`, or of `model` (loaded) given with `tokenizer` (its
     processor makes it a vision-language model's); None when its config cannot be read (a missing
     folder, a Hub id offline: loading it says why), or with `local_only`, is not on this machine."""
+    from grpokit.engines.static_decoder import static_decoding_problem
     from grpokit.models.architecture import Layers
     from grpokit.models.loading import model_config
     from grpokit.models.routers import routed_choices
     from grpokit.models.vision import is_processor
-    from grpokit.rollout.static_decoder import static_decoding_problem
     from grpokit.runtime.errors import StartupError
 
     try:
@@ -106,7 +106,7 @@ def check(config: Config, facts: Facts = Facts()) -> None:
     """Raise ConfigError listing every problem (`problems`)."""
     found = problems(config, facts)
     if found:
-        raise ConfigError("invalid config:\n" + "\n".join(f"  - {e}" for e in found))
+        raise ConfigError.listing(found)
 
 
 def engine_problems(config: Config, measures_entropies: bool) -> list[str]:
@@ -124,10 +124,10 @@ def choices() -> dict[str, tuple]:
     from grpokit.algorithm.advantages import AGGREGATIONS, ESTIMATORS, SCALES
     from grpokit.algorithm.loss import IS_MODES, KL_ESTIMATORS, LEVELS, LOSSES
     from grpokit.algorithm.schedule import SCHEDULES
+    from grpokit.engines.protocols import ENGINES
     from grpokit.models.loading import DTYPES
     from grpokit.models.reasoning import PARSERS
-    from grpokit.multiturn.tool_formats import CHOICES as TOOL_CALL_FORMATS
-    from grpokit.rollout.protocols import ENGINES
+    from grpokit.rollouts.tool_formats import CHOICES as TOOL_CALL_FORMATS
     from grpokit.tasks.dataset import LONG_PROMPTS
 
     return {
@@ -528,7 +528,7 @@ def _check_deepspeed(c: Config, launch: Launch) -> list[str]:
 def _check_rollout_kind(c: Config, facts: Facts) -> list[str]:
     """Ways of sampling (agents, tools and environments, dynamic sampling, the engine) that do not
     go with the launch or with a vision-language model."""
-    from grpokit.rollout.protocols import ENGINES, engine_class
+    from grpokit.engines.protocols import ENGINES, engine_class
 
     launch, vision = facts.launch, facts.model is not None and facts.model.vision
     several, lockstep = launch.world_size > 1, launch.lockstep

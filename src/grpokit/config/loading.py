@@ -17,8 +17,8 @@ from typing import Any
 import yaml
 
 from grpokit.config.checks import facts, problems
-from grpokit.config.schema import Config, DataConfig
 from grpokit.runtime.errors import ConfigError
+from grpokit.settings.schema import Config, DataConfig
 
 def _type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp))
@@ -121,8 +121,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), value
     """Defaults (or a copy of `base`), then the YAML file, then `key=value` overrides, then `values`
     (a mapping of sections or dotted keys, as Python gives them); settled and validated (with
     `check`, against the launch and, when it is on this machine already, the model it names:
-    checks.py; a run checks again as it starts, with the model fetched, and grpokit.train once its
-    arguments are in). Every problem is reported at once: a key or value that cannot be set does
+    checks.py; a run checks it again as it starts only where that differs: the model fetched since,
+    or values changed in Python, and grpokit.train once its arguments are in). Every problem is reported at once: a key or value that cannot be set does
     not hide the others."""
     config = Config() if base is None else copy.deepcopy(base)
     settings = []
@@ -153,11 +153,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), value
             refused.append(str(e))
     config.given |= {key for key, _ in settings}
     settle(config)
-    checked = problems(config, facts(config, local_only=True)) if check else []
+    found = facts(config, local_only=True) if check else None
+    checked = problems(config, found) if check else []
     if len(refused) == 1 and not checked:
         raise ConfigError(refused[0])
     if refused or checked:
-        raise ConfigError("invalid config:\n" + "\n".join(f"  - {e}" for e in refused + checked))
+        raise ConfigError.listing(refused + checked)
+    if check:
+        config.checked = (found, config.to_dict())
     return config
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from grpokit.config.schema import Config, setting
+from grpokit.settings.schema import Config, setting
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ def has_tools(c: Config) -> bool:
     Tools.from_config decides."""
     from grpokit.tasks.registry import tool_names
 
-    return bool(tool_names(c)) or c.rollout.environment is not None
+    return bool(tool_names(c.rollout, c.data)) or c.rollout.environment is not None
 
 
 def _read_by_loss(name: str) -> Variant:
@@ -71,7 +71,7 @@ def _nothing_to_correct(c: Config) -> bool:
     """Whether rollout.engine's class says its log-probs are the trainer's own and it does not
     generate ahead: the rollout importance weight would be exactly 1 (a server's say so only once
     connected: they may need it)."""
-    from grpokit.rollout.protocols import ENGINES, engine_class
+    from grpokit.engines.protocols import ENGINES, engine_class
 
     r = c.rollout
     exact = r.engine in ENGINES and getattr(engine_class(r.engine), "exact_logprobs", None) is True

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from grpokit.models.pad_token import with_pad_token
+
 
 BUNDLED = "smollm2-135m-instruct"
 TINY = "tiny-random"
@@ -136,8 +138,6 @@ def tiny_model_path(name: str) -> Path:
 def bundled_tokenizer():
     """The bundled model's tokenizer (tiny-random's too), read once per process."""
     from transformers import AutoTokenizer
-
-    from grpokit.models.loading import with_pad_token
 
     return with_pad_token(AutoTokenizer.from_pretrained(bundled_model_path()))
 

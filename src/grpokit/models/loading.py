@@ -17,8 +17,10 @@ import torch
 from grpokit.models.bundled import (BUNDLED, BUNDLED_VLM, TINY, TINY_VLM, bundled_model_path, bundled_tokenizer,
                                     bundled_vlm_path, cached_folder, over_the_same_read, tiny_config, tiny_model_path,
                                     tiny_random, tiny_random_vlm, tiny_vlm_processor)
+from grpokit.models.pad_token import with_pad_token
 from grpokit.models.routers import quiet_routers, router_modules
 from grpokit.runtime.errors import StartupError
+from grpokit.settings.schema import ModelConfig
 
 # bitsandbytes, where installed, is imported by transformers and peft whether or not a model is
 # quantized, and warns on import, where the CPU has AVX-512 BF16, that an optional faster kernel from
@@ -76,13 +78,6 @@ def load_tokenizer(name: str):
         tokenizer = AutoTokenizer.from_pretrained(name)
     return with_pad_token(tokenizer)
 
-
-
-def with_pad_token(tokenizer):
-    if tokenizer.pad_token_id is None:
-        # Padding is always masked explicitly; the pad id's value never decides what is a token.
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
 
 
 def is_vision_model(name: str) -> bool:
@@ -266,7 +261,7 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return ids
 
 
-def apply_lora(model, m, base_name: str):
+def apply_lora(model, m: ModelConfig, base_name: str):
     """`model` with LoRA adapters of config section `m` (model.lora_*) through peft: only the
     adapters train. `base_name` is recorded in the adapter's config so the adapter folder loads."""
     try:
@@ -382,7 +377,7 @@ def vision_tower(model) -> torch.nn.Module | None:
     return None
 
 
-def _freeze(policy, m) -> None:
+def _freeze(policy, m: ModelConfig) -> None:
     """model.freeze_vision_tower: the vision encoder keeps its weights; model.freeze_language_model:
     the language model (its decoder and output layer) does. A text model has neither to freeze."""
     for setting, frozen in (("freeze_vision_tower", lambda: [vision_tower(policy)]),
@@ -438,13 +433,13 @@ def save_model(model, tokenizer, folder: Path, weights: list | None = None) -> N
             logging.enable_progress_bar()
 
 
-def load_policy(config, device: torch.device, model=None):
-    """The policy (`model`, or model.name's) on `device`, the same on every process, and the
-    reference model (None without a KL term, and with LoRA)."""
+def load_policy(m: ModelConfig, device: torch.device, model=None, reference: bool = False, chunked: bool = False):
+    """The policy (`model`, or model.name's) on `device`, the same on every process, and with
+    `reference` (a KL term: algorithm.beta > 0) the reference model (None otherwise, and with
+    LoRA). `chunked`: train.logprob_chunk_size is set, which a model whose head does more refuses."""
     from grpokit.models.logprobs import check_chunkable
     from grpokit.runtime import distributed
 
-    m = config.model
     if model is None:
         policy = load_model(m.name, m.dtype, m.quantization, device)
         policy = policy if m.quantization != "none" else policy.to(device)  # (a quantized one loads in place)
@@ -455,18 +450,18 @@ def load_policy(config, device: torch.device, model=None):
     # The reference model is the initial policy, so it is copied before a checkpoint's weights
     # are loaded. With LoRA it is the policy itself with its adapters switched off: no second
     # copy of the weights.
-    reference = None
+    frozen = None
     if m.lora_rank:
         policy = apply_lora(policy, m, m.name)
         distributed.broadcast_parameters(policy)  # the adapters' random initialisation
-    elif config.algorithm.beta > 0:
-        reference = copy.deepcopy(policy).eval().requires_grad_(False)
+    elif reference:
+        frozen = copy.deepcopy(policy).eval().requires_grad_(False)
     _freeze(policy, m)
     if m.gradient_checkpointing:  # after the reference copy, which never trains
         enable_activation_checkpointing(policy)
-    if config.train.logprob_chunk_size:  # asked for: a model whose head does more is refused (null decides itself)
+    if chunked:  # asked for: a model whose head does more is refused (null decides itself)
         try:
             check_chunkable(policy)
         except ValueError as e:
             raise StartupError(str(e)) from None
-    return policy, reference
+    return policy, frozen

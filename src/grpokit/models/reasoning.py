@@ -7,7 +7,7 @@ its `reasoning_content` the reasoning.
   for the model, as Qwen3.5's does): then a completion without `</think>` is reasoning cut short.
   Without an opening tag anywhere, a completion without `</think>` is all answer.
 - `harmony`: GPT-OSS's channels; the reasoning is the `analysis` channel, the answer the `final`
-  one (multiturn/tool_formats.py reads the `commentary` channel's tool calls).
+  one (rollouts/tool_formats.py reads the `commentary` channel's tool calls).
 - `none`: the whole text is the answer.
 
 `auto` picks from the chat template: `harmony` where it writes `<|channel|>`, `think` where it writes

@@ -188,7 +188,8 @@ def _rope_index(model):
 def processing(name: str, given=None) -> tuple:
     """The tokenizer of model.name `name` (or of `given`: a tokenizer, or a vision-language model's
     processor, TRL's processing_class), and for a vision-language model its Vision (else None)."""
-    from grpokit.models.loading import is_vision_model, load_processor, load_tokenizer, with_pad_token
+    from grpokit.models.loading import is_vision_model, load_processor, load_tokenizer
+    from grpokit.models.pad_token import with_pad_token
 
     if given is not None:
         return (with_pad_token(given.tokenizer), Vision(given)) if is_processor(given) else (with_pad_token(given), None)

@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from grpokit.runtime import signals, user_code
-from grpokit.runtime.errors import ConfigError
+from grpokit.runtime.errors import ConfigError, RunStopped
+from grpokit.tasks.task import RESERVED
 
 
 def completion_text(completion) -> str:
@@ -75,8 +76,6 @@ BUILTIN_REWARDS = {
 REWARD_FUNCTIONS: dict[str, Callable[..., list[float | None]]] = {}
 
 
-# What every reward function is passed besides the data's columns (TRL's names, and finish_reasons).
-RESERVED = ("prompts", "completions", "completion_ids", "finish_reasons", "trainer_state", "log_metric", "log_extra")
 # The keys of a completion's record (completions.jsonl, grpokit eval --output) that log_extra's
 # columns may not take; nor may a column start with "rewards/".
 RECORD_KEYS = ("step", "prompt", "completion", "finish_reason", "reward", "rewards", "index", "sample", "length",
@@ -129,14 +128,14 @@ class RewardLog:
         return {column: values[i] for column, values in self.columns.items()}
 
 
-def trainer_state(config, step: int, epoch: float = 0.0, tokens: int = 0, main: bool = True):
-    """The `trainer_state` reward functions receive after `step` steps of `config`'s run: a
-    transformers TrainerState in TRL's units, optimizer updates (grpokit's steps x updates_per_step
-    x num_iterations), so that global_step / max_steps is the share of the run done, as in TRL."""
+def trainer_state(step: int, max_steps: int, per_step: int, epoch: float = 0.0, tokens: int = 0, main: bool = True):
+    """The `trainer_state` reward functions receive after `step` of `max_steps` steps of a run
+    making `per_step` optimizer updates a step (train.updates_per_step x algorithm.num_iterations):
+    a transformers TrainerState in TRL's units, optimizer updates, so that global_step / max_steps is
+    the share of the run done, as in TRL."""
     from transformers import TrainerState
 
-    per_step = config.train.updates_per_step * config.algorithm.num_iterations
-    return TrainerState(global_step=step * per_step, max_steps=config.train.max_steps * per_step, epoch=epoch,
+    return TrainerState(global_step=step * per_step, max_steps=max_steps * per_step, epoch=epoch,
                         num_input_tokens_seen=tokens, is_local_process_zero=main, is_world_process_zero=main)
 
 
@@ -145,8 +144,10 @@ def merge_metrics(into: dict[str, list[tuple]], more: dict[str, list[tuple]]) ->
     return {name: [*into.get(name, ()), *more.get(name, ())] for name in {**into, **more}}
 
 
-class RewardError(ValueError):
+class RewardError(RunStopped, ValueError):
     """A reward function failed; the message names it and shows the prompt and completion."""
+
+    in_users_code = True
 
 
 def _where(error: BaseException) -> str:

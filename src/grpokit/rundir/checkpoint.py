@@ -37,7 +37,8 @@ import numpy as np
 import torch
 
 from grpokit.config.loading import save_config
-from grpokit.config.schema import Config
+from grpokit.runtime.errors import RunStopped
+from grpokit.settings.schema import Config
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"  # written last into a checkpoint
@@ -121,7 +122,7 @@ def set_aside(folder: Path) -> Path:
     return aside
 
 
-class CheckpointError(OSError):
+class CheckpointError(RunStopped, OSError):
     """A checkpoint could not be written (a full disk): which, where, and that the previous one is whole."""
 
 

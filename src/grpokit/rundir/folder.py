@@ -29,10 +29,10 @@ from pathlib import Path
 import yaml
 
 from grpokit.config.loading import flatten
-from grpokit.config.schema import Config
 from grpokit.config.variants import VARIANT_SETTINGS
 from grpokit.rundir.checkpoint import CHECKPOINTS, checkpoint_step, checkpoints, newest_whole_checkpoint, set_aside
 from grpokit.runtime.errors import ConfigError, StartupError
+from grpokit.settings.schema import Config
 
 # Settings a resumed run may change: they change neither the trajectory nor the update
 # (micro_batch_size is a memory knob only), only its length and its bookkeeping.

@@ -16,6 +16,8 @@ import signal
 import threading
 import time
 
+from grpokit.runtime.errors import RunStopped
+
 # The signal of the stop request in force (0: none); set by StopSignals' handler.
 _requested = 0
 
@@ -25,7 +27,7 @@ def requested() -> int:
     return _requested
 
 
-class StoppedWhileWaiting(Exception):
+class StoppedWhileWaiting(RunStopped):
     """A stop request arrived while the step waited for the user's code, which had not returned."""
 
     def __init__(self, signum: int, what: str, waited: float):

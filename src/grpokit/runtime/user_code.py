@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from grpokit.runtime import signals
-from grpokit.runtime.errors import ConfigError
+from grpokit.runtime.errors import ConfigError, RunStopped
 
 
 # Objects a program hands grpokit (grpokit.train's tools and environment), by the name its config
@@ -154,11 +154,13 @@ async def exits_caught_async(coroutine, what: str):
         return await coroutine
 
 
-class UserCodeExit(RuntimeError):
+class UserCodeExit(RunStopped, RuntimeError):
     """The user's code called sys.exit() or raised KeyboardInterrupt. Unhandled, either would end
     the process at once: nothing saved, and sys.exit(0) with exit status 0, as if the run had
     finished. As this error the run stops like one whose reward function raised: the last completed
     step saved, a non-zero exit status, and the command that resumes."""
+
+    in_users_code = True
 
 
 @contextlib.contextmanager

@@ -1,3 +1,3 @@
-"""How a step's scored batch comes to be: the rollouts of a step (rollouts.py), their rewards and
+"""How a step's scored batch comes to be: a step's prompts and completions (sampler.py), their rewards and
 advantages (scoring.py), DAPO's dynamic sampling (dynamic_sampling.py), generating ahead of
 training (pipeline.py), and the scoring of held-out prompts (evaluation.py)."""

@@ -13,7 +13,7 @@ Everything here works on whole rounds (every process's completions, in global or
 keeps depends only on the round's advantages (a group is informative when they are not all 0:
 with several reward functions aggregated by normalize_then_sum, that is not the same as "its
 summed rewards differ"): the batch is the same on any number of processes. The prompts
-drawn and the sampling seeds come from the data stream and seed stream of the run's Rollouts
+drawn and the sampling seeds come from the data stream and seed stream of the run's Sampler
 (rollouts.py, which runs the rounds), which the checkpoint holds, so a resumed run samples
 the same rounds.
 """
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grpokit.rollout.batch import RolloutBatch
+from grpokit.engines.batch import RolloutBatch
 
 
 @dataclass

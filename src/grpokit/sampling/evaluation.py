@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 
-from grpokit.multiturn.kinds import RolloutKind
+from grpokit.engines.batch import SamplingParams, decode_completions
 from grpokit.rewards.reward_set import RewardLog, RewardSet, merge_metrics
-from grpokit.rollout.batch import SamplingParams, decode_completions
+from grpokit.rollouts.kinds import RolloutKind
 from grpokit.tasks.task import Example
 
 

@@ -17,7 +17,7 @@ samples with the weights after the one before it); the trainer's importance weig
 and the one that sampled that token. A group begun more than rollout.partial_max_lag versions ago
 is dropped and counted.
 
-Generated ahead (rollout.max_staleness, sampling/rollouts.py), a step's rounds run in the
+Generated ahead (rollout.max_staleness, sampling/sampler.py), a step's rounds run in the
 pipeline's thread with the weights the schedule gives that step, which tag its tokens.
 
 A step with nothing carried whose groups all end in the first round (rollout.partial_tokens at
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 # (Completion, here before it served a server's segments too: checkpoints name it here)
-from grpokit.rollout.batch import Completion, RolloutBatch, SamplingParams
+from grpokit.engines.batch import Completion, RolloutBatch, SamplingParams
 from grpokit.tasks.task import Example
 
 # A checkpoint's carried groups (pickled: their examples' columns are the task's own values).

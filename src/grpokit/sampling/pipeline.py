@@ -31,7 +31,7 @@ with the sampling state after it (groups carried, seed stream, data position), w
 holds with the steps queued (pickled) up to the first that failed.
 
 With rollout.in_flight_updates the weights are pushed by a thread of their own as soon as they
-are published, into the generations in flight (rollout/in_flight.py): a generation begins once the
+are published, into the generations in flight (engines/in_flight.py): a generation begins once the
 weights published before it was queued have reached the servers (w(step) or newer), and its later
 tokens may be sampled by weights published since, each token tagged with its step. Which weights
 sample which token then depends on timing: such a run is not reproducible from its seed.
@@ -47,8 +47,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, fields
 
-from grpokit.rollout.batch import RolloutBatch
-from grpokit.rollout.protocols import PipelineEngine
+from grpokit.engines.batch import RolloutBatch
+from grpokit.engines.protocols import PipelineEngine
 
 
 class ScheduleError(RuntimeError):
@@ -256,13 +256,20 @@ class Pipeline:
             jobs.put(None)
 
 
-# Modules whose classes a checkpoint's pickled conversations name, where they were when it was
-# written and where they are now (the layer folders): a checkpoint of an older grpokit resumes.
+# Modules whose classes a checkpoint's pickles name (queued steps, carried groups: batches,
+# completions, conversations, agents' outcomes), where they were when it was written and where they
+# are now: a checkpoint of an older grpokit resumes. Each module's first home -> its home now.
 MOVED_MODULES = {
-    "grpokit.rollout.conversation": "grpokit.multiturn.conversation",
-    "grpokit.rollout.agents": "grpokit.multiturn.agents",
-    "grpokit.rollout.tools": "grpokit.multiturn.tools",
-    "grpokit.rollout.endpoint": "grpokit.multiturn.endpoint",
+    # rollout/ was grpokit's first layer of rollouts, then of engines alone; multiturn/ held the
+    # rollouts of several generations. Now engines/ holds the engines, rollouts/ every rollout kind.
+    **{f"grpokit.rollout.{name}": f"grpokit.rollouts.{name}" for name in ("conversation", "agents", "tools", "endpoint")},
+    **{f"grpokit.multiturn.{name}": f"grpokit.rollouts.{name}"
+       for name in ("agents", "conversation", "endpoint", "kinds", "request_fields", "responses_api", "tool_formats",
+                    "tools", "transcript")},
+    **{f"grpokit.rollout.{name}": f"grpokit.engines.{name}"
+       for name in ("balance", "batch", "client", "decoding", "in_flight", "prompts", "protocols", "static_decoder",
+                    "transformers_engine", "vllm_engine", "weights", "wire")},
+    "grpokit.sampling.rollouts": "grpokit.sampling.sampler",
 }
 
 

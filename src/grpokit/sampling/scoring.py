@@ -14,10 +14,10 @@ import torch
 
 from grpokit.algorithm.advantages import advantages as compute_advantages
 from grpokit.algorithm.masks import loss_mask
-from grpokit.config.schema import Config
+from grpokit.engines.batch import RolloutBatch, decode_completions
 from grpokit.rewards.reward_set import RewardLog, RewardSet
-from grpokit.rollout.batch import RolloutBatch, decode_completions
 from grpokit.runtime import distributed
+from grpokit.settings.schema import Config
 from grpokit.tasks.task import Example
 
 

@@ -25,14 +25,10 @@ import json
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from grpokit.rewards.reward_set import RESERVED
 from grpokit.runtime.errors import ConfigError
-from grpokit.tasks.task import DataError, Example, stream_from
-
-if TYPE_CHECKING:  # the config imports this module's LONG_PROMPTS
-    from grpokit.config.schema import DataConfig
+from grpokit.settings.schema import DataConfig
+from grpokit.tasks.task import RESERVED, DataError, Example, stream_from
 
 
 # The roles a chat message may have (what chat templates render).

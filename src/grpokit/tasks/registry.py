@@ -13,6 +13,7 @@ run by its own run_rollout (verifiers.py); a dataset file (data.path) becomes a 
 from __future__ import annotations
 
 from grpokit.runtime.errors import ConfigError
+from grpokit.settings.schema import DataConfig, RolloutConfig
 
 
 # data.task -> the module and class of a built-in task, imported when chosen.
@@ -41,19 +42,18 @@ def _task_class(name: str):
     return getattr(importlib.import_module(module), cls)
 
 
-def tool_names(config) -> list[str]:
-    """The tools of a run (a Config): rollout.tools, or when null the task's own (a built-in task's;
-    none for a dataset)."""
-    if config.rollout.tools is not None:
-        return list(config.rollout.tools)
-    data = config.data
+def tool_names(rollout: RolloutConfig, data: DataConfig) -> list[str]:
+    """The tools of a run: rollout.tools, or when null the task's own (a built-in task's; none for a
+    dataset)."""
+    if rollout.tools is not None:
+        return list(rollout.tools)
     if data.path is not None or data.task not in TASKS:
         return []
     return list(getattr(_task_class(data.task), "tools", ()))
 
 
-def make_task(data, seed: int, prompt_length, image_tokens=lambda example: 0):
-    """The task for `data` (a DataConfig): a dataset when data.path is set, else a built-in task.
+def make_task(data: DataConfig, seed: int, prompt_length, image_tokens=lambda example: 0):
+    """The task for `data`: a dataset when data.path is set, else a built-in task.
 
     prompt_length(example) counts a prompt's tokens (for data.max_prompt_length), image_tokens(example)
     how many of them are its images'.

@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 
 from grpokit.runtime.errors import ConfigError
 
+# What every reward function is passed besides a task's columns (TRL's names, and finish_reasons):
+# no column may take one of these names.
+RESERVED = ("prompts", "completions", "completion_ids", "finish_reasons", "trainer_state", "log_metric", "log_extra")
+
 
 @dataclass(frozen=True)
 class Example:

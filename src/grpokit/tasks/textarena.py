@@ -5,7 +5,7 @@ Each prompt is one game, seeded: train game `index` is game seed s + index (a pu
 run's seed and the position, so a run resumes anywhere), the held-out games seeds s + 10^9 on. The
 prompt is the game's first observation as a user message.
 
-The task brings its own agent (`rollout.agent` defaults to `grpokit.tasks.textarena:play`, multiturn/agents.py):
+The task brings its own agent (`rollout.agent` defaults to `grpokit.tasks.textarena:play`, rollouts/agents.py):
 the observation is the user turn, the model's reply is the action (`env.step`), the game's next
 observation (its new text) is the next user turn, until the game is done; the game's reward for
 the player is the rollout's reward. A game the token budget (rollout.max_completion_length) ends

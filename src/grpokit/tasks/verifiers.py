@@ -3,7 +3,7 @@
 with `load_environment`'s arguments in `data.task_args`, or a `verifiers.Environment` object given to
 `grpokit.train(environment=...)`. Any of verifiers' environments runs unchanged (SingleTurnEnv,
 MultiTurnEnv, ToolEnv, StatefulToolEnv): verifiers' own `run_rollout` drives it, its client being
-the rollout's endpoint (multiturn/agents.py), so its dataset, system prompt, parser, tools, max_turns and
+the rollout's endpoint (rollouts/agents.py), so its dataset, system prompt, parser, tools, max_turns and
 rubric are its own.
 
 The prompts are the environment's dataset (`get_dataset()`): the train stream goes through it in a

@@ -9,12 +9,12 @@ import math
 import torch
 
 from grpokit.algorithm.loss import AUX_LOSS, IS_MAX, IS_MEAN, LossOutput
-from grpokit.config.schema import Config
+from grpokit.engines.batch import RolloutBatch
 from grpokit.models.vision import IMAGE_TOKEN
-from grpokit.multiturn.kinds import RolloutKind
-from grpokit.rollout.batch import RolloutBatch
+from grpokit.rollouts.kinds import RolloutKind
 from grpokit.runtime import distributed
 from grpokit.sampling.scoring import Scored
+from grpokit.settings.schema import Config
 
 
 MAX_LOAD = "router/max_load"
@@ -92,7 +92,7 @@ def step_metrics(config: Config, batch: RolloutBatch, scored: Scored, kind: Roll
     """The step's reward and completion metrics (TRL's names), over all processes' completions,
     and the number of prompt and completion tokens the step saw. Completion lengths and token
     counts are of the model's own tokens (a conversation's tool results are not counted), as TRL's;
-    what the rollouts did is the rollout kind's to say (multiturn/kinds.py)."""
+    what the rollouts did is the rollout kind's to say (rollouts/kinds.py)."""
     G = config.rollout.num_generations
     N, U = config.completions_per_step, config.completions_per_update
     mask = batch.trained_mask.cpu()  # (n, T)
@@ -155,12 +155,12 @@ class Waste:
     Counted from `start` to `step` (an evaluation between steps is not); over every process (a
     collective)."""
 
-    def __init__(self, rollouts, logprobs):
-        self.rollouts, self.logprobs = rollouts, logprobs
+    def __init__(self, sampler, logprobs):
+        self.sampler, self.logprobs = sampler, logprobs
         self.seen = self._counts()
 
     def _counts(self) -> list[int]:
-        e, lp = self.rollouts.engine, self.logprobs
+        e, lp = self.sampler.engine, self.logprobs
         return [getattr(e, "decoded_positions", 0), getattr(e, "decoded_tokens", 0), lp.computed, int(lp.needed)]
 
     def start(self) -> None:
@@ -180,18 +180,18 @@ class Pushes:
     weights. Counted by process 0's engine (client.py), from `start` to `step`; left out when the
     step pushed nothing."""
 
-    def __init__(self, rollouts):
-        self.rollouts = rollouts
+    def __init__(self, sampler):
+        self.sampler = sampler
         self.seen = self._counts()
 
     def _counts(self) -> tuple[int, int]:
-        return getattr(self.rollouts.engine, "pushed", (0, 0))  # (bytes, pushes): a server engine's
+        return getattr(self.sampler.engine, "pushed", (0, 0))  # (bytes, pushes): a server engine's
 
     def start(self) -> None:
         self.seen = self._counts()
 
     def step(self) -> dict:
-        if not self.rollouts.remote:  # an engine of its own process pushes nothing: no collective per step
+        if not self.sampler.remote:  # an engine of its own process pushes nothing: no collective per step
             return {}
 
         def pushed() -> dict:

@@ -1,50 +1,76 @@
-"""The one place that wires a run: `grpokit train` (Trainer), `grpokit eval` (api.evaluate) and
-`grpokit serve` (server.py) build their parts here, each taking what it needs, so that a new kind
-of rollout, task or engine is wired once.
+"""The one place that builds a run's parts: `build(config, use)` for `grpokit train` (Trainer),
+`grpokit eval` (api.evaluate) and `grpokit serve` (server.py), each use taking the parts it needs,
+so that a new kind of rollout, task or engine is wired once. In order:
 
-    check(config, facts)       every rule about the settings, at once (config/checks.py)
-    prepare(config, ...)       before the model loads: the tokenizer (or a vision-language model's
-                               processor), tools, prompts as token ids, the rollout kind's class,
-                               the task (its data read and checked) and the reward functions
-    make_kind(...)             once the model is loaded (its EOS ids): the rollout kind
-    served_engine(...)         what `grpokit serve` serves: the model, its engine, its fingerprint
+    checked_facts(config, ...)  the config settled and every rule checked against the launch and
+                                the model, at once (config/checks.py); once for the same values
+    prepare(config, ...)        before the model loads: the tokenizer (or a vision-language model's
+                                processor), tools, prompts as token ids, the task (its data read and
+                                checked) and the reward functions
+    train: the sharding strategy, the memory estimate (refused where it cannot fit), the run
+           folder, the policy and reference, the teacher, the sampler (its engine and rollout
+           kind), the scorer, the optimizer and schedule, the log-prob passes
+    eval:  the model evaluated, its engine and rollout kind
+    serve: the model served, its engine (ENGINES' class builds it) and fingerprint
+
+An engine is made only through engines/protocols.py's ENGINES.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from dataclasses import dataclass
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from grpokit.algorithm.loss import LossSettings
+from grpokit.algorithm.schedule import lr_multiplier
 from grpokit.config.checks import Facts, check, facts
 from grpokit.config.loading import settle
-from grpokit.config.schema import Config, reward_specs
-from grpokit.models.loading import eos_token_ids, fit_for_passes, load_model
+from grpokit.engines.prompts import PromptEncoder
+from grpokit.engines.protocols import engine_class, make_engine
+from grpokit.models.loading import eos_token_ids, load_model, load_policy
+from grpokit.models.logprobs import LogProbs, check_inputs_embeds, chunk_size
 from grpokit.models.packing import AUTO
 from grpokit.models.reasoning import Reasoning
+from grpokit.models.teacher import load_teacher
 from grpokit.models.vision import Vision, check_vision, processing
-from grpokit.multiturn import kinds
-from grpokit.multiturn.kinds import RolloutKind
-from grpokit.multiturn.tools import Tools
 from grpokit.rewards.reward_set import RewardSet
-from grpokit.rollout.prompts import PromptEncoder
+from grpokit.rollouts import kinds
+from grpokit.rollouts.kinds import RolloutKind
+from grpokit.rollouts.tools import Tools
+from grpokit.rundir.checkpoint import checkpoint_bytes, load_weights
+from grpokit.rundir.folder import check_disk_space, open_run_dir, release_run_dir, start_run_dir
 from grpokit.runtime import distributed
 from grpokit.runtime.errors import ConfigError, StartupError
 from grpokit.runtime.threads import share_cores, trainer_processes
+from grpokit.sampling.sampler import Sampler
+from grpokit.sampling.scoring import Scorer
+from grpokit.settings.schema import Config, reward_specs
 from grpokit.tasks.registry import make_task
+from grpokit.training import sharding
 
-__all__ = ["Prepared", "checked_facts", "loss_settings", "make_kind", "prepare", "served_engine"]
+__all__ = ["USES", "Parts", "Prepared", "build", "checked_facts", "loss_settings", "prepare"]
+
+# What `build` builds a run's parts for.
+USES = ("train", "eval", "serve")
 
 
 def checked_facts(config: Config, model=None, tokenizer=None, model_name: str | None = None) -> Facts:
     """Settle `config` (a Config built in Python was not loaded) and check every rule against the
     launch and the model (`model_name`, default model.name, or the loaded `model` given with its
-    `tokenizer`): ConfigError listing every problem. The facts checked against."""
-    settle(config)
+    `tokenizer`): ConfigError listing every problem. The facts checked against. A config loaded
+    and checked against the same facts, its values unchanged since, is not settled or checked again."""
     found = facts(config, model_name, model, tokenizer, world_size=distributed.world_size())
+    if config.checked is not None and config.checked == (found, config.to_dict()):
+        return found
+    settle(config)
     check(config, found)
+    config.checked = (found, config.to_dict())
     return found
 
 
@@ -72,18 +98,18 @@ def prepare(config: Config, tokenizer=None, model_name: str | None = None, model
     tokenizer, vision = processing(name, tokenizer)
     if model is not None:  # a model given with the wrong one of tokenizer and processor: said before its data
         check_vision(model, vision)
-    tools = Tools.from_config(config, tokenizer, model_name)
+    tools = Tools.from_config(config.rollout, config.data, config.model, tokenizer, model_name)
     if vision is not None and (config.model.chat_template or config.model.chat_template_kwargs):
         vision.processor.chat_template = tokenizer.chat_template  # the template prompts are rendered with
     encoder = PromptEncoder(tokenizer, None if tools is None else tools.schemas, config.data.max_prompt_length, vision)
     task = make_task(config.data, config.train.seed, encoder.length, encoder.image_tokens)
-    kind = kinds.kind_of(config, tools)
+    kind = kinds.kind_of(config.rollout, tools)
     if train:
         first = next(task.train_stream())
         if tools is not None:
             tools.check({"prompt": first.prompt, **first.columns}, getattr(task, "prompts_from_reset", False))
     rewards = RewardSet(reward_specs(config, task.reward_functions), config.reward.timeout,
-                        extra=kind.rewards(config, tools), teacher=config.distill.teacher is not None,
+                        extra=kind.rewards(tools), teacher=config.distill.teacher is not None,
                         reasoning=Reasoning.of(config.model.reasoning_parser, tokenizer))
     if train:
         rewards.check_arguments(first.columns, environments=(tools is not None and tools.environment is not None)
@@ -182,48 +208,208 @@ def micro_batch_tokens(config: Config, vision: bool) -> int | str | None:
     return t.micro_batch_tokens
 
 
-def make_kind(config: Config, prepared: Prepared, model) -> RolloutKind:
-    """The run's rollout kind (multiturn/kinds.py), for `model` (its EOS ids end a turn)."""
-    return kinds.make_kind(config, prepared.tokenizer, prepared.tools, prepared.encoder,
-                           eos_token_ids(model, prepared.tokenizer))
+@dataclass
+class Parts:
+    """A run's parts as `build` makes them for one use; what that use does not need stays None."""
+
+    device: torch.device
+    tokenizer: object  # a vision-language model's is its processor's
+    vision: Vision | None  # a vision-language model's processor and the inputs of its passes (models/vision.py)
+    prepared: Prepared | None = None  # train, eval: the data and rewards (a server reads none)
+    facts: Facts | None = None  # train, eval: what the config was checked against
+    model: torch.nn.Module | None = None  # train: the policy, as the sharding strategy holds it; eval, serve: the model
+    eos_ids: list[int] = field(default_factory=list)
+    kind: RolloutKind | None = None  # eval (train: the sampler's)
+    engine: object = None  # eval, serve (train: the sampler's own, made with the run's sharding)
+    fingerprint: dict | None = None  # serve: the model's names and shapes, which a trainer's must match
+    # train:
+    parallel: sharding.Strategy | None = None  # replicated, or sharded as the launcher's accelerate config says
+    run_dir: Path | None = None
+    resume_from: Path | None = None  # the checkpoint the run continues from
+    resumed_rows: list[dict] = field(default_factory=list)  # metrics.jsonl's rows kept from before it
+    reference: torch.nn.Module | None = None
+    teacher: object = None
+    sampler: Sampler | None = None  # how a step's completions come to be (their engine and rollout kind)
+    scorer: Scorer | None = None
+    logprobs: LogProbs | None = None
+    params: list = field(default_factory=list)  # the weights the optimizer steps
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: object = None
+    loss_settings: LossSettings | None = None
+    checkpoint_size: int = 0  # about the bytes a checkpoint takes
+    notes: list[str] = field(default_factory=list)  # what the user hears at start-up
 
 
-def served_engine(model_name: str, engine_name: str, dtype: str, tensor_parallel_size: int = 1,
-                  data_parallel_size: int = 1, decode_slots: int | None = None, quantization: str = "none") -> tuple:
-    """What `grpokit serve` serves: (engine, the model's fingerprint, tokenizer, EOS ids), the
-    engine a ServedEngine (rollout/protocols.py) of `model_name` in `dtype`: the transformers
-    engine (decode_slots: rollout.decode_slots; quantization: model.quantization, the base a QLoRA
-    trainer pushes its adapters to), or vLLM on tensor_parallel_size x data_parallel_size GPUs."""
-    from grpokit.rollout.weights import fingerprint
+def build(config: Config, use: str, *, model=None, tokenizer=None, model_name: str | None = None,
+          tensor_parallel_size: int = 1, data_parallel_size: int = 1) -> Parts:
+    """The parts of a run of `config` for `use` (USES): "train" (`model`, `tokenizer`: objects to
+    train in place and tokenize with instead of model.name's), "eval" (the model in `model_name`),
+    "serve" (model.name with rollout.engine, on tensor_parallel_size x data_parallel_size GPUs for
+    vLLM). Every rule is checked before anything is read or written."""
+    if use == "train":
+        return _for_training(config, model, tokenizer)
+    if use == "eval":
+        return _for_evaluation(config, model_name or config.model.name)
+    if use == "serve":
+        return _for_serving(config, tensor_parallel_size, data_parallel_size)
+    raise ValueError(f"build: use={use!r} is not one of {USES}")
 
-    tokenizer, vision = processing(model_name)
-    if engine_name == "vllm":
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-        from grpokit.models.loading import DTYPES
-        from grpokit.rollout.vllm_engine import DataParallelVLLM, VLLMEngine, model_path
+def _for_training(config: Config, model, tokenizer) -> Parts:
+    """Every rule about the settings, against the launch and the model, before anything is read or
+    written (config/checks.py); then the data and the reward functions (a bad row or name fails
+    here), the memory estimate, the output folder, the model, then the disk space a checkpoint of
+    it needs."""
+    device = distributed.init()
+    found = checked_facts(config, model, tokenizer)
+    parallel = sharding.from_launch(config, found.launch)
+    prepared = prepare(config, tokenizer, model_facts=found.model, model=model)
+    parts = Parts(device, prepared.tokenizer, prepared.vision, prepared, found, parallel=parallel)
+    memory = memory_line(config, found, prepared, device, model)  # refused here when it cannot fit
+    # Process 0 alone owns the run directory; the others learn its path (a default one is stamped
+    # with process 0's clock) or its refusal, and stop with the same message.
+    existed = config.train.output_dir is not None and Path(config.train.output_dir).exists()
+    parts.run_dir, parts.resume_from, damaged = distributed.on_main(lambda: open_run_dir(config))
+    with _removed_if_refused(parts.run_dir, existed):  # a refused start leaves no empty folder behind
+        config.train.output_dir = str(parts.run_dir)
+        seed_stream = _seed_everything(config.train.seed)
+        _models(config, parts, model)
+        # Log-prob passes call the whole model on token ids when only such a call gathers sharded
+        # weights, or when the model uses the ids for more than the embedding lookup (models/logprobs.py).
+        whole_model = parallel.lockstep or not check_inputs_embeds(parts.model)
+        chunk = chunk_size(config.train.logprob_chunk_size, parts.model, device, parts.vision)
+        routed = _sampling(config, parts, seed_stream)
+        _optimization(config, parts, whole_model, chunk, routed)
+        # The metrics.jsonl rows kept from before the checkpoint, and what to tell the user about them.
+        parts.resumed_rows, note = distributed.on_main(lambda: _start_run_dir(config, parts))
+    parts.notes = [line for line in (*damaged, note, memory, parallel.describe(parts.model),
+                                     *getattr(prepared.task, "notes", ())) if line]
+    return parts
 
-        path = model_path(model_name)
-        config = AutoConfig.from_pretrained(path)
-        with torch.device("meta"):  # names and shapes only, for the fingerprint
-            auto = AutoModelForCausalLM if vision is None else AutoModelForImageTextToText
-            shapes = auto.from_config(config, dtype=DTYPES[dtype])
-        eos = eos_token_ids(shapes, tokenizer)
-        args = dict(model_path=path, dtype=dtype, pad_id=tokenizer.pad_token_id, eos_ids=eos, vision=vision)
-        engine = VLLMEngine(**args, tensor_parallel_size=tensor_parallel_size) if data_parallel_size == 1 else \
-            DataParallelVLLM(data_parallel_size, tensor_parallel_size, **args)
-        return engine, fingerprint(shapes), tokenizer, eos
-    if engine_name == "transformers":
-        from grpokit.rollout.transformers_engine import TransformersEngine
 
-        # requires_grad stays on, as on the trainer's policy: PyTorch runs other CPU kernels for
-        # parameters without it (measured: log-probs differ in the last bits), and the server must
-        # sample exactly as the trainer's own engine would. Generation runs under no_grad anyway.
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        model = load_model(model_name, dtype, quantization, device)
-        model = (model if quantization != "none" else model.to(device)).eval()  # (a quantized one loads in place)
-        fit_for_passes(model)  # the passes the trainer's policy runs, kernel for kernel
-        eos = eos_token_ids(model, tokenizer)
-        engine = TransformersEngine(model, tokenizer.pad_token_id, eos, vision=vision, slots=decode_slots)
-        return engine, fingerprint(model), tokenizer, eos
-    raise StartupError(f"grpokit serve has no way to build the {engine_name!r} engine: use transformers or vllm")
+def _models(config: Config, parts: Parts, model) -> None:
+    """The policy, the reference (with a KL term) and the teacher (distill.teacher)."""
+    parts.model, parts.reference = load_policy(config.model, parts.device, model, reference=config.algorithm.beta > 0,
+                                               chunked=bool(config.train.logprob_chunk_size))
+    check_vision(parts.model, parts.vision)
+    parts.eos_ids = eos_token_ids(parts.model, parts.tokenizer)
+    parts.teacher = None if config.distill.teacher is None else load_teacher(
+        config.distill.teacher, config.model.name, parts.tokenizer, config.model.dtype, parts.device,
+        config.distill.timeout)
+
+
+def _sampling(config: Config, parts: Parts, seed_stream: torch.Generator) -> tuple[int, int] | None:
+    """The sampler (its engine, made for the whole policy) and the scorer; with a load-balancing
+    term, (experts, experts each token is routed to)."""
+    kind = _kind(config, parts.prepared, parts.eos_ids)
+    parts.sampler = Sampler(config, parts.prepared.task, kind, parts.tokenizer, parts.model, parts.parallel,
+                            parts.device, seed_stream, parts.vision)
+    balance, routed = router_balance(config, parts.model)  # the load-balancing term's weight, experts
+    parts.scorer = Scorer(config, parts.tokenizer, parts.prepared.rewards, parts.sampler.rows, parts.device,
+                          parts.parallel.lockstep, balance > 0)
+    return routed
+
+
+def _optimization(config: Config, parts: Parts, whole_model: bool, chunk: int | None,
+                  routed: tuple[int, int] | None) -> None:
+    """The weights sharded (a checkpoint's loaded first, whole), the optimizer and its schedule, the
+    log-prob passes (`whole_model`, `chunk`, `routed`: models/logprobs.py LogProbs) and the loss's
+    settings."""
+    policy = parts.model
+    # Counted while every process holds the whole model.
+    parts.checkpoint_size = checkpoint_bytes(policy) + (
+        checkpoint_bytes(parts.reference) if config.algorithm.sync_ref_model else 0)
+    if parts.resume_from is not None:  # into whole weights, before sharding spreads them
+        load_weights(policy, parts.resume_from)
+    parts.model, parts.reference = parts.parallel.wrap(policy, parts.reference)
+    parts.params = [p for p in parts.model.parameters() if p.requires_grad]
+    parts.optimizer, parts.scheduler = _optimizer(config, parts)
+    parts.logprobs = LogProbs(parts.model, parts.reference, config.rollout.temperature, chunk,
+                              config.model.gradient_checkpointing, whole_model,
+                              config.micro_batch_size(distributed.world_size()), parts.device, parts.vision,
+                              micro_batch_tokens(config, parts.vision is not None), parts.parallel.lockstep, routed)
+    parts.loss_settings = loss_settings(config, parts.model)
+
+
+def _optimizer(config: Config, parts: Parts):
+    """AdamW (fused: one kernel over all weights, where the strategy allows it) and its
+    learning-rate schedule (algorithm/schedule.py): linear warm-up over train.warmup_steps updates, then
+    train.lr_scheduler over the run's max_steps x updates_per_step x num_iterations updates."""
+    t = config.train
+    optimizer = parts.parallel.make_optimizer(
+        parts.model, parts.params,
+        lambda params: torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay,
+                                         fused=parts.parallel.fused_adamw))
+    total = t.max_steps * config.updates_per_step
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda update: lr_multiplier(t.lr_scheduler, update, t.warmup_steps, total))
+    return optimizer, scheduler
+
+
+def _start_run_dir(config: Config, parts: Parts) -> tuple[list[dict], str | None]:
+    """The run folder begun, or continued from its checkpoint (its later metrics rows dropped): the
+    rows kept, and what to tell the user of it (process 0)."""
+    check_disk_space(parts.run_dir, config, parts.checkpoint_size)
+    return start_run_dir(parts.run_dir, config, parts.resume_from)
+
+
+def _for_evaluation(config: Config, model_name: str) -> Parts:
+    """The model in `model_name`, scored on `config`'s held-out prompts: its engine and rollout kind."""
+    found = checked_facts(config, model_name=model_name)
+    prepared = prepare(config, model_name=model_name, model_facts=found.model, train=False)
+    if not prepared.task.eval_examples:
+        raise ConfigError(f"no held-out prompts to score: data.eval_size={config.data.eval_size} (a run trained "
+                          "with data.eval_size=0 keeps that in its config): add data.eval_size=100, or data.eval_path")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_model(model_name, config.model.dtype).to(device)
+    eos = eos_token_ids(model, prepared.tokenizer)
+    engine = make_engine(config.rollout, model, prepared.tokenizer, eos, model_name, vision=prepared.vision)
+    return Parts(device, prepared.tokenizer, prepared.vision, prepared, found, model, eos,
+                 kind=_kind(config, prepared, eos), engine=engine,
+                 notes=list(getattr(prepared.task, "notes", ())))
+
+
+def _for_serving(config: Config, tensor_parallel_size: int, data_parallel_size: int) -> Parts:
+    """What `grpokit serve` serves: model.name in model.dtype (model.quantization: the base a QLoRA
+    trainer pushes its adapters to) through the engine rollout.engine names, which builds it
+    (`served`: the transformers engine decoding at most rollout.decode_slots completions at once, or
+    vLLM on tensor_parallel_size x data_parallel_size GPUs)."""
+    tokenizer, vision = processing(config.model.name)
+    served = engine_class(config.rollout.engine)
+    if served.remote:
+        raise StartupError(f"grpokit serve cannot serve the {config.rollout.engine!r} engine, which is itself "
+                           "another process's: use transformers or vllm")
+    engine, model, eos = served.served(config.model, config.rollout, tokenizer, vision,
+                                       tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size)
+    from grpokit.engines.weights import fingerprint
+
+    return Parts(engine.device, tokenizer, vision, model=model, eos_ids=eos, engine=engine,
+                 fingerprint=fingerprint(model))
+
+
+def _kind(config: Config, prepared: Prepared, eos_ids: list[int]) -> RolloutKind:
+    """The run's rollout kind (rollouts/kinds.py), for a model of EOS ids `eos_ids` (they end a turn)."""
+    return kinds.make_kind(config.rollout, prepared.tokenizer, prepared.tools, prepared.encoder, eos_ids,
+                           config.model.reasoning_parser)
+
+
+@contextlib.contextmanager
+def _removed_if_refused(run_dir: Path, existed: bool):
+    """A start-up refusal inside leaves no folder it created behind (process 0 owns it)."""
+    try:
+        yield
+    except BaseException:
+        if not existed and distributed.is_main() and run_dir.is_dir() and not any(run_dir.iterdir()):
+            release_run_dir(run_dir)
+            run_dir.rmdir()
+        raise
+
+
+def _seed_everything(seed: int) -> torch.Generator:
+    """Seed every global RNG, the same on every process (they must start from the same weights);
+    return the stream each step draws one sampling seed per completion from, so that what a
+    completion samples depends on its seed, not on which process samples it."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)  # reward functions may draw from any global RNG
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)

@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from grpokit.rollout.weights import adapter_tensors, is_lora, merged_lora_weights, named_weights
+from grpokit.engines.weights import adapter_tensors, is_lora, merged_lora_weights, named_weights
 from grpokit.runtime import distributed
 from grpokit.runtime.errors import StartupError
 from grpokit.runtime.launch import Launch

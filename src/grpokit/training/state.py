@@ -1,15 +1,14 @@
 """A run's state besides its weights and optimizer: the trainer's counters (`Progress`), restored
-from a checkpoint with the weights, optimizer, RNGs and the steps generated ahead; and what a
-failure saves (`FailureSave`): the state from before the failing step, unless that step had
-already begun to change the weights."""
+from a checkpoint with the weights, optimizer, RNGs and the steps generated ahead
+(training/checkpointing.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from grpokit.config.schema import Config
 from grpokit.rewards.reward_set import trainer_state
 from grpokit.runtime import distributed
+from grpokit.settings.schema import Config
 
 
 @dataclass
@@ -27,35 +26,5 @@ class Progress:
     def trainer_state(self, config: Config, task):
         """The `trainer_state` reward functions receive now (rewards.trainer_state)."""
         size = len(getattr(task, "train_examples", ()))
-        return trainer_state(config, self.step, epoch=self.examples_seen / size if size else 0.0,
+        return trainer_state(self.step, config.train.max_steps, config.updates_per_step, epoch=self.examples_seen / size if size else 0.0,
                              tokens=self.num_tokens, main=distributed.is_main())
-
-
-class FailureSave:
-    """What a failure saves: while a step runs, the state from before it (captured as it starts),
-    as long as no optimizer update of the step has begun (counted by a hook on the optimizer);
-    between steps, the state as it is."""
-
-    def __init__(self, optimizer):
-        self.updates_begun = 0
-        self.hook = optimizer.register_step_pre_hook(self._count)
-        self.before = None  # (state before the running step, updates begun before it)
-
-    def _count(self, *_) -> None:
-        self.updates_begun += 1
-
-    def step_begins(self, captured) -> None:
-        self.before = captured, self.updates_begun
-
-    def step_ends(self) -> None:
-        self.before = None
-
-    def state(self, capture):
-        """The state to save (capture() between steps), or None: the failing step changed the weights."""
-        if self.before is None:
-            return capture()
-        captured, begun = self.before
-        return captured if begun == self.updates_begun else None
-
-    def close(self) -> None:
-        self.hook.remove()

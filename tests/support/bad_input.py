@@ -1,0 +1,24 @@
+"""What the bad-input tests share (tests/*/test_bad_*.py): a tiny run's settings as a new user
+would give them, `grpokit` called as the console calls it with what it said on stderr, and a
+finished run to point commands at."""
+
+import pytest
+
+from grpokit.cli import main
+
+# A tiny run, as a new user would start one.
+T = ["model.name=tiny-random", "train.max_steps=2", "rollout.num_generations=4", "train.prompts_per_step=2",
+     "rollout.max_completion_length=8", "data.eval_size=0"]
+
+
+def run(capsys, *args) -> tuple[int, str]:
+    code = main(list(args))
+    return code, capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A finished 2-step run trained with data.eval_size=0."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    assert main(["train", "--no-progress", *T, f"train.output_dir={out}"]) == 0
+    return out
