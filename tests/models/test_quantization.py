@@ -72,9 +72,9 @@ def test_micro_batch_size_never_changes_a_quantized_update(tmp_path, quantizatio
     adapters' B (zero at first) has moved before the update that is compared."""
     knobs = [f"model.quantization={quantization}", "algorithm.num_iterations=2", "rollout.max_completion_length=6"]
     first = trainer_of(tmp_path, *knobs, name="whole")
-    examples = [next(first.rollouts.stream) for _ in range(2)]
-    batch = cut_ragged(first.rollouts.engine.generate([first.rollouts.kind.encoder(e) for e in examples], 4,
-                                                      first.rollouts.sampling, seeds=range(8)), first.tokenizer.eos_token_id)
+    examples = [next(first.sampler.stream) for _ in range(2)]
+    batch = cut_ragged(first.sampler.engine.generate([first.sampler.kind.encoder(e) for e in examples], 4,
+                                                      first.sampler.sampling, seeds=range(8)), first.tokenizer.eos_token_id)
     runs = {}
     for m in (8, 4, 1):
         trainer = first if m == 8 else trainer_of(tmp_path, *knobs, f"train.micro_batch_size={m}", name=f"m{m}")

@@ -144,9 +144,9 @@ def test_partial_rollouts_through_a_rollout_server_are_the_in_process_run(server
     the in-process engine does, under the weights pushed after the update (the in-process engine
     run in rounds of partial_tokens here, as a server's are: not stopped when enough groups ended)."""
     pytest.importorskip("fastapi")
-    from grpokit.sampling import rollouts
+    from grpokit.sampling import sampler
 
-    monkeypatch.setattr(rollouts, "TransformersEngine", type("NoEarlyStop", (), {}))
+    monkeypatch.setattr(sampler, "TransformersEngine", type("NoEarlyStop", (), {}))
     s = server()
     ends = ["rollout.partial=true", "rollout.partial_tokens=3", "train.max_steps=3"]
     assert main(["train", *RUN, *ends, f"train.output_dir={tmp_path / 'local'}"]) == 0

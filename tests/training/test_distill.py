@@ -64,6 +64,14 @@ def test_a_teacher_of_another_vocabulary_is_refused_with_both_names(tmp_path):
     assert not (tmp_path / "run").exists()  # refused before a run folder is left behind
 
 
+def test_a_missing_teacher_folder_is_named_as_the_teacher(tmp_path):
+    """Not as `model.name='...': no such folder`: the policy's folder is there."""
+    missing = tmp_path / "no-teacher"
+    with pytest.raises(StartupError, match=f"^distill.teacher='{missing}': no such folder$"):
+        Trainer(load_config(None, [*RUN, f"distill.teacher={missing}", f"train.output_dir={tmp_path}/run"]),
+                progress=False)
+
+
 def test_a_served_teacher_of_another_vocabulary_is_refused_with_both_names(monkeypatch):
     """/health says the served tokenizer's vocabulary (a digest): another one is refused at start-up."""
     from grpokit.models.loading import load_tokenizer
@@ -100,7 +108,7 @@ def test_a_teacher_on_a_server_scores_as_the_one_in_process_and_its_death_stops_
                                         f"train.output_dir={tmp_path}/remote"]), progress=False)
     local = Trainer(load_config(None, [*RUN, "distill.teacher=tiny-random", f"train.output_dir={tmp_path}/local"]),
                     progress=False)
-    batch = local.rollouts.sample(local.rollouts.next_prompts())
+    batch = local.sampler.sample(local.sampler.next_prompts())
     active = torch.ones(len(batch.finish_reasons), dtype=torch.bool)
     mask = batch.completion_mask.bool()
     theirs = remote.teacher.logprobs(batch, active, remote.logprobs)
