@@ -32,9 +32,10 @@ def test_replies_are_parsed_strictly():
 
 class ScriptedJudge:
     """An OpenAI-compatible chat-completions server on 127.0.0.1 that answers each request with the
-    next of `script`: ("ok" | "text" | "partial" | "error" | "slow"), counting the requests."""
+    next of `script`: ("ok" | "text" | "partial" | "error" | "slow": after `slow` seconds), counting the
+    requests."""
 
-    def __init__(self, script: list[str]):
+    def __init__(self, script: list[str], slow: float = 3.0):
         import uvicorn
         from fastapi import FastAPI, Request
         from fastapi.responses import JSONResponse
@@ -53,7 +54,7 @@ class ScriptedJudge:
             if kind == "error":
                 return JSONResponse(status_code=500, content={"error": "judge overloaded"})
             if kind == "slow":
-                await asyncio.sleep(3)
+                await asyncio.sleep(slow)
                 reply = json.dumps({"scores": [0.5] * responses})
             return {"choices": [{"index": 0, "message": {"role": "assistant", "content": reply}}]}
 
@@ -73,6 +74,18 @@ def score(judge: Judge, prompts, completions):
     scores = asyncio.run(judge.score(prompts, completions, lambda k, v: metrics.setdefault(k, v),
                                      lambda k, v: extra.setdefault(k, v)))
     return scores, metrics, extra["judge"]
+
+
+def test_the_judge_waits_as_long_as_reward_judge_timeout_says():
+    """A judge that answers in 6 s is scored under reward.judge_timeout=20: the HTTP client's own
+    default (5 s a phase) gave up first, whatever the setting said."""
+    judge_server = ScriptedJudge(["slow"], slow=6.0)
+    try:
+        judge = Judge(judge_server.url, "j", None, "group", timeout=20.0, retries=0, concurrency=1, temperature=0.0)
+        scores, metrics, notes = score(judge, ["1+1?", "1+1?"], ["2", "two"])
+        assert scores == [0.5, 0.5] and metrics["judge/failed"] == 0, notes
+    finally:
+        judge_server.stop()
 
 
 def test_a_group_s_scores_and_each_failure_as_none_counted_and_recorded(tmp_path):

@@ -202,8 +202,9 @@ def _training_pass(config, model_config, shape: Shape, world_size: int, device: 
 def _teacher_bytes(config, b: int) -> float:
     if config.distill.teacher is None or config.distill.teacher.startswith(("http://", "https://")):
         return 0
-    from grpokit.models.loading import model_config
+    from grpokit.models.loading import check_source, model_config
 
+    check_source(config.distill.teacher, "distill.teacher")  # a missing folder named as the teacher's
     return _counts(model_config(config.distill.teacher))[0] * b
 
 

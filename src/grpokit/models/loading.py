@@ -42,26 +42,26 @@ def _loading(name: str):
         ) from None
 
 
-def check_source(name: str) -> None:
-    """A `model.name` that is a local path must be a model folder: say what it is instead when it
-    is not (a missing path, a run folder, a folder without config.json) rather than let it be
-    taken for a Hub id."""
+def check_source(name: str, setting: str = "model.name") -> None:
+    """A `model.name` (or the `setting` naming another model: distill.teacher) that is a local path
+    must be a model folder: say what it is instead when it is not (a missing path, a run folder, a
+    folder without config.json) rather than let it be taken for a Hub id."""
     if name in (BUNDLED, TINY, TINY_VLM, BUNDLED_VLM):
         return
     path = Path(name).expanduser()
     local = path.is_absolute() or name.startswith((".", "~")) or name.count("/") != 1 or Path(name.split("/")[0]).is_dir()
     if not path.exists():
         if local:
-            raise StartupError(f"model.name={name!r}: no such folder")
+            raise StartupError(f"{setting}={name!r}: no such folder")
         return  # a Hub id
     if not path.is_dir():
-        raise StartupError(f"model.name={name!r} is a file: give the model's folder (the one holding config.json)")
+        raise StartupError(f"{setting}={name!r} is a file: give the model's folder (the one holding config.json)")
     if (path / "config.json").is_file() or (path / "adapter_config.json").is_file():
         return
     if (path / "final").is_dir() or (path / "checkpoints").is_dir():
-        raise StartupError(f"model.name={name!r} is a training run's folder: its trained model is {path / 'final'} "
+        raise StartupError(f"{setting}={name!r} is a training run's folder: its trained model is {path / 'final'} "
                            f"(or a checkpoint, {path / 'checkpoints'}/step-N)")
-    raise StartupError(f"model.name={name!r} has no config.json: not a model folder (for a training run, use <run>/final)")
+    raise StartupError(f"{setting}={name!r} has no config.json: not a model folder (for a training run, use <run>/final)")
 
 
 def load_tokenizer(name: str):

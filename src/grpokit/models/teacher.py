@@ -21,7 +21,7 @@ import urllib.request
 
 import torch
 
-from grpokit.models.loading import load_model, load_tokenizer
+from grpokit.models.loading import check_source, load_model, load_tokenizer
 from grpokit.runtime import distributed
 from grpokit.runtime.errors import StartupError
 
@@ -120,6 +120,7 @@ def vocabulary_digest(tokenizer) -> str:
 def _load(name: str, policy_name: str, policy_tokenizer, dtype: str, device: torch.device):
     """The teacher model `name` on `device`, frozen, in eval mode; refused (StartupError, both
     names) when its vocabulary is not the policy's `policy_name`'s."""
+    check_source(name, "distill.teacher")  # a missing folder named as the teacher's, not as model.name
     check_vocabulary(name, load_tokenizer(name), policy_name, policy_tokenizer)
     teacher = load_model(name, dtype).to(device).eval().requires_grad_(False)
     distributed.broadcast_parameters(teacher)

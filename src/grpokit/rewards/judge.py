@@ -154,7 +154,7 @@ class Judge:
                 "max_tokens": 64 + 16 * (count or 1)}
         failure = None
         for _ in range(self.retries + 1):
-            try:  # the whole request within the timeout (httpx's own bounds each phase of it)
+            try:  # the whole request within the timeout (the client's bounds each phase of it alike)
                 response = await asyncio.wait_for(client.post(f"{self.url}/chat/completions", json=body), self.timeout)
                 if response.status_code != 200:
                     raise JudgeFailure(f"HTTP {response.status_code}", response.text[:500])
@@ -200,7 +200,9 @@ class Judge:
             for i, s in zip(rows, got):
                 scores[i], notes[i] = s, {"reply": reply}
 
-        async with httpx.AsyncClient() as client:
+        # httpx bounds each phase of a request by its own default, 5 s, unless told: a judge that
+        # took longer to answer failed whatever reward.judge_timeout said.
+        async with httpx.AsyncClient(timeout=self.timeout) as client:
             await asyncio.gather(*(one(rows, key) for rows, key in asks))
         failed = sum(1 for n in notes if n is not None and "error" in n)
         log_metric("judge/failed", failed / max(1, len(texts)))

@@ -356,7 +356,7 @@ def _how_it_stopped(run_dir: Path, rows: list[dict]) -> str:
             resume = "it had completed no step: resuming starts from step 1"
         else:
             redo = f"steps {saved + 1}-{last}" if last > saved + 1 else f"step {last}"
-            resume = (f"its {'newest checkpoint is ' + checkpoint.name if checkpoint else 'has no checkpoint'}: "
+            resume = (f"{'its newest checkpoint is ' + checkpoint.name if checkpoint else 'it has no checkpoint'}: "
                       f"resuming trains {redo} again")
         message = str(stop.get("message", "")).replace("\n", "\n   ")
         if stop["reason"] == "error":
