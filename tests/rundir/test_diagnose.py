@@ -14,7 +14,7 @@ from grpokit.cli import main
 from grpokit.rundir.diagnose import RunFacts, Watch, diagnose
 from grpokit.settings.schema import Config
 
-KINDS = ["grad_norm", "clip_ratio", "zero_std", "reward_flat", "truncation", "kl", "waste", "agents"]
+KINDS = ["grad_norm", "clip_ratio", "zero_std", "reward_flat", "truncation", "kl", "waste", "agents", "judge"]
 
 
 @pytest.mark.parametrize("kind", [None, *KINDS])

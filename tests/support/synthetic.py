@@ -47,6 +47,8 @@ def with_failure(kind: str, step: int, row: dict, rng: random.Random) -> dict:
         row["waste/passes"] = 3.2  # lengths grew ragged: most of each padded micro-batch is padding
     if kind == "agents" and step in (SYNTHETIC_STEPS // 2 + 5, SYNTHETIC_STEPS // 2 + 6):
         row["agents/failed"], row["agents/refused_requests"] = 3.0, 1.0  # an agent run's rows carry these
+    if kind == "judge" and step == SYNTHETIC_STEPS // 2 + 5:
+        row["judge/failed"] = 0.75  # a judge run's rows carry it: a step the judge mostly failed
     if kind == "kl" and late:
         row["kl"] = 0.02 * 1.1 ** (step - SYNTHETIC_STEPS // 2)
     return row

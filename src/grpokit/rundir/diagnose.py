@@ -37,6 +37,9 @@ compares windows of WINDOW steps (medians or means, robust to a single odd step)
   first to the last of them: the trainer learns from samples the current policy would not draw.
 - `agents`: in the last step, rollouts' agents failed (agents/failed) or requests of theirs were
   refused (agents/refused_requests): a failed rollout gets no reward.
+- `judge`: in the last step, the judge left JUDGE_FAILED or more of the completions unscored
+  (judge/failed): a timeout, an HTTP error or a reply that did not parse gives None, so those take
+  no part in their groups' statistics.
 """
 
 from __future__ import annotations
@@ -283,7 +286,22 @@ def agents(rows, evals, facts) -> Finding | None:
                    "error); a failed rollout gets no reward (docs/agents.md, When an agent fails)")
 
 
-RULES = (grad_norm, clip_ratio, zero_std, reward_flat, truncation, kl, waste, lag, agents)
+JUDGE_FAILED = 0.5
+
+
+def judge(rows, evals, facts) -> Finding | None:
+    last = rows[-1] if rows else {}
+    failed = last.get("judge/failed")
+    if not isinstance(failed, (int, float)) or not failed >= JUDGE_FAILED:
+        return None
+    return Finding("judge", last["step"], f"the judge left {failed:.0%} of step {last['step']}'s completions unscored "
+                   "(judge/failed)",
+                   "completions.jsonl's judge column says why for each (a timeout, an HTTP error, a reply that did not "
+                   "parse); check reward.judge_url, a longer reward.judge_timeout, or a judge model that follows the "
+                   "rubric's format (docs/distillation.md)")
+
+
+RULES = (grad_norm, clip_ratio, zero_std, reward_flat, truncation, kl, waste, lag, agents, judge)
 
 
 class Watch:
