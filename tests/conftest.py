@@ -50,6 +50,19 @@ def tiny():
     return load_model("tiny-random"), load_tokenizer("tiny-random")
 
 
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory):
+    """A finished 2-step run of tiny-random trained with data.eval_size=0, which the bad-input tests
+    of several layers point commands at (read only); made once a worker."""
+    from support.bad_input import T
+
+    from grpokit.cli import main
+
+    out = tmp_path_factory.mktemp("finished") / "run"
+    assert main(["train", "--no-progress", *T, f"train.output_dir={out}"]) == 0
+    return out
+
+
 @pytest.fixture
 def server():
     """`grpokit serve` processes: server(*args) starts one and gives its support.servers.Server; each

@@ -3,7 +3,6 @@ section, the file) and what to do, exit status 2, and nothing started. Each case
 answered with a traceback, a wrong hint, or silence."""
 
 from support.bad_input import T, run
-from support.bad_input import finished_run as finished_run  # a fixture (the alias marks it used)
 
 
 def test_a_server_url_without_its_scheme_is_refused_at_start(capsys, tmp_path):

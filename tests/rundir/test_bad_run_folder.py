@@ -9,7 +9,6 @@ import json
 import pytest
 import torch
 from support.bad_input import T, run
-from support.bad_input import finished_run as finished_run  # a fixture (the alias marks it used)
 from support.processes import free_port
 from support.runs import assert_same_run
 

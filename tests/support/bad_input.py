@@ -1,8 +1,6 @@
 """What the bad-input tests share (tests/*/test_bad_*.py): a tiny run's settings as a new user
-would give them, `grpokit` called as the console calls it with what it said on stderr, and a
-finished run to point commands at."""
-
-import pytest
+would give them, and `grpokit` called as the console calls it with what it said on stderr. The
+finished run they point commands at is tests/conftest.py's `finished_run` (made once a worker)."""
 
 from grpokit.cli import main
 
@@ -15,10 +13,3 @@ def run(capsys, *args) -> tuple[int, str]:
     code = main(list(args))
     return code, capsys.readouterr().err
 
-
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    """A finished 2-step run trained with data.eval_size=0."""
-    out = tmp_path_factory.mktemp("finished") / "run"
-    assert main(["train", "--no-progress", *T, f"train.output_dir={out}"]) == 0
-    return out

@@ -5,7 +5,6 @@ with a traceback, a wrong hint, or silence."""
 
 import pytest
 from support.bad_input import T, run
-from support.bad_input import finished_run as finished_run  # a fixture (the alias marks it used)
 
 
 @pytest.mark.parametrize("where, message", [
