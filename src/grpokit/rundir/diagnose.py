@@ -32,9 +32,9 @@ compares windows of WINDOW steps (medians or means, robust to a single odd step)
   2: more than half of that compute went to padding or to completions that had ended.
 - `lag`: over the last LAG_STEPS steps (it shows from the first), the trained tokens' mean lag
   (partial/lag_mean with partial rollouts, staleness/token_mean with in-flight weight updates:
-  versions between the weights that sampled a token and the step's) averaged LAG_MEAN or more, or the share of importance weights outside their bounds
-  (sampling/is_truncated_fraction or is_masked_fraction) averaged OUTSIDE or more and grew from the
-  first to the last of them: the trainer learns from samples the current policy would not draw.
+  versions between the weights that sampled a token and the step's) averaged LAG_MEAN or more, or
+  the share of importance weights outside their bounds (sampling/is_truncated_fraction or
+  is_masked_fraction) averaged OUTSIDE or more and grew from the first to the last of them: the trainer learns from samples the current policy would not draw.
 - `agents`: in the last step, rollouts' agents failed (agents/failed) or requests of theirs were
   refused (agents/refused_requests): a failed rollout gets no reward.
 - `judge`: in the last step, the judge left JUDGE_FAILED or more of the completions unscored
@@ -291,13 +291,13 @@ JUDGE_FAILED = 0.5
 
 def judge(rows, evals, facts) -> Finding | None:
     last = rows[-1] if rows else {}
-    failed = last.get("judge/failed")
-    if not isinstance(failed, (int, float)) or not failed >= JUDGE_FAILED:
+    failed = _values([last], "judge/failed")
+    if not failed or failed[0] < JUDGE_FAILED:
         return None
-    return Finding("judge", last["step"], f"the judge left {failed:.0%} of step {last['step']}'s completions unscored "
-                   "(judge/failed)",
-                   "completions.jsonl's judge column says why for each (a timeout, an HTTP error, a reply that did not "
-                   "parse); check reward.judge_url, a longer reward.judge_timeout, or a judge model that follows the "
+    return Finding("judge", last["step"], f"the judge left {failed[0]:.0%} of step {last['step']}'s completions "
+                   "unscored (judge/failed)",
+                   "completions.jsonl's judge column (written every monitor.log_completions steps) says why for each "
+                   "(a timeout, an HTTP error, a reply that did not parse); check reward.judge_url, a longer reward.judge_timeout, or a judge model that follows the "
                    "rubric's format (docs/distillation.md)")
 
 

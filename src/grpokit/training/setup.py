@@ -66,7 +66,7 @@ def checked_facts(config: Config, model=None, tokenizer=None, model_name: str | 
     `tokenizer`): ConfigError listing every problem. The facts checked against. A config loaded
     and checked against the same facts, its values unchanged since, is not settled or checked again."""
     found = facts(config, model_name, model, tokenizer, world_size=distributed.world_size())
-    if config.checked is not None and config.checked == (found, config.to_dict()):
+    if config.checked == (found, config.to_dict()):
         return found
     settle(config)
     check(config, found)
