@@ -13,6 +13,7 @@ ChatOpenAI is pointed at the rollout's own URL (`client.base_url`, given to the 
 URL shared by all rollouts.
 """
 
+import asyncio
 import json
 
 from langchain.agents import create_agent
@@ -56,6 +57,13 @@ def react_agent(client, model, streaming: bool = False):
     return create_agent(llm, [calculator])
 
 
+async def built(client, model, streaming: bool = False):
+    """react_agent, made in a worker thread: ChatOpenAI makes two HTTP clients, each loading the
+    machine's CA certificates (tens of ms), and every rollout's agent makes its own; on the event
+    loop all the rollouts share, that held the others up for seconds at a step's start."""
+    return await asyncio.to_thread(react_agent, client, model, streaming)
+
+
 # A model still calling the tool after three turns ends the graph: its last reply is scored, as
 # grpokit's own tool loop does (each turn is a model node and a tool node).
 LIMIT = {"recursion_limit": 6}
@@ -65,7 +73,7 @@ async def agent(client, model, row):
     """One rollout. The agent's reward is 0: the task's reward function (exact_answer) scores the
     last reply."""
     try:
-        await react_agent(client, model).ainvoke({"messages": as_messages(row["prompt"])}, LIMIT)
+        await (await built(client, model)).ainvoke({"messages": as_messages(row["prompt"])}, LIMIT)
     except GraphRecursionError:
         pass
     return 0.0
@@ -74,7 +82,7 @@ async def agent(client, model, row):
 async def agent_streamed(client, model, row):
     """The same, streamed token by token (stream_mode="messages")."""
     try:
-        async for _ in react_agent(client, model, streaming=True).astream(
+        async for _ in (await built(client, model, streaming=True)).astream(
                 {"messages": as_messages(row["prompt"])}, LIMIT, stream_mode="messages"):
             pass
     except GraphRecursionError:

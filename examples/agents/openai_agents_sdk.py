@@ -2,17 +2,17 @@
 trains the model behind it.
 
     pip install 'grpokit[agents]' openai-agents
-    grpokit train --config examples/calculator.yaml rollout.tools=[] \
-        rollout.agent=examples/agents/openai_agents_sdk.py:agent
+    grpokit train --config examples/agents/calculator.yaml
 
 `agent` uses the SDK's default model, on OpenAI's Responses API; `agent_chat` the same agent on chat
 completions; `agent_streamed` runs it streamed (`Runner.run_streamed`). Each trains the same way:
 the endpoint answers all of them from the same generation (docs/agents.md).
 
-`rollout.tools=[]` drops the calculator task's own tool (the agent has its own). The one thing to
-do differently from the SDK's own examples: hand the model the client grpokit
-gives the rollout (`openai_client=client`), never a global client (`set_default_openai_client`),
-which would send every rollout's requests to one rollout's URL.
+That config is examples/calculator.yaml's task with this agent: `rollout.tools=[]` drops the task's
+own tool (the agent has its own), and there is no rollout.max_turns (the SDK runs the loop). The
+one thing to do differently from the SDK's own examples: hand the model the client grpokit gives
+the rollout (`openai_client=client`), never a global client (`set_default_openai_client`), which
+would send every rollout's requests to one rollout's URL.
 """
 
 import json

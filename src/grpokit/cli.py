@@ -116,19 +116,23 @@ def _config(args) -> int:
             raise ConfigError(f"grpokit config takes overrides with --check only, got {' '.join(args.overrides)}")
         print(describe())
         return 0
-    from grpokit.config.checks import model_facts
+    from grpokit.training.preflight import preflight
 
-    try:  # every rule of config/checks.py, against the launch and the model it names (read, not loaded)
+    # What `grpokit train` checks before it loads a weight (training/preflight.py): a problem is
+    # said and exits as the run would (2).
+    try:
         config = load_config(args.check, args.overrides)
-    except ConfigError as e:
+        checked = preflight(config)
+    except StartupError as e:
         print(f"{args.check}: {e}")
-        return 1
-    known = model_facts(config.model.name, local_only=True) is not None
-    model = (f"{config.model.name}'s config" if known else
-             f"not {config.model.name}'s, which is not on this machine yet (a run checks it once fetched)")
-    print(f"{args.check}: no problems (the settings against each other, this launch's processes and {model}; the "
-          "data is checked when a run starts)")
-    if known:
+        return 2
+    for warning in checked.warnings:
+        print(f"warning: {warning}")
+    seen = ("the data, reward functions, tools and agent" if checked.model_known else
+            f"not {config.model.name}'s config or the data, as it is not on this machine yet (a run checks them "
+            "once it is fetched)")
+    print(f"{args.check}: no problems (the settings against each other, this launch's processes, {seen})")
+    if checked.model_known:
         return _memory(config, args.memory)
     if args.memory:
         print(f"--memory: {config.model.name}'s config is not on this machine: its memory cannot be estimated")
@@ -239,8 +243,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_serve(commands)
     p = commands.add_parser("config", help="print every config field with its default and meaning; with --check, "
                                            "every problem of a config")
-    p.add_argument("--check", metavar="my.yaml", help="print every problem of this config file (with the overrides "
-                   "that follow) without loading a model, or that it has none; exit status 1 when it has")
+    p.add_argument("--check", metavar="my.yaml", help="what `grpokit train` checks of this config file (with the "
+                   "overrides that follow) before it loads a weight: the settings, the data, reward functions, tools, "
+                   "agent and teacher, and the URLs it reaches (a warning); exit status 2 at a problem, as train's")
     p.add_argument("--memory", metavar="24GB|H100", help="with --check: whether the run fits this memory per process "
                    "(a size: on the CPU; a GPU's name: on that GPU), and which settings would make it fit")
     p.add_argument("overrides", nargs="*", metavar="section.field=value")

@@ -44,6 +44,11 @@ HTTP (FastAPI) carries control; tensors go over a torch.distributed group (weigh
   prompt, at a temperature), so that a server can be another run's teacher
   (`distill.teacher=http://...`, models/teacher.py); `/health` says its tokenizer's `vocabulary`
   (a digest) for that run to check. The transformers engine of a text model only.
+
+A request whose client goes away (a trainer's or a judge's timeout, an agent that gave up) is
+abandoned on /generate, /logprobs, /v1/chat/completions and the agents' routes
+(runtime/abandoned.py): one still waiting for the engine is dropped, and the transformers engine
+stops the one in hand at its next token (vLLM's finishes it).
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ from grpokit.engines.wire import from_png
 from grpokit.models.teacher import vocabulary_digest
 from grpokit.rollouts.endpoint import KEEP_ALIVE_S, Endpoint
 from grpokit.rollouts.tool_formats import Replies
+from grpokit.runtime.abandoned import Abandoned, holding, in_thread
 from grpokit.runtime.errors import StartupError
 
 
@@ -184,8 +190,9 @@ class RolloutService:
                 "vocabulary": self.vocabulary, "adapters": self.engine.takes_adapters,
                 "base_checksum": self.base_checksum, "in_flight": self.engine.stops_between_tokens}
 
-    def logprobs(self, request: LogprobsRequest) -> dict:
-        """POST /logprobs: the served model's log-probs of each completion's tokens (a teacher's, models/teacher.py)."""
+    def logprobs(self, request: LogprobsRequest, abandoned: threading.Event | None = None) -> dict:
+        """POST /logprobs: the served model's log-probs of each completion's tokens (a teacher's,
+        models/teacher.py); `abandoned` (runtime/abandoned.py) stops it between two passes."""
         from grpokit.models.logprobs import completion_logprobs
 
         model = getattr(self.engine, "model", None)
@@ -205,11 +212,13 @@ class RolloutService:
             prompt_ids[i, Lp - len(p):], prompt_mask[i, Lp - len(p):] = torch.tensor(p), 1
             completion_ids[i, :len(c)] = torch.tensor(c, dtype=torch.long)
         values = []
-        with self.lock, torch.no_grad():
+        with holding(self.lock, abandoned), torch.no_grad():
             was_training = model.training
             model.eval()
             try:  # a few rows at a time: their logits (rows x T x vocabulary) are the pass's memory
                 for rows in torch.arange(B).split(LOGPROB_ROWS):
+                    if abandoned is not None and abandoned.is_set():
+                        raise Abandoned
                     values += completion_logprobs(model, prompt_ids[rows].to(device), prompt_mask[rows].to(device),
                                                   completion_ids[rows].to(device),
                                                   temperature=request.temperature).float().tolist()
@@ -236,7 +245,10 @@ class RolloutService:
         if self.session is None or version != self.version and not (newer and version < self.version):
             raise Refused(409, STALE_WEIGHTS)
 
-    def generate(self, request: GenerateRequest) -> dict:
+    def generate(self, request: GenerateRequest, abandoned: threading.Event | None = None) -> dict:
+        """POST /generate (module docstring); `abandoned` (runtime/abandoned.py): the client has
+        gone, and the generation stops (before it starts, or at its next token where the engine
+        stops between tokens)."""
         self.check_fingerprint(request.fingerprint)
         if len(request.n) != len(request.prompts) or any(k < 1 for k in request.n):
             raise Refused(422, f"n must hold one count >= 1 per prompt ({len(request.prompts)}), got {request.n}")
@@ -248,10 +260,11 @@ class RolloutService:
             raise Refused(422, f"sampling needs one seed per completion ({sum(request.n)})")
         images = self._images(request)
         if request.in_flight:
-            return self._in_flight(request, params, images)
-        with self.lock:
+            return self._in_flight(request, params, images, abandoned)
+        with holding(self.lock, abandoned):
             self._check_weights(request.session, request.weights_version)
-            batch = self.engine.generate(request.prompts, request.n, params, request.seeds, **images)
+            batch = self.engine.generate(request.prompts, request.n, params, request.seeds, **images,
+                                         **self.abandoning(abandoned))
             version, step = self.version, self.weights_step
         lengths = batch.completion_mask.sum(-1).tolist()
         entropies = None if batch.entropies is None else batch.entropies.tolist()
@@ -266,7 +279,13 @@ class RolloutService:
                 c["top_logprobs"] = alternatives(ids[:k], logps[:k])
         return {"weights_version": version, "weights_step": step, "completions": completions}
 
-    def _in_flight(self, request: GenerateRequest, params: SamplingParams, images: dict) -> dict:
+    def abandoning(self, abandoned: threading.Event | None) -> dict:
+        """The engine's generate arguments that stop it between two tokens once `abandoned` is set
+        (none for an engine that finishes what it started: vLLM's here)."""
+        return {"abandoned": abandoned} if abandoned is not None and self.engine.stops_between_tokens else {}
+
+    def _in_flight(self, request: GenerateRequest, params: SamplingParams, images: dict,
+                   abandoned: threading.Event | None) -> dict:
         """/generate letting weight pushes in between two decode steps (engines/in_flight.py)."""
         if not self.engine.stops_between_tokens or images or params.top_logprobs:
             raise Refused(422, f"in_flight: the {self.engine_name} engine of a text model takes weight pushes during a "
@@ -282,7 +301,7 @@ class RolloutService:
             return self.weights_step
 
         completions = self.pushes.generate(self.engine, self.lock, request.prompts, request.n, params, request.seeds,
-                                           weights)
+                                           weights, abandoned)
         return {"weights_version": start["version"], "weights_step": start["step"], "completions": completions}
 
     def _images(self, request: GenerateRequest) -> dict:
@@ -439,8 +458,9 @@ PLAIN_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "tem
                 "stream", "user", "metadata"}
 
 
-def plain_chat(service: RolloutService, body: dict) -> dict:
-    """POST /v1/chat/completions (module docstring): Refused(400) names what it cannot take."""
+def plain_chat(service: RolloutService, body: dict, abandoned: threading.Event | None = None) -> dict:
+    """POST /v1/chat/completions (module docstring): Refused(400) names what it cannot take;
+    `abandoned` (runtime/abandoned.py) stops it, as /generate."""
     import random
     import time
 
@@ -464,8 +484,9 @@ def plain_chat(service: RolloutService, body: dict) -> dict:
     except (TypeError, ValueError, KeyError, RuntimeError) as e:
         raise Refused(400, f"the request cannot be generated: {type(e).__name__}: {e}") from None
     seed = int(body["seed"]) if body.get("seed") is not None else random.randrange(2**31)
-    with service.lock:  # not during a weight update or a training's generation
-        batch = service.engine.generate([list(ids)], 1, params, None if params.temperature == 0 else [seed])
+    with holding(service.lock, abandoned):  # not during a weight update or a training's generation
+        batch = service.engine.generate([list(ids)], 1, params, None if params.temperature == 0 else [seed],
+                                        **service.abandoning(abandoned))
     n = int(batch.completion_mask[0].sum())
     text = tokenizer.decode(batch.completion_ids[0, :n].tolist(), skip_special_tokens=True)
     return {"id": f"grpokit-plain-{uuid.uuid4().hex[:12]}", "object": "chat.completion", "created": int(time.time()),
@@ -490,26 +511,37 @@ def make_app(service: RolloutService):
     async def refused(_: Request, error: Refused):
         return JSONResponse(status_code=error.status, content={"detail": error.detail})
 
-    # Plain `def` endpoints run in FastAPI's thread pool: a long generation does not block /health.
+    @app.exception_handler(Abandoned)
+    async def abandoned(_: Request, error: Abandoned):  # (read by nobody: the client has gone)
+        return JSONResponse(status_code=499, content={"detail": "the client closed the request"})
+
+    def watched(method, body_model):
+        """A route of `method`, run in a worker thread and abandoned when its client goes away."""
+        async def route(body, request):
+            return await in_thread(request, method, body)
+
+        route.__annotations__ = {"body": body_model, "request": Request}  # classes: this module's are strings
+        return route
+
+    # Plain `def` endpoints run in FastAPI's thread pool, and those that generate in that pool's
+    # threads too (`watched`): a long generation does not block /health.
     app.get("/health")(service.health)
-    app.post("/generate")(service.generate)
+    app.post("/generate")(watched(service.generate, GenerateRequest))
     app.post("/weights/group")(service.join_group)
     app.post("/weights/update")(service.update)
     app.post("/agents/open")(service.open_agents)
     app.post("/agents/finished")(service.agents_finished)
     app.post("/agents/close")(service.close_agents)
-    app.post("/logprobs")(service.logprobs)
+    app.post("/logprobs")(watched(service.logprobs, LogprobsRequest))
     if service.endpoint is not None:
         service.endpoint.add_routes(app)
 
     async def chat(request):
-        import asyncio
-
         try:
             body = await request.json()
         except ValueError:
             raise Refused(400, "the request body is not JSON") from None
-        return await asyncio.to_thread(plain_chat, service, body)
+        return await in_thread(request, plain_chat, service, body)
 
     chat.__annotations__ = {"request": Request}  # the class itself: this module's annotations are strings
     app.post("/v1/chat/completions")(chat)

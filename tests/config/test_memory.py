@@ -11,7 +11,7 @@ import torch
 
 from grpokit.cli import main
 from grpokit.config.loading import load_config
-from grpokit.config.memory import GB, _saved_per_token, estimate, fitting, model_shape, parse_memory
+from grpokit.config.memory import GB, _saved_per_token, estimate, fitting, parse_memory
 from grpokit.models.loading import apply_lora, load_model, model_config
 from grpokit.runtime.errors import ConfigError
 from grpokit.training.trainer import Trainer

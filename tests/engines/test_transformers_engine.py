@@ -271,3 +271,23 @@ def test_concat_pads_prompts_left_and_completions_right():
     assert torch.equal(joined.trained_mask, joined.completion_mask) and joined.finish_reasons == ["stop", "length"] * 2
     assert (joined.prompt_ids[:2, 1:] == 7).all() and (joined.completion_ids[2:, :2] == 8).all()
     assert (joined.sampling_logps[2:, 2:] == 0).all() and (joined.entropies[2:, 2:] == 0).all()
+
+
+@pytest.mark.parametrize("decoder", ["dynamic", "static"])
+def test_an_abandoned_generation_stops_at_the_next_look(tiny, decoder):
+    """A served request whose client has gone (runtime/abandoned.py) ends at the next token the
+    decoder looks at: every token for the dynamic decoder, every CHECK_EVERY for the static one."""
+    import threading
+
+    from grpokit.engines.static_decoder import CHECK_EVERY
+
+    model, tok = tiny
+    engine = TransformersEngine(model, tok.pad_token_id, eos_token_ids(model, tok), decoder=decoder)
+    prompts, params = [tok.encode("hello there")], SamplingParams(64, temperature=1.0)
+    whole = engine.generate(prompts, 3, params, [1, 2, 3])
+    gone = threading.Event()
+    gone.set()
+    cut = engine.generate(prompts, 3, params, [1, 2, 3], abandoned=gone)
+    assert whole.completion_mask.sum(-1).tolist() == [64] * 3  # (these seeds sample no EOS)
+    assert cut.completion_mask.sum(-1).tolist() == [1 if decoder == "dynamic" else CHECK_EVERY] * 3
+    assert torch.equal(cut.completion_ids, whole.completion_ids[:, :cut.completion_ids.shape[1]])

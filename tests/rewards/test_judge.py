@@ -169,7 +169,24 @@ def test_a_judge_that_never_answers_stops_the_run_with_its_reason(tmp_path, caps
         judge_server.stop()
     err = capsys.readouterr().err
     assert "scored no completion in 3 steps in a row (to step 3)" in err
-    assert "The first reason logged at step 3: judge: the reply is not JSON" in err
+    assert "The first reason logged at step 3: judge: the reply is not JSON (each is in failures.jsonl)" in err
+    failures = [json.loads(line) for line in (tmp_path / "run" / "failures.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in failures] == [1] * 4 + [2] * 4 + [3] * 4
+    assert {r["judge"]["error"] for r in failures} == {"the reply is not JSON"} and all(r["judge"]["reply"] for r in failures)
+
+
+def test_a_judge_url_where_nothing_answers_is_a_start_up_error_naming_it(tmp_path, capsys):
+    """Nothing listens at reward.judge_url: the run stops before its model loads (exit 2), naming
+    the setting and the URL, and writes nothing."""
+    from grpokit.cli import main
+
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    assert main(["train", "--no-progress", "model.name=tiny-random", "reward.functions=[judge]",
+                 f"reward.judge_url={url}", "reward.judge_timeout=1", "train.max_steps=1",
+                 f"train.output_dir={tmp_path}/run"]) == 2
+    err = capsys.readouterr().err
+    assert f"reward.judge_url={url}: nothing answers there (" in err and "Connection refused" in err
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.process

@@ -219,6 +219,24 @@ def test_the_langgraph_example_trains_alike_streamed_or_not(scripted, monkeypatc
     assert_example_trains_alike(scripted, monkeypatch, "langgraph_react.py", ("agent", "agent_streamed"))
 
 
+def test_the_langgraph_example_does_not_hold_the_loop_its_rollouts_share(scripted, monkeypatch):
+    """Each rollout's ChatOpenAI makes two HTTP clients, each loading the CA certificates: made on
+    the event loop every rollout shares, 32 rollouts held it 1.5 to 5 s at a step's start and
+    tripped grpokit's own warning. The example builds its agent in a worker thread."""
+    import warnings
+
+    pytest.importorskip("langchain_openai", reason="the LangGraph example needs: pip install langchain-openai")
+    monkeypatch.setattr(scripted_engine, "SCRIPT", ["6"])
+    path = Path(__file__).parents[2] / "examples" / "agents" / "langgraph_react.py"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["train", "--no-progress", "model.name=tiny-random", "train.max_steps=1", "data.eval_size=0",
+                     "rollout.num_generations=8", "train.prompts_per_step=4", "data.task=calculator",
+                     "rollout.tools=[]", "rollout.engine=scripted", f"rollout.agent={path}:agent",
+                     f"train.output_dir={scripted / 'run'}"]) == 0
+    assert not [w for w in caught if "held the event loop" in str(w.message)]
+
+
 def test_an_agent_that_cannot_take_client_model_row_is_refused_at_start_up(scripted, capsys):
     assert main(["train", "--no-progress", *T, "rollout.engine=scripted", f"data.path={scripted}/data.jsonl",
                  f"rollout.agent={scripted}/agents.py:wrong_signature", f"train.output_dir={scripted}/run"]) == 2
@@ -256,6 +274,12 @@ def test_every_rollout_failing_three_steps_in_a_row_stops_the_run(scripted, monk
     assert [r["step"] for r in metric_rows(out)] == [1, 2]
     alerts = [json.loads(line) for line in (out / "alerts.jsonl").read_text().splitlines()]
     assert [a["kind"] for a in alerts] == ["agents"] and "4 of 4 rollouts' agents failed" in alerts[0]["evidence"]
+    # Where the message points: every failed rollout's record, the stopping step's too, at its step
+    # (completions.jsonl is written every monitor.log_completions=20 steps: none here).
+    assert "failures.jsonl has every agent_error" in err and not (out / "completions.jsonl").exists()
+    failures = [json.loads(line) for line in (out / "failures.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in failures] == [1] * 4 + [2] * 4 + [3] * 4
+    assert {r["agent_error"] for r in failures} == {"raised RuntimeError: the agent broke"}
 
 
 def test_a_malformed_tool_call_reaches_the_agent_as_written(scripted, monkeypatch):
@@ -535,6 +559,7 @@ def test_a_responses_reply_streamed_is_the_reply_whole(tiny):
     first, second = one_rollout(tiny, agent, max_tokens=40)
     whole, events = got[0]
     assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.output[0].status == "incomplete"  # the message cut at the limit says so too, as the response does
     assert [t.logprob for t in whole.output[0].content[0].logprobs] == first.logps
     assert [[t.logprob for t in token.top_logprobs] for token in whole.output[0].content[0].logprobs] == \
         [[lp for _, lp in a] for a in first.alternatives] and all(len(a) == 2 for a in first.alternatives)
@@ -758,6 +783,35 @@ def test_the_endpoint_keeps_an_idle_connection_longer_than_the_agents_client_poo
         client = _shared_http(openai, _Waits())
         pool_expiry = client._transport._pool._keepalive_expiry  # httpx's, 5 s under openai's defaults
         assert 0 < pool_expiry * 10 < endpoint.server.config.timeout_keep_alive
+    finally:
+        endpoint.close()
+
+
+def test_a_request_whose_agent_gave_up_leaves_its_round_and_nothing_of_it_is_trained(tiny):
+    """An agent whose client times out while its request waits for the round: the request leaves
+    the waiting list (it is not generated for nobody), the rollout has no request pending, and its
+    next request is taken."""
+    import time
+
+    import httpx
+
+    from grpokit.engines.batch import SamplingParams
+    from grpokit.rollouts.endpoint import Endpoint
+
+    endpoint = Endpoint(tiny[1], [tiny[1].eos_token_id])
+    try:
+        endpoint.open(2, SamplingParams(16, temperature=1.0))
+        endpoint.running = lambda: {0, 1}  # the round waits for rollout 1's request, which does not come
+        body = {"model": "grpokit", "messages": [{"role": "user", "content": "hi"}]}
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(endpoint.base_url(0) + "/chat/completions", json=body, timeout=0.5)
+        deadline = time.monotonic() + 5
+        while (endpoint.waiting or endpoint.transcripts[0].pending) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert endpoint.waiting == [] and not endpoint.transcripts[0].pending
+        with pytest.raises(httpx.TimeoutException):  # taken, not refused as a second request pending
+            httpx.post(endpoint.base_url(0) + "/chat/completions", json=body, timeout=0.5)
+        assert endpoint.transcripts[0].errors == [] and endpoint.transcripts[0].exchanges == []
     finally:
         endpoint.close()
 
@@ -1007,3 +1061,27 @@ def test_a_verifiers_environment_of_the_built_in_task_trains_as_the_built_in_tas
             {k: b[k] for k in ("reward", "loss", "grad_norm", "entropy", "reward_std")}
     assert built_in[0]["reward_std"] > 0
     assert built_in[0]["grad_norm"] > 0  # an update, from rewards the two compute alike
+
+
+def test_a_request_after_the_budget_is_spent_keeps_the_step_s_entropy(scripted):
+    """follow_up's second request comes after rollout.max_completion_length is spent: it samples
+    nothing (no entropies), and the step's entropy is still that of every token trained."""
+    assert main(["train", "--no-progress", "model.name=tiny-random", f"rollout.agent={scripted}/agents.py:follow_up",
+                 "train.max_steps=1", "rollout.num_generations=2", "train.prompts_per_step=2",
+                 "rollout.max_completion_length=8", "data.eval_size=0", "reward.functions=[]",
+                 f"data.path={scripted}/data.jsonl", f"train.output_dir={scripted}/run"]) == 0
+    row = training_rows(scripted / "run")[0]
+    assert row["completions/clipped_ratio"] == 1.0 and row["entropy"] > 0
+
+
+def test_an_agent_s_record_holds_every_sequence_trained_from_it(scripted):
+    """A template that rewrites history trains each request as a sequence of its own; the record's
+    completion shows the last, and its `sequences` column every one, as trained."""
+    (scripted / "rewriting.jinja").write_text(REWRITING_TEMPLATE)
+    assert main(["train", "--no-progress", "model.name=tiny-random", f"model.chat_template={scripted}/rewriting.jinja",
+                 f"rollout.agent={scripted}/agents.py:follow_up", "train.max_steps=1", "rollout.num_generations=2",
+                 "train.prompts_per_step=2", "rollout.max_completion_length=16", "data.eval_size=0",
+                 "reward.functions=[]", "monitor.log_completions=1", f"train.output_dir={scripted}/run"]) == 0
+    records = completions_log(scripted / "run")
+    assert len(records) == 4 and all(len(r["sequences"]) == 2 for r in records)
+    assert all("Shorter?" not in r["sequences"][0] and "Shorter?" in r["sequences"][1] for r in records)

@@ -457,7 +457,7 @@ def test_the_calculator_tool():
 def test_a_tool_that_exits_stops_the_run_named_and_saved(scripted, monkeypatch, capsys, tool, reply, said):
     """A tool calling sys.exit() ended `grpokit train` with that status and nothing saved (an async one
     killed the event loop's thread: the call never returned); KeyboardInterrupt gave a traceback."""
-    (scripted / "once.py").write_text(TOOLS_PY + f"""
+    (scripted / "once.py").write_text(TOOLS_PY + """
 calls = []
 
 def gate(x: str) -> str:

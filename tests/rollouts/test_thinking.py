@@ -28,7 +28,7 @@ from grpokit.rewards.math_answer import format_reward, think_format
 from grpokit.rollouts.conversation import MultiTurn
 from grpokit.rollouts.tool_formats import Replies
 from grpokit.rollouts.tools import Tools
-from grpokit.tasks.calculator import calculator, question
+from grpokit.tasks.calculator import question
 from grpokit.tasks.task import Example
 
 THINKING_CALL = ('<think>\nI multiply with the calculator.\n</think>\n\n<tool_call>\n{"name": "calculator", '

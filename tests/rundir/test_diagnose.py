@@ -14,7 +14,8 @@ from grpokit.cli import main
 from grpokit.rundir.diagnose import RunFacts, Watch, diagnose
 from grpokit.settings.schema import Config
 
-KINDS = ["grad_norm", "clip_ratio", "zero_std", "reward_flat", "truncation", "kl", "waste", "agents", "judge"]
+KINDS = ["grad_norm", "clip_ratio", "zero_std", "reward_flat", "truncation", "kl", "waste", "agents", "judge",
+         "lost_metric"]
 
 
 @pytest.mark.parametrize("kind", [None, *KINDS])
@@ -25,6 +26,11 @@ def test_each_failure_mode_raises_exactly_its_alert_and_finding(tmp_path, kind, 
     assert [a.kind for a in alerts] == ([kind] if kind else [])
     if kind:
         assert alerts[0].step > SYNTHETIC_STEPS // 2  # raised after the failure set in, not before
+    if kind == "agents":  # the last step's count, and the failure rate over the window
+        assert alerts[0].evidence == ("3 of 64 rollouts' agents failed and 1 of their requests were refused at step 45; "
+                                      "0.2% of the rollouts failed over steps 26-45")
+    if kind == "lost_metric":
+        assert alerts[0].evidence == "step 46's metrics lack entropy, which steps 26-45 all had"
     found = diagnose(rows, RunFacts.from_config(Config().to_dict()))
     assert [first.kind for first, _ in found] == ([kind] if kind else [])
 

@@ -27,6 +27,7 @@ def healthy_row(step: int, rng: random.Random) -> dict:
         "kl": 0.01 + abs(rng.gauss(0, 0.002)),
         "waste/decode": 1.0,  # (no draw of rng: the other metrics' values stay as they were)
         "waste/passes": 1.25,
+        "entropy": 0.5,
     }
 
 
@@ -45,10 +46,13 @@ def with_failure(kind: str, step: int, row: dict, rng: random.Random) -> dict:
         row["completions/clipped_ratio"] = 0.8 + rng.gauss(0, 0.03)
     if kind == "waste" and late:
         row["waste/passes"] = 3.2  # lengths grew ragged: most of each padded micro-batch is padding
-    if kind == "agents" and step in (SYNTHETIC_STEPS // 2 + 5, SYNTHETIC_STEPS // 2 + 6):
-        row["agents/failed"], row["agents/refused_requests"] = 3.0, 1.0  # an agent run's rows carry these
+    if kind == "agents":  # an agent run's rows carry these: two steps with failures
+        failing = step in (SYNTHETIC_STEPS // 2 + 5, SYNTHETIC_STEPS // 2 + 6)
+        row["agents/failed"], row["agents/refused_requests"] = (3.0, 1.0) if failing else (0.0, 0.0)
     if kind == "judge" and step == SYNTHETIC_STEPS // 2 + 5:
         row["judge/failed"] = 0.75  # a judge run's rows carry it: a step the judge mostly failed
+    if kind == "lost_metric" and step > SYNTHETIC_STEPS // 2 + 5:
+        del row["entropy"]  # something stopped measuring it (an agent's request with no entropies, once)
     if kind == "kl" and late:
         row["kl"] = 0.02 * 1.1 ** (step - SYNTHETIC_STEPS // 2)
     return row

@@ -377,3 +377,55 @@ def test_prompt_groups_are_split_by_expected_tokens():
     shares = split_groups(list(range(1, 30)), 4)
     loads = [sum(i + 1 for i in s) for s in shares]
     assert sorted(i for s in shares for i in s) == list(range(29)) and max(loads) - min(loads) <= 29
+
+
+def test_requests_whose_clients_went_away_are_not_generated_on(tiny):
+    """A client that gives up (a judge's or a trainer's timeout) frees the server: the generation in
+    hand stops at its next token, and the requests queued behind it are dropped, on /generate and
+    on the plain chat route a judge uses; the next request is answered at once."""
+    import httpx
+    import uvicorn
+
+    from grpokit.engines.transformers_engine import TransformersEngine
+    from grpokit.engines.weights import fingerprint
+    from grpokit.server import RolloutService, make_app
+
+    class Slow(TransformersEngine):  # 10 ms a token, and no EOS: a long request takes 30 s
+        def _next_logits(self, *args):
+            time.sleep(0.01)
+            return super()._next_logits(*args)
+
+    model, tokenizer = tiny
+    engine = Slow(model, tokenizer.pad_token_id, [-1])
+    service = RolloutService(engine, "transformers", "tiny-random", fingerprint(model), 49152, tokenizer, [-1])
+    service.session = "s"  # (as if a trainer had joined: /generate takes its weights)
+    port = free_port()
+    http = uvicorn.Server(uvicorn.Config(make_app(service), host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=http.run, daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000, "temperature": 0}
+    generate = {"fingerprint": service.fingerprint, "session": "s", "weights_version": 0,
+                "prompts": [tokenizer.encode("hi")], "n": [2], "seeds": [1, 2],
+                "sampling": {"max_tokens": 3000, "temperature": 1.0, "top_p": 1.0, "top_k": 0}}
+
+    def given_up(path, body):
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(url + path, json=body, timeout=0.5)
+
+    try:
+        while not http.started:
+            time.sleep(0.05)
+        askers = [threading.Thread(target=given_up, args=a) for a in
+                  [("/v1/chat/completions", chat)] * 3 + [("/generate", generate)] * 2]
+        for a in askers:
+            a.start()
+        for a in askers:
+            a.join()
+        started = time.monotonic()
+        answer = httpx.post(url + "/v1/chat/completions", json={**chat, "max_tokens": 5}, timeout=20).json()
+        assert time.monotonic() - started < 10 and answer["usage"]["completion_tokens"] == 5
+        # Five requests of 3000 tokens or more each: those begun stopped within a second of their
+        # client's going, the others never began.
+        assert engine.decoded_tokens < 1000, engine.decoded_tokens
+    finally:
+        http.should_exit = True

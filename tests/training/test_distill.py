@@ -65,10 +65,17 @@ def test_a_teacher_of_another_vocabulary_is_refused_with_both_names(tmp_path):
 
 
 def test_a_missing_teacher_folder_is_named_as_the_teacher(tmp_path):
-    """Not as `model.name='...': no such folder`: the policy's folder is there."""
+    """Not as `model.name='...': no such folder`: the policy's folder is there. Nor one that is
+    there but cannot be read."""
     missing = tmp_path / "no-teacher"
     with pytest.raises(StartupError, match=f"^distill.teacher='{missing}': no such folder$"):
         Trainer(load_config(None, [*RUN, f"distill.teacher={missing}", f"train.output_dir={tmp_path}/run"]),
+                progress=False)
+    broken = tmp_path / "broken-teacher"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(StartupError, match=f"^distill.teacher='{broken}' could not be loaded: .*\n  distill.teacher is"):
+        Trainer(load_config(None, [*RUN, f"distill.teacher={broken}", f"train.output_dir={tmp_path}/run"]),
                 progress=False)
 
 

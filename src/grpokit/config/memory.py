@@ -202,10 +202,11 @@ def _training_pass(config, model_config, shape: Shape, world_size: int, device: 
 def _teacher_bytes(config, b: int) -> float:
     if config.distill.teacher is None or config.distill.teacher.startswith(("http://", "https://")):
         return 0
-    from grpokit.models.loading import check_source, model_config
+    from grpokit.models.loading import check_source, model_config, naming
 
-    check_source(config.distill.teacher, "distill.teacher")  # a missing folder named as the teacher's
-    return _counts(model_config(config.distill.teacher))[0] * b
+    with naming("distill.teacher"):  # a folder that is missing or cannot be read, named as the teacher's
+        check_source(config.distill.teacher)
+        return _counts(model_config(config.distill.teacher))[0] * b
 
 
 def refused(estimated: Estimate, memory: float) -> bool:

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 from grpokit.engines.batch import Completion, SamplingParams, consecutive_groups
+from grpokit.runtime.abandoned import holding
 
 
 class Pushes:
@@ -42,25 +43,28 @@ class Pushes:
                 self.turn.notify_all()
 
     def generate(self, engine, lock: threading.Lock, prompts: list[list[int]], counts: list[int],
-                 params: SamplingParams, seeds: Sequence[int] | None, weights: Callable[[], int | None]) -> list[dict]:
+                 params: SamplingParams, seeds: Sequence[int] | None, weights: Callable[[], int | None],
+                 abandoned: threading.Event | None = None) -> list[dict]:
         """counts[i] completions of prompts[i] by `engine` (its generate takes until and offsets),
         each segment under `lock`, which a push takes between two; weights(), called under the
         lock before each segment, checks that the engine still holds the request's weights (or
         newer ones of the same trainer) and gives the label of those it holds. Each completion as
-        a server answers it, with the label of every token's weights (`weights_steps`)."""
+        a server answers it, with the label of every token's weights (`weights_steps`). `abandoned`,
+        once set, stops it at its next token or before its next segment (Abandoned)."""
         own = [p for p, k in zip(prompts, counts) for _ in range(k)]  # each completion's prompt
         out = [Completion([], [], [], []) for _ in own]
         while todo := [i for i, c in enumerate(out) if c.finish is None]:
             with self.turn:
                 self.turn.wait_for(lambda: self.waiting == 0)
-            with lock:
+            with holding(lock, abandoned):
                 label = weights()
                 # Completions not begun share their prompt's prefill (consecutive identical prompts).
                 unique, runs = consecutive_groups([own[i] + out[i].tokens for i in todo])
                 batch = engine.generate(unique, runs,
                                         replace(params, max_tokens=params.max_tokens - min(len(out[i].tokens) for i in todo)),
                                         None if seeds is None else [seeds[i] for i in todo],
-                                        until=lambda *_: self.waiting > 0, offsets=[len(out[i].tokens) for i in todo])
+                                        until=lambda *_: self.waiting > 0, offsets=[len(out[i].tokens) for i in todo],
+                                        abandoned=abandoned)
             for j, (i, n) in enumerate(zip(todo, batch.completion_mask.sum(-1).tolist())):
                 out[i].extend(batch, j, n, params.max_tokens, label)
         return [{"token_ids": c.tokens, "logprobs": c.logps, "entropies": c.entropies, "weights_steps": c.versions,

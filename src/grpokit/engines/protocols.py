@@ -185,8 +185,9 @@ class ServedEngine(Protocol):
     # It takes a LoRA trainer's adapters alone, put on the base it holds (`adapter_layout`,
     # `load_adapters`); else a LoRA trainer pushes it the merged weights (`load_weights`).
     takes_adapters: bool
-    # Its generate takes `until` and `offsets` (TransformersEngine.generate): stopped between two
-    # decode steps and continued, so a weight push lands in the middle of a generation (server.py).
+    # Its generate takes `until`, `offsets` and `abandoned` (TransformersEngine.generate): stopped
+    # between two decode steps and continued, so a weight push lands in the middle of a generation,
+    # and stopped there when the request's client has gone (server.py).
     stops_between_tokens: bool
 
     def adapter_layout(self, settings: dict) -> list[list]:

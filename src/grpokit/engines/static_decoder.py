@@ -4,6 +4,7 @@ sized once, one CUDA graph per shape on a GPU (StaticDecoder), and the models it
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import torch
@@ -58,13 +59,15 @@ class StaticDecoder:
 
     def __init__(self, model, pad_id: int, eos_ids: torch.Tensor, lockstep: bool, prefilled: DynamicCache,
                  prompt_mask: torch.Tensor, next_pos: torch.Tensor, params: SamplingParams,
-                 uniforms: torch.Tensor | None):
+                 uniforms: torch.Tensor | None, abandoned: threading.Event | None = None):
         """The engine's model, pad id, EOS ids and lockstep (TransformersEngine); prefilled: the
         prompts' cache, one row per completion (N); prompt_mask (N, Lp); next_pos (N,): each
-        completion's first position; uniforms (N, max_tokens) or None (greedy)."""
+        completion's first position; uniforms (N, max_tokens) or None (greedy); `abandoned`, once
+        set, ends the decoding at the next look (TransformersEngine.generate)."""
         from transformers import StaticCache
 
         self.model, self.pad_id, self.lockstep, self.params, self.uniforms = model, pad_id, lockstep, params, uniforms
+        self.abandoned = abandoned
         device = prompt_mask.device
         (N, Lp), T = prompt_mask.shape, params.max_tokens
         length = Lp + T - 1  # the last token sampled is never fed
@@ -114,7 +117,8 @@ class StaticDecoder:
                 self._step()
             self.positions_run += len(self.rows)
             if (t + 1) % CHECK_EVERY == 0:
-                if all_ended(int((~self.finished).sum()), self.lockstep, self.finished.device):
+                if all_ended(int((~self.finished).sum()), self.lockstep, self.finished.device) or \
+                        self.abandoned is not None and self.abandoned.is_set():
                     break
                 if not self.lockstep and 2 * int(self.finished.sum()) >= len(self.rows):
                     self._compact()

@@ -10,6 +10,7 @@ joining as places free) or at a static shape (static_decoder.py); decoding.py is
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -151,22 +152,26 @@ class TransformersEngine:
         images: list[tuple] | None = None,
         until: Callable[[torch.Tensor, torch.Tensor], bool] | None = None,
         offsets: Sequence[int] | None = None,
+        abandoned: threading.Event | None = None,
     ) -> RolloutBatch:
         """As RolloutEngine.generate; `until(stopped, count)`, given, is asked after every token with
         which completions (N,) have sampled an EOS and how many tokens each has (N,), and stops the
         generation when it answers true: the others end there, finish reason "length" (partial
         rollouts, sampling/partial.py; a server's in-flight weight updates). It decodes dynamically
         then. `offsets` (N,): where in its seed's stream of uniforms each completion starts, so that
-        a completion continued from its tokens so far draws what it would have drawn going on."""
+        a completion continued from its tokens so far draws what it would have drawn going on.
+        `abandoned`, once set (a served request whose client went away, runtime/abandoned.py), ends
+        the generation at the next token the decoder looks at (the static decoder: every
+        CHECK_EVERY), the completions cut there."""
         model = self.model
         was_training = model.training
         model.eval()  # no dropout while sampling
         try:
-            return self._generate(prompts, n, params, seeds, images, until, offsets)
+            return self._generate(prompts, n, params, seeds, images, until, offsets, abandoned)
         finally:
             model.train(was_training)
 
-    def _generate(self, prompts, n, params, seeds, images, until=None, offsets=None) -> RolloutBatch:
+    def _generate(self, prompts, n, params, seeds, images, until=None, offsets=None, abandoned=None) -> RolloutBatch:
         """Prefill each prompt once, share its key/value cache among its completions, then decode
         the completions together, one token a step."""
         device = self.device
@@ -179,8 +184,10 @@ class TransformersEngine:
         if self._decoder(device) == "static" and params.max_tokens > 1 and until is None:
             select_rows(cache, index)  # index the cache instead of recomputing
             decoded = StaticDecoder(self.model, self.pad_id, self.eos_ids, self.lockstep, cache, prompt_mask[index],
-                                    next_pos[index], params, uniforms).run(logits[index])
+                                    next_pos[index], params, uniforms, abandoned).run(logits[index])
         else:
+            if abandoned is not None:
+                until = _or_abandoned(until, abandoned)
             decoded = self._decode(logits, index, prompt_mask, next_pos, params, uniforms, cache, device, until)
         batch = decoded.batch(prompt_index, prompt_ids[index], prompt_mask[index])
         self.decoded_positions += decoded.positions
@@ -294,6 +301,11 @@ class TransformersEngine:
             **cached,
         )
         return out.logits[:, -1]
+
+
+def _or_abandoned(until: Callable | None, abandoned: threading.Event) -> Callable:
+    """`until`, or the request abandoned (generate's arguments)."""
+    return lambda stopped, count: abandoned.is_set() or until is not None and until(stopped, count)
 
 
 def _draws(uniforms: torch.Tensor | None, rows: torch.Tensor, count: torch.Tensor) -> torch.Tensor | None:

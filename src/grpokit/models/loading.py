@@ -5,6 +5,7 @@ reference model) with LoRA, frozen parts and activation checkpointing; saving a 
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import json
 import logging
@@ -30,22 +31,38 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
+# The setting that named the model being read (`naming`): its failures say it.
+_SETTING: contextvars.ContextVar[str] = contextvars.ContextVar("setting", default="model.name")
+
+
+@contextmanager
+def naming(setting: str):
+    """Within it, a model that cannot be read is reported as `setting`'s (distill.teacher), not model.name's."""
+    token = _SETTING.set(setting)
+    try:
+        yield
+    finally:
+        _SETTING.reset(token)
+
+
 @contextmanager
 def _loading(name: str):
-    """Turn a failure to load `model.name` into one start-up message naming it."""
+    """Turn a failure to load `model.name` (or the setting `naming` says) into one start-up message naming it."""
     try:
         yield
     except (OSError, ValueError, RuntimeError) as e:
+        setting = _SETTING.get()
         raise StartupError(
-            f"model.name={name!r} could not be loaded: {e}\n"
-            f"  model.name is '{BUNDLED}', '{TINY}', a local model folder, or a Hub id (which needs internet)"
+            f"{setting}={name!r} could not be loaded: {e}\n"
+            f"  {setting} is '{BUNDLED}', '{TINY}', a local model folder, or a Hub id (which needs internet)"
         ) from None
 
 
-def check_source(name: str, setting: str = "model.name") -> None:
-    """A `model.name` (or the `setting` naming another model: distill.teacher) that is a local path
-    must be a model folder: say what it is instead when it is not (a missing path, a run folder, a
-    folder without config.json) rather than let it be taken for a Hub id."""
+def check_source(name: str, setting: str | None = None) -> None:
+    """A `model.name` (or the `setting` naming another model: distill.teacher; default: `naming`'s)
+    that is a local path must be a model folder: say what it is instead when it is not (a missing
+    path, a run folder, a folder without config.json) rather than let it be taken for a Hub id."""
+    setting = setting or _SETTING.get()
     if name in (BUNDLED, TINY, TINY_VLM, BUNDLED_VLM):
         return
     path = Path(name).expanduser()

@@ -21,7 +21,7 @@ import urllib.request
 
 import torch
 
-from grpokit.models.loading import check_source, load_model, load_tokenizer
+from grpokit.models.loading import check_source, load_model, load_tokenizer, naming
 from grpokit.runtime import distributed
 from grpokit.runtime.errors import StartupError
 
@@ -120,9 +120,10 @@ def vocabulary_digest(tokenizer) -> str:
 def _load(name: str, policy_name: str, policy_tokenizer, dtype: str, device: torch.device):
     """The teacher model `name` on `device`, frozen, in eval mode; refused (StartupError, both
     names) when its vocabulary is not the policy's `policy_name`'s."""
-    check_source(name, "distill.teacher")  # a missing folder named as the teacher's, not as model.name
-    check_vocabulary(name, load_tokenizer(name), policy_name, policy_tokenizer)
-    teacher = load_model(name, dtype).to(device).eval().requires_grad_(False)
+    with naming("distill.teacher"):  # a folder that is missing or cannot be read, named as the teacher's
+        check_source(name)
+        check_vocabulary(name, load_tokenizer(name), policy_name, policy_tokenizer)
+        teacher = load_model(name, dtype).to(device).eval().requires_grad_(False)
     distributed.broadcast_parameters(teacher)
     vocabulary = len(getattr(policy_tokenizer, "tokenizer", policy_tokenizer))
     if teacher.get_output_embeddings().weight.shape[0] < vocabulary:

@@ -11,8 +11,8 @@ Replies are parsed strictly: a reply that is not that JSON (code fences around i
 that scores fewer or more completions than asked, or a number out of range, is a failure, as are a
 timeout and an HTTP error. A failure is retried (`judge_retries` times), then gives `None` to the
 completions it covers (not 0: no part in their group's statistics), counted in `judge/failed`
-(the share of the call's completions) and recorded with the raw reply in completions.jsonl (the
-`judge` column). A group is a run of consecutive completions of one prompt, at most
+(the share of the call's completions) and recorded with the raw reply in the completions' records
+(the `judge` column: failures.jsonl at every step, completions.jsonl every monitor.log_completions). A group is a run of consecutive completions of one prompt, at most
 rollout.num_generations long. Scores are cached by what was asked (the prompt, the completions in
 their order, the rubric, the mode, the judge's model and temperature) in `<run>/judge_cache*.jsonl`,
 so a resumed step asks the judge again for nothing it answered.

@@ -22,7 +22,8 @@ do. Such requests are counted in `agents/new_sequences`.
 
 A failed rollout (the agent raised, exceeded `rollout.agent_timeout`, made no request, or returned
 something that is not a reward) gets no reward (None: advantage 0, no part in its group's
-statistics). It is counted in `agents/failed` and its error is in completions.jsonl; a step in
+statistics). It is counted in `agents/failed` and its record, error (`agent_error`) included, is
+in failures.jsonl at the step it happens (rundir/monitor.py); a step in
 which every rollout failed, FAILED_STEPS times in a row, stops the run before its update. A request
 the endpoint refused (another model's name, messages the template cannot render) is answered with
 HTTP 400, which the `openai` client raises in the agent; it is counted in `agents/refused_requests`.
@@ -78,6 +79,24 @@ class AgentOutcome:
     refused: int = 0  # requests the endpoint refused
     problems: tuple[str, ...] = ()  # malformed tool calls in its replies (endpoint.py)
     new_sequences: int = 0  # requests trained as a sequence of their own (not extending the one before)
+    sequences: list[str] = field(default_factory=list)  # with new_sequences: each sequence trained from it, as text
+
+
+def find_agent(name: str):
+    """The agent rollout.agent names, checked (check_agent): ConfigError naming the setting."""
+    agent = user_code.find(f"rollout.agent {name!r}", name)
+    check_agent(agent, name)
+    return agent
+
+
+def check_agent(agent, name: str) -> None:
+    """`agent` takes (client, model, row): ConfigError naming rollout.agent `name` otherwise."""
+    try:
+        inspect.signature(agent).bind(None, None, None)
+    except TypeError as e:
+        raise ConfigError(f"rollout.agent {name!r} must take (client, model, row): {e}") from None
+    except ValueError:  # a callable whose signature cannot be read: called as it is
+        pass
 
 
 def import_openai():
@@ -111,12 +130,7 @@ class Agents:
                  replies: Replies | None = None):
         """encoder: the run's prompts as token ids (a rollout whose agent sent nothing is its prompt);
         replies: how a reply is read (tool_formats.Replies; default: as the template says)."""
-        try:
-            inspect.signature(agent).bind(None, None, None)
-        except TypeError as e:
-            raise ConfigError(f"rollout.agent {name!r} must take (client, model, row): {e}") from None
-        except ValueError:  # a callable whose signature cannot be read: called as it is
-            pass
+        check_agent(agent, name)
         # A plain `def` gets a blocking client and a thread of its own, so that the rollouts still
         # run (and send their requests) together.
         self.sync = not user_code.is_async(agent)
@@ -138,8 +152,7 @@ class Agents:
     def from_config(cls, r: RolloutConfig, tokenizer, eos_ids, encoder: PromptEncoder,
                     replies: Replies | None = None) -> Agents:
         """The agents of rollout.agent, with the rollout section's timeout."""
-        return cls(user_code.find(f"rollout.agent {r.agent!r}", r.agent), r.agent, tokenizer, eos_ids,
-                   r.agent_timeout, encoder, replies)
+        return cls(find_agent(r.agent), r.agent, tokenizer, eos_ids, r.agent_timeout, encoder, replies)
 
     @staticmethod
     def rewards(tools=None) -> tuple:
@@ -149,10 +162,12 @@ class Agents:
             for name in sorted({n for e in environments for n in e.rewards}):
                 values = [e.rewards[name] for e in environments if name in e.rewards]
                 log_metric(f"agent/{name}", sum(values) / len(values))
-            if any(e.error for e in environments):  # completions.jsonl says why a rollout failed
+            if any(e.error for e in environments):  # its record says why a rollout failed (failures.jsonl)
                 log_extra("agent_error", [e.error for e in environments])
             if any(e.problems for e in environments):  # and what the model wrote that was no tool call
                 log_extra("tool_call_problems", [list(e.problems) for e in environments])
+            if any(e.new_sequences for e in environments):  # the completion shows the last sequence alone
+                log_extra("sequences", [e.sequences for e in environments])
             return [e.reward for e in environments]
 
         return (("agent", agent),)
@@ -175,7 +190,7 @@ class Agents:
         if self.failed_in_a_row >= FAILED_STEPS:  # (the same count on every process: each stops)
             first = next((c.environment.error for c in batch.conversations if c.environment.error), "")
             raise EnvironmentFailed(f"every rollout's agent ({self.name!r}) failed in {self.failed_in_a_row} steps in a "
-                                    f"row, the last for instance: {first}. completions.jsonl has every agent_error")
+                                    f"row, the last for instance: {first}. failures.jsonl has every agent_error")
         return {"turns/mean": turns.mean().item(), "agents/failed": failed.sum().item(),
                 "agents/refused_requests": refused.sum().item(), "agents/new_sequences": new_sequences.sum().item()}
 
@@ -231,7 +246,7 @@ class Agents:
         failed = [o.error for o in outcomes if o.error is not None]
         if failed:
             warnings.warn(AgentWarning(f"{len(failed)} of {len(outcomes)} rollouts' agents ({self.name!r}) failed, the "
-                                       f"first: {failed[0]} (every agent_error is in completions.jsonl)"), stacklevel=2)
+                                       f"first: {failed[0]} (every agent_error is in failures.jsonl)"), stacklevel=2)
         if self.longest_held > BLOCKED_S and not self.warned_blocking:
             self.warned_blocking = True
             warnings.warn(AgentWarning(
@@ -307,12 +322,18 @@ class Agents:
                                         environment=outcome, prompt=t.first_messages or example.prompt)
             if chain:
                 sequence = RolloutTokens(chain[0].prompt, {}, conversation, finish=chain[-1].finish)
+                texts = [list(chain[0].prompt)]  # each sequence's tokens, for its record
                 for previous, exchange in zip([None, *chain], chain):
                     if previous is not None and exchange.extends:
                         sequence.add(exchange.prompt[len(previous.prompt) + len(previous.sampled):], False)
+                        texts[-1] += exchange.prompt[len(previous.prompt) + len(previous.sampled):]
                     elif previous is not None:
                         sequence.begin_sequence(exchange.prompt)
+                        texts.append(list(exchange.prompt))
                     sequence.add(exchange.sampled, True, exchange.logps, exchange.entropies)
+                    texts[-1] += exchange.sampled
+                if len(texts) > 1:  # (one sequence: the record's completion is all of it)
+                    outcome.sequences = [self.tokenizer.decode(ids) for ids in texts]
             else:  # nothing sampled: the row's one token is context, never trained
                 prompt = self.encoder.messages(example.prompt)
                 sequence = RolloutTokens(prompt, {}, conversation, finish="stop")

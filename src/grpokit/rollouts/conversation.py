@@ -87,8 +87,9 @@ class RolloutTokens:
         self.sequence_ids += [self.sequence] * len(ids)
         self.prefix += [self.shared] * len(ids)
         self.logps += logps if logps is not None else [0.0] * len(ids)
-        if self.entropies is not None:
-            self.entropies = None if trained and entropies is None else self.entropies + (entropies or [0.0] * len(ids))
+        if self.entropies is not None:  # (an agent's request after its budget is spent samples nothing: ids [])
+            unmeasured = trained and entropies is None and ids
+            self.entropies = None if unmeasured else self.entropies + (entropies or [0.0] * len(ids))
 
     def begin_sequence(self, context: list[int], shared: int = 0) -> None:
         """A sequence of its own from here: `context` (never trained), then what is added after it;

@@ -43,6 +43,7 @@ from grpokit.rollouts.conversation import turn_seed
 from grpokit.rollouts.request_fields import Asked, RequestError
 from grpokit.rollouts.tool_formats import Replies
 from grpokit.rollouts.transcript import Exchange, Transcript
+from grpokit.runtime.abandoned import Abandoned, unless_disconnected
 
 
 # The model's name in requests and answers (the `model` argument an agent is given).
@@ -234,6 +235,8 @@ class Endpoint:
                 if w.stop:
                     self._stopped(exchange, w.stop)
                 row += 1
+            if not w.answer.set_running_or_notify_cancel():  # its client went away: unseen, so not trained
+                continue
             if not w.extends:
                 t.start = len(t.exchanges)
             t.exchanges.append(exchange)
@@ -303,6 +306,12 @@ class Endpoint:
         t.pending, t.waiting_since = True, time.monotonic()
         try:
             return await asyncio.wrap_future(waiting.answer)
+        except asyncio.CancelledError:  # its client went away (runtime/abandoned.py): not generated if not begun
+            with self.changed:
+                if waiting in self.waiting:
+                    self.waiting.remove(waiting)
+                    self.changed.notify_all()
+            raise
         finally:
             t.pending, t.wait_s, t.waiting_since = False, t.waited(), None
 
@@ -319,13 +328,17 @@ class Endpoint:
                 pass
             return JSONResponse(status_code=400, content={"error": {"message": str(error), "type": "invalid_request_error"}})
 
+        @app.exception_handler(Abandoned)
+        async def abandoned(request: Request, error: Abandoned):  # (read by nobody: the client has gone)
+            return JSONResponse(status_code=499, content={"error": {"message": "the client closed the request"}})
+
         @app.get("/r/{rollout}/v1/models")
         async def models(rollout: str):
             return {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "grpokit"}]}
 
         def route(answer):
             async def handler(rollout: str, request: Request):
-                return await answer(rollout, await request.json())
+                return await unless_disconnected(request, answer(rollout, await request.json()))
             return handler
 
         for path, answer in (("chat/completions", self._chat), ("completions", self._completions),

@@ -92,18 +92,18 @@ def response(response_id: str, message: dict, finish: str, usage: dict, body: di
              logprobs: list[dict] | None) -> dict:
     """The Responses API's answer for the chat reply `message` (content, tool_calls) that ended
     with `finish` ("length": incomplete); logprobs: the text's tokens' (request_fields' include)."""
-    output = []
+    output, incomplete = [], finish == "length"
     if message["content"]:
         part = {"type": "output_text", "text": message["content"], "annotations": []}
         if logprobs is not None:
             part["logprobs"] = logprobs
-        output.append({"type": "message", "id": f"msg_{response_id}", "status": "completed", "role": "assistant",
-                       "content": [part]})
+        # A reply cut at its token limit: its message is as incomplete as the response (OpenAI's own say so).
+        output.append({"type": "message", "id": f"msg_{response_id}", "status": "incomplete" if incomplete else
+                       "completed", "role": "assistant", "content": [part]})
     for i, call in enumerate(message.get("tool_calls") or ()):
         output.append({"type": "function_call", "id": f"fc_{response_id}_{i}", "call_id": call["id"],
                        "name": call["function"]["name"], "arguments": call["function"]["arguments"],
                        "status": "completed"})
-    incomplete = finish == "length"
     return {
         "id": f"resp_{response_id}", "object": "response", "created_at": int(time.time()),
         "status": "incomplete" if incomplete else "completed",

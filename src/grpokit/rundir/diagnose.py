@@ -36,10 +36,14 @@ compares windows of WINDOW steps (medians or means, robust to a single odd step)
   the share of importance weights outside their bounds (sampling/is_truncated_fraction or
   is_masked_fraction) averaged OUTSIDE or more and grew from the first to the last of them: the trainer learns from samples the current policy would not draw.
 - `agents`: in the last step, rollouts' agents failed (agents/failed) or requests of theirs were
-  refused (agents/refused_requests): a failed rollout gets no reward.
+  refused (agents/refused_requests): a failed rollout gets no reward. The evidence gives the share
+  of rollouts that failed over the last WINDOW steps (the failure rate).
 - `judge`: in the last step, the judge left JUDGE_FAILED or more of the completions unscored
   (judge/failed): a timeout, an HTTP error or a reply that did not parse gives None, so those take
   no part in their groups' statistics.
+- `lost_metric`: the last step's row lacks a key that each of the (at least LOST_AFTER, at most
+  WINDOW) steps before it had (those only some steps log aside, INTERMITTENT): a quantity that
+  stopped being measured, whose curve would end without a word.
 """
 
 from __future__ import annotations
@@ -279,11 +283,14 @@ def agents(rows, evals, facts) -> Finding | None:
     if not failed and not refused:
         return None
     total = facts.num_generations * facts.prompts_per_step if facts.num_generations and facts.prompts_per_step else None
+    recent = [r for r in rows[-WINDOW:] if "agents/failed" in r]
+    rate = "" if total is None else (f"; {sum(_values(recent, 'agents/failed')) / (total * len(recent)):.1%} of the "
+                                     f"rollouts failed over {_span(recent)}")
     return Finding("agents", last["step"],
                    f"{failed:g}{'' if total is None else f' of {total}'} rollouts' agents failed and {refused:g} of "
-                   f"their requests were refused at step {last['step']}",
-                   "completions.jsonl says why (agent_error, and each refused request's message in the agent's "
-                   "error); a failed rollout gets no reward (docs/agents.md, When an agent fails)")
+                   f"their requests were refused at step {last['step']}{rate}",
+                   "failures.jsonl says why, for each at its step (agent_error, and each refused request's message in "
+                   "the agent's error); a failed rollout gets no reward (docs/agents.md, When an agent fails)")
 
 
 JUDGE_FAILED = 0.5
@@ -296,12 +303,31 @@ def judge(rows, evals, facts) -> Finding | None:
         return None
     return Finding("judge", last["step"], f"the judge left {failed[0]:.0%} of step {last['step']}'s completions "
                    "unscored (judge/failed)",
-                   "completions.jsonl's judge column (written every monitor.log_completions steps) says why for each "
-                   "(a timeout, an HTTP error, a reply that did not parse); check reward.judge_url, a longer reward.judge_timeout, or a judge model that follows the "
-                   "rubric's format (docs/distillation.md)")
+                   "failures.jsonl's judge column says why for each, at its step (a timeout, an HTTP error, a reply "
+                   "that did not parse); check reward.judge_url, a longer reward.judge_timeout, or a judge model that "
+                   "follows the rubric's format (docs/distillation.md)")
 
 
-RULES = (grad_norm, clip_ratio, zero_std, reward_flat, truncation, kl, waste, lag, agents, judge)
+# Keys a train row holds only at some steps: a weight push's, a log-prob pass's (training/metrics.py).
+INTERMITTENT = ("weights/", "waste/passes")
+LOST_AFTER = 3  # steps that must all hold a key before its loss is said
+
+
+def lost_metric(rows, evals, facts) -> Finding | None:
+    """The last step's row lacks a key every one of the steps before it in the window had."""
+    before, last = rows[-WINDOW - 1:-1], rows[-1] if rows else {}
+    if len(before) < LOST_AFTER:
+        return None
+    lost = sorted(k for k in set.intersection(*(set(r) for r in before)) - set(last) if not k.startswith(INTERMITTENT))
+    if not lost:
+        return None
+    return Finding("lost_metric", last["step"], f"step {last['step']}'s metrics lack {', '.join(lost)}, which "
+                   f"{_span(before)} all had",
+                   "something stopped measuring it: an engine (or an agent's request) that gave no entropies for a "
+                   "trained token drops `entropy`; a reward function that stopped calling log_metric drops its key. "
+                   "The step's console output and failures.jsonl say what changed")
+
+RULES = (grad_norm, clip_ratio, zero_std, reward_flat, truncation, kl, waste, lag, agents, judge, lost_metric)
 
 
 class Watch:

@@ -4,6 +4,7 @@
               metrics.jsonl    one row per step and per evaluation (monitor.py)
               alerts.jsonl     the alerts raised while training (monitor.py, diagnose.py)
               completions.jsonl  samples of prompts, completions and rewards (monitor.log_completions)
+              failures.jsonl     every completion with a failure: a rollout, a judge call, a tool call
               checkpoints/step-N/  checkpoint.py
               final/           the last checkpoint's model files
               stop.json        why and where the run last stopped (`record_stop`; gone while it runs)
@@ -47,7 +48,7 @@ RESUMABLE_CHANGES = frozenset({
     "reward.timeout",  # set to end a hang: a call that returns in time returns the same
 })
 # The run's logs, one JSON object per line, each with its step: truncated together on resume.
-LOGS = ("metrics.jsonl", "alerts.jsonl", "completions.jsonl")
+LOGS = ("metrics.jsonl", "alerts.jsonl", "completions.jsonl", "failures.jsonl")
 # Why and where the run last stopped, for `grpokit doctor`.
 STOP_FILE = "stop.json"
 

@@ -13,6 +13,10 @@
   which completions.jsonl names (its `images`).
 - `completions.jsonl`: every monitor.log_completions steps, the step's prompts, completions and
   rewards.
+- `failures.jsonl`: at every step, whatever monitor.log_completions is, the records (as
+  completions.jsonl's) of the completions with a failure: a rollout that failed (its agent's
+  `agent_error`), a reward function's call that gave no score (the judge's `error`), a tool call
+  that failed. Written before the step's update, so that a run that stops there has them.
 - Live stability alerts (diagnose.py): each kind printed once, with the step and the evidence, and
   recorded in `alerts.jsonl`.
 - A progress bar.
@@ -169,11 +173,12 @@ class Monitor:
                  for k, v in metrics.items() if k.startswith("eval/rewards/")]
         self.write(f"step {step}: eval/reward {metrics['eval/reward']:.3f} (" + ", ".join(parts) + ")")
 
-    def completions(self, step: int, records: list[dict]) -> None:
-        """The step's sampled completions, one JSON object each, to completions.jsonl."""
-        if self.silent:
+    def completions(self, step: int, records: list[dict], log: str = "completions.jsonl") -> None:
+        """The step's completions `records`, one JSON object each, to completions.jsonl (or to
+        `log`: failures.jsonl's, module docstring)."""
+        if self.silent or not records:
             return
-        with (self.run_dir / "completions.jsonl").open("a") as f:
+        with (self.run_dir / log).open("a") as f:
             for record in records:  # a tool's result or a logged column JSON cannot hold is written as its str()
                 if "images" in record:  # a vision-language model's prompt images, by the files that hold them
                     record = {**record, "images": [self._image_file(image) for image in record["images"]]}

@@ -77,6 +77,10 @@ def _load_file(what: str, path: Path):
     sys.modules[module_name] = module  # dataclasses and typing look a class's module up here
     try:
         spec.loader.exec_module(module)
+    except ImportError as e:  # a library the file needs and this machine lacks: named, no traceback
+        del sys.modules[module_name]
+        raise ConfigError(f"{what}: {path} cannot import what it needs: {e} (install the package that provides "
+                          "it; the file's docstring may say which)") from None
     except BaseException:
         del sys.modules[module_name]
         raise

@@ -34,7 +34,7 @@ from grpokit.sampling.dynamic_sampling import Collector, Round
 from grpokit.sampling.evaluation import score
 from grpokit.sampling.partial import Group, Partial
 from grpokit.sampling.pipeline import Pipeline, Queued
-from grpokit.sampling.scoring import Rewarded, Scored, Scorer
+from grpokit.sampling.scoring import Rewarded, Scored, Scorer, failures
 from grpokit.settings.schema import Config
 from grpokit.tasks.task import Example
 
@@ -276,7 +276,8 @@ class Sampler:
                     f"{collector.rounds} rounds (rollout.max_sampling_rounds={r.max_sampling_rounds}), fewer than "
                     f"train.prompts_per_step={P}: the step trains on those, the batch filled with equal-reward groups")
         batch = whole.select(self.rows)
-        owned = Rewarded(rewards, per_function, [samples[i] for i in self.rows.tolist()], logged)
+        mine = [samples[i] for i in self.rows.tolist()]
+        owned = Rewarded(rewards, per_function, mine, logged, failures=failures(mine, batch))
         return Sampled(examples, batch, scorer.advantages(batch, owned), metrics,
                        int(metrics["dynamic_sampling/prompts_sampled"]), note)
 

@@ -47,6 +47,7 @@ from grpokit.rundir.checkpoint import checkpoint_bytes, load_weights
 from grpokit.rundir.folder import check_disk_space, open_run_dir, release_run_dir, start_run_dir
 from grpokit.runtime import distributed
 from grpokit.runtime.errors import ConfigError, StartupError
+from grpokit.runtime.reach import reach
 from grpokit.runtime.threads import share_cores, trainer_processes
 from grpokit.sampling.sampler import Sampler
 from grpokit.sampling.scoring import Scorer
@@ -116,6 +117,19 @@ def prepare(config: Config, tokenizer=None, model_name: str | None = None, model
                                 or config.rollout.agent is not None)
         _check_prompt_lengths(config, task, encoder, None if model_facts is None else model_facts.max_positions)
     return Prepared(tokenizer, vision, tools, encoder, task, rewards)
+
+
+def judge_urls(config: Config, prepared: Prepared) -> list[tuple[str, float]]:
+    """The URL and timeout of each judge among the run's reward functions (rewards/judge.py)."""
+    return [(arguments["url"], arguments["timeout"]) for name, _, arguments in
+            reward_specs(config, prepared.task.reward_functions) if name == "judge" and arguments.get("url")]
+
+
+def reach_judges(config: Config, prepared: Prepared) -> None:
+    """Each judge answers before the model loads (a GET of its /models, any answer), tried for its
+    reward.judge_timeout: StartupError naming the URL otherwise, not a step of failed scores."""
+    for url, timeout in judge_urls(config, prepared):
+        reach(url, "reward.judge_url", timeout, "/models")
 
 
 def _check_prompt_lengths(config: Config, task, encoder: PromptEncoder, limit: int | None) -> None:
@@ -264,6 +278,7 @@ def _for_training(config: Config, model, tokenizer) -> Parts:
     found = checked_facts(config, model, tokenizer)
     parallel = sharding.from_launch(config, found.launch)
     prepared = prepare(config, tokenizer, model_facts=found.model, model=model)
+    reach_judges(config, prepared)
     parts = Parts(device, prepared.tokenizer, prepared.vision, prepared, found, parallel=parallel)
     memory = memory_line(config, found, prepared, device, model)  # refused here when it cannot fit
     # Process 0 alone owns the run directory; the others learn its path (a default one is stamped
@@ -357,6 +372,7 @@ def _for_evaluation(config: Config, model_name: str) -> Parts:
     """The model in `model_name`, scored on `config`'s held-out prompts: its engine and rollout kind."""
     found = checked_facts(config, model_name=model_name)
     prepared = prepare(config, model_name=model_name, model_facts=found.model, train=False)
+    reach_judges(config, prepared)
     if not prepared.task.eval_examples:
         raise ConfigError(f"no held-out prompts to score: data.eval_size={config.data.eval_size} (a run trained "
                           "with data.eval_size=0 keeps that in its config): add data.eval_size=100, or data.eval_path")

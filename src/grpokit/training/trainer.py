@@ -222,6 +222,10 @@ class Trainer:
         if sampled.note:
             self.monitor.write(sampled.note)
         t_generate = time.perf_counter() - start  # with the reward functions' time
+        # Every failure (a rollout, a judge call, a tool call) to failures.jsonl now: a stop just below
+        # (a step that scored nothing, every agent failing) points there.
+        self.monitor.completions(step, distributed.gather_lists([scored.samples[i] for i in scored.failures]),
+                                 "failures.jsonl")
         self.check_scored(step, scored)
         # Before the update: what the rollouts did can stop the run (every agent failing), and a
         # stop before the update saves the step before (FailureSave).
@@ -273,7 +277,8 @@ class Trainer:
             why = scored.first_error()  # e.g. the judge's reason, from what it logged for each completion
             raise RewardError(f"the reward functions ({names}) scored no completion in {in_a_row} steps in a row "
                               f"(to step {step}): every value was None. Check what they return for this data."
-                              + (f" The first reason logged at step {step}: {why}" if why else ""))
+                              + (f" The first reason logged at step {step}: {why} (each is in failures.jsonl)"
+                                 if why else ""))
         self.monitor.write(f"step {step}: the reward functions ({names}) scored none of the {len(scored.rewards)} "
                            f"completions (every value None): nothing to learn from; {UNSCORED_STEPS} such steps in a "
                            "row stop the run")
