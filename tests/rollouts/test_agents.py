@@ -636,7 +636,7 @@ def test_an_async_agent_that_blocks_the_loop_and_a_failed_rollout_are_said_on_th
         agents.close()
     messages = [str(w.message) for w in said]
     assert messages[0] == "1 of 2 rollouts' agents ('agent') failed, the first: raised RuntimeError: the agent broke " \
-                          "(every agent_error is in completions.jsonl)"
+                          "(every agent_error is in failures.jsonl)"
     assert messages[1].startswith("rollout.agent 'agent' held the event loop every rollout's agent runs on for ")
     assert "asyncio.to_thread" in messages[1] and len(messages) == 2
 
