@@ -49,6 +49,7 @@ CHECKED_AT_START_UP = {  # what `grpokit train` finds before it loads a weight: 
     "agent": (["rollout.agent={d}/agents.py:agent", "reward.functions=[]"],
               "rollout.agent '{d}/agents.py:agent' must take (client, model, row)"),
     "teacher": (["distill.teacher={d}/no-teacher"], "distill.teacher='{d}/no-teacher': no such folder"),
+    "model folder": (["model.name={d}/no-model"], "model.name='{d}/no-model': no such folder"),
     "reward file": (["reward.functions=[{d}/rewards.py:score]"],
                     "{d}/rewards.py cannot import what it needs: No module named 'no_such_module_here'"),
     "data row": (["data.path={d}/data.jsonl", "reward.functions=[exact_answer]"],

@@ -187,6 +187,11 @@ def test_a_judge_url_where_nothing_answers_is_a_start_up_error_naming_it(tmp_pat
     err = capsys.readouterr().err
     assert f"reward.judge_url={url}: nothing answers there (" in err and "Connection refused" in err
     assert not (tmp_path / "run").exists()
+    # A judge entry's own URL (which wins over reward.judge_url) is named as that entry's.
+    assert main(["train", "--no-progress", "model.name=tiny-random", f"reward.functions=[{{name: judge, url: {url}}}]",
+                 f"reward.judge_url=http://127.0.0.1:{free_port()}/v1", "reward.judge_timeout=1",
+                 f"train.output_dir={tmp_path}/run"]) == 2
+    assert f"reward.functions[0].url={url}: nothing answers there" in capsys.readouterr().err
 
 
 @pytest.mark.process

@@ -235,7 +235,7 @@ class Endpoint:
                 if w.stop:
                     self._stopped(exchange, w.stop)
                 row += 1
-            if not w.answer.set_running_or_notify_cancel():  # its client went away: unseen, so not trained
+            if not w.answer.set_running_or_notify_cancel():  # its client went away first: unseen, not trained
                 continue
             if not w.extends:
                 t.start = len(t.exchanges)

@@ -308,8 +308,9 @@ def judge(rows, evals, facts) -> Finding | None:
                    "follows the rubric's format (docs/distillation.md)")
 
 
-# Keys a train row holds only at some steps: a weight push's, a log-prob pass's (training/metrics.py).
-INTERMITTENT = ("weights/", "waste/passes")
+# Keys a train row holds only at some steps: a weight push's, the waste of what a step ran
+# (training/metrics.py), an agent's named rewards (those its rollouts returned that step).
+INTERMITTENT = ("weights/", "waste/", "agent/")
 LOST_AFTER = 3  # steps that must all hold a key before its loss is said
 
 

@@ -37,11 +37,11 @@ async def unless_disconnected(request, work):
     watch = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():
+        if not task.done() and _gone(watch):
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             raise Abandoned
-        return task.result()
+        return await task
     finally:
         watch.cancel()
         task.cancel()  # (done: nothing; the handler itself cancelled: its work too)
@@ -57,11 +57,19 @@ async def in_thread(request, fn, *args):
     watch = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():
+        if not task.done() and _gone(watch):
             abandoned.set()
         return await task  # a thread is not cancelled: it ends at its next look
     finally:
         watch.cancel()
+        if not task.done():  # the handler itself cancelled (the server stopping): its work too
+            abandoned.set()
+
+
+def _gone(watch: asyncio.Task) -> bool:
+    """Whether the connection `watch` looked at has closed (not a failure to look, which leaves the
+    request to finish)."""
+    return watch.done() and not watch.cancelled() and watch.exception() is None
 
 
 @contextmanager

@@ -10,11 +10,14 @@ import urllib.request
 from grpokit.runtime.errors import StartupError
 
 
-def unreachable(url: str, timeout: float) -> str | None:
+def unreachable(url: str, timeout: float, proxies: bool = True) -> str | None:
     """Why nothing answers a GET of `url` within `timeout` seconds, or None when something does
-    (whatever it answers: an HTTP error is an answer)."""
+    (whatever it answers: an HTTP error is an answer). `proxies`: through the environment's proxies
+    (HTTPS_PROXY, NO_PROXY), as the judge's client goes; else directly, as a rollout server's and a
+    teacher's clients go."""
+    opener = urllib.request.build_opener(*(() if proxies else (urllib.request.ProxyHandler({}),)))
     try:
-        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(url, timeout=timeout):
+        with opener.open(url, timeout=timeout):
             return None
     except urllib.error.HTTPError:
         return None
@@ -22,11 +25,11 @@ def unreachable(url: str, timeout: float) -> str | None:
         return str(getattr(e, "reason", None) or e)
 
 
-def reach(url: str, setting: str, wait_s: float, probe: str = "") -> None:
-    """Something answers at `url` + `probe`, tried for `wait_s` seconds (a server starting beside
-    the run has that long): StartupError naming `setting` and the URL otherwise."""
+def reach(url: str, setting: str, wait_s: float, probe: str = "", proxies: bool = True) -> None:
+    """Something answers at `url` + `probe` (`unreachable`), tried for `wait_s` seconds (a server
+    starting beside the run has that long): StartupError naming `setting` and the URL otherwise."""
     deadline, delay = time.monotonic() + wait_s, 0.5
-    while (why := unreachable(url.rstrip("/") + probe, timeout=min(10.0, max(1.0, wait_s)))) is not None:
+    while (why := unreachable(url.rstrip("/") + probe, min(10.0, max(1.0, wait_s)), proxies)) is not None:
         if time.monotonic() + delay > deadline:
             raise StartupError(f"{setting}={url}: nothing answers there ({why}; tried for {wait_s:g} s). Start it "
                                f"first, or correct {setting}")

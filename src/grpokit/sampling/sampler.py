@@ -34,7 +34,7 @@ from grpokit.sampling.dynamic_sampling import Collector, Round
 from grpokit.sampling.evaluation import score
 from grpokit.sampling.partial import Group, Partial
 from grpokit.sampling.pipeline import Pipeline, Queued
-from grpokit.sampling.scoring import Rewarded, Scored, Scorer, failures
+from grpokit.sampling.scoring import Rewarded, Scored, Scorer
 from grpokit.settings.schema import Config
 from grpokit.tasks.task import Example
 
@@ -258,12 +258,12 @@ class Sampler:
         cfg, r = self.config, self.config.rollout
         N, P = cfg.completions_per_step, cfg.train.prompts_per_step
         collector = Collector(P, r.num_generations)
-        logged = {}  # the rounds' log_metric values
+        logged, failed = {}, []  # the rounds' log_metric values, and their failures (kept or not)
         while not (collector.full or collector.rounds == r.max_sampling_rounds):
             examples = self.next_prompts()
             batch = self.sample(examples)
             rewarded = scorer.reward(examples, batch, state)
-            logged = merge_metrics(logged, rewarded.logged)
+            logged, failed = merge_metrics(logged, rewarded.logged), failed + rewarded.failures
             batch, samples = self._whole_round(batch, rewarded.samples)
             # Informative: a group the round's advantages do not set to 0 (whatever the estimator and aggregation).
             advantages = scorer.advantages(batch, rewarded, rows=torch.arange(N)).advantages
@@ -276,8 +276,7 @@ class Sampler:
                     f"{collector.rounds} rounds (rollout.max_sampling_rounds={r.max_sampling_rounds}), fewer than "
                     f"train.prompts_per_step={P}: the step trains on those, the batch filled with equal-reward groups")
         batch = whole.select(self.rows)
-        mine = [samples[i] for i in self.rows.tolist()]
-        owned = Rewarded(rewards, per_function, mine, logged, failures=failures(mine, batch))
+        owned = Rewarded(rewards, per_function, [samples[i] for i in self.rows.tolist()], logged, failures=failed)
         return Sampled(examples, batch, scorer.advantages(batch, owned), metrics,
                        int(metrics["dynamic_sampling/prompts_sampled"]), note)
 

@@ -32,7 +32,7 @@ class Scored:
     samples: list[dict] = field(repr=False)  # this process's completions, as monitor.log_completions records them
     logged: dict[str, list[tuple]] = field(default_factory=dict)  # this process's log_metric (value, completions) pairs (rewards.RewardLog)
     failed: torch.Tensor | None = None  # (N,) bool, the whole step's: rollouts that failed (no reward, whatever the functions say)
-    failures: list[int] = field(default_factory=list)  # this process's samples with a failure (failures.jsonl)
+    failures: list[dict] = field(default_factory=list)  # this process's records with a failure (failures.jsonl)
 
     def first_error(self) -> str | None:
         """The first reason a reward function logged for a completion it did not score: a
@@ -63,16 +63,16 @@ class Rewarded:
     samples: list[dict]  # this process's records of them, with the columns the functions log_extra'ed
     logged: dict[str, list[tuple]]  # the (value, completions) pairs they log_metric'ed
     failed: torch.Tensor | None = None  # (N,) bool: rollouts that failed, in global order
-    failures: list[int] = field(default_factory=list)  # this process's samples with a failure (failures.jsonl)
+    failures: list[dict] = field(default_factory=list)  # this process's records of completions with a failure
 
 
-def failures(samples: list[dict], batch: RolloutBatch) -> list[int]:
-    """Which of this process's `samples` (of `batch`) record a failure: a rollout that failed, a
+def failures(samples: list[dict], batch: RolloutBatch) -> list[dict]:
+    """Those of this process's `samples` (of `batch`) that record a failure: a rollout that failed, a
     reward function's call that gave no score (a log_extra record with an "error": the judge's),
     a tool call that failed (the conversation's count, or an agent's malformed tool call)."""
     failed = batch.failed().tolist()
     tools = None if batch.conversations is None else [c.failures for c in batch.conversations]
-    return [i for i, sample in enumerate(samples)
+    return [sample for i, sample in enumerate(samples)
             if failed[i] or (tools is not None and tools[i]) or sample.get("tool_call_problems") or
             any(isinstance(v, dict) and v.get("error") for v in sample.values())]
 

@@ -46,11 +46,12 @@ class Preflight:
 def preflight(config: Config) -> Preflight:
     """Every start-up check of `config` that needs no weight (module docstring): the first problem
     raised; the URLs' warnings returned."""
+    check_source(config.model.name)  # a missing folder, which model_facts takes for a Hub id not fetched yet
     found = model_facts(config.model.name, local_only=True)
-    urls = []
+    urls = []  # (URL, the setting, the path asked, through the environment's proxies: as the run's clients go)
     if found is not None:
         prepared = prepare(config, model_facts=found)
-        urls += [(url, "reward.judge_url", "/models") for url, _ in judge_urls(config, prepared)]
+        urls += [(url, setting, "/models", True) for url, _, setting in judge_urls(config, prepared)]
     if config.rollout.agent is not None:
         find_agent(config.rollout.agent)
         import_openai()
@@ -60,10 +61,11 @@ def preflight(config: Config) -> Preflight:
             check_source(teacher)
             model_config(teacher, local_only=True)  # (a Hub id not fetched: the run reads it)
     elif teacher is not None:
-        urls.append((teacher, "distill.teacher", "/health"))
+        urls.append((teacher, "distill.teacher", "/health", False))
     if config.rollout.engine == "server":
         servers = config.rollout.server_url
-        urls += [(url, "rollout.server_url", "/health") for url in ([servers] if isinstance(servers, str) else servers)]
+        urls += [(url, "rollout.server_url", "/health", False)
+                 for url in ([servers] if isinstance(servers, str) else servers)]
     return Preflight(found is not None, [f"{setting}={url}: nothing answers there now ({why}); a run waits for it at "
-                                         "start-up, then stops" for url, setting, probe in urls
-                                         if (why := unreachable(url.rstrip("/") + probe, URL_TIMEOUT_S))])
+                                         "start-up, then stops" for url, setting, probe, proxies in urls
+                                         if (why := unreachable(url.rstrip("/") + probe, URL_TIMEOUT_S, proxies))])

@@ -119,17 +119,25 @@ def prepare(config: Config, tokenizer=None, model_name: str | None = None, model
     return Prepared(tokenizer, vision, tools, encoder, task, rewards)
 
 
-def judge_urls(config: Config, prepared: Prepared) -> list[tuple[str, float]]:
-    """The URL and timeout of each judge among the run's reward functions (rewards/judge.py)."""
-    return [(arguments["url"], arguments["timeout"]) for name, _, arguments in
-            reward_specs(config, prepared.task.reward_functions) if name == "judge" and arguments.get("url")]
+def judge_urls(config: Config, prepared: Prepared) -> list[tuple[str, float, str]]:
+    """The URL, timeout and the setting that gave the URL of each judge among the run's reward
+    functions (rewards/judge.py): reward.judge_url, or an entry's own `url`."""
+    entries = config.reward.functions or []
+    return [(arguments["url"], arguments["timeout"],
+             f"reward.functions[{i}].url" if isinstance(entries[i], dict) and "url" in entries[i] else "reward.judge_url")
+            for i, (name, _, arguments) in enumerate(reward_specs(config, prepared.task.reward_functions))
+            if name == "judge" and arguments.get("url")]
 
 
 def reach_judges(config: Config, prepared: Prepared) -> None:
     """Each judge answers before the model loads (a GET of its /models, any answer), tried for its
-    reward.judge_timeout: StartupError naming the URL otherwise, not a step of failed scores."""
-    for url, timeout in judge_urls(config, prepared):
-        reach(url, "reward.judge_url", timeout, "/models")
+    reward.judge_timeout: StartupError naming the URL otherwise, not a step of failed scores.
+    Process 0 asks, and its answer stops every process alike."""
+    def ask():
+        for url, timeout, setting in judge_urls(config, prepared):
+            reach(url, setting, timeout, "/models")
+
+    distributed.on_main(ask)
 
 
 def _check_prompt_lengths(config: Config, task, encoder: PromptEncoder, limit: int | None) -> None:

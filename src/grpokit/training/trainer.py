@@ -224,8 +224,7 @@ class Trainer:
         t_generate = time.perf_counter() - start  # with the reward functions' time
         # Every failure (a rollout, a judge call, a tool call) to failures.jsonl now: a stop just below
         # (a step that scored nothing, every agent failing) points there.
-        self.monitor.completions(step, distributed.gather_lists([scored.samples[i] for i in scored.failures]),
-                                 "failures.jsonl")
+        self.monitor.completions(step, distributed.gather_lists(scored.failures), "failures.jsonl")
         self.check_scored(step, scored)
         # Before the update: what the rollouts did can stop the run (every agent failing), and a
         # stop before the update saves the step before (FailureSave).
