@@ -58,11 +58,11 @@ def _loading(name: str):
         ) from None
 
 
-def check_source(name: str, setting: str | None = None) -> None:
-    """A `model.name` (or the `setting` naming another model: distill.teacher; default: `naming`'s)
-    that is a local path must be a model folder: say what it is instead when it is not (a missing
-    path, a run folder, a folder without config.json) rather than let it be taken for a Hub id."""
-    setting = setting or _SETTING.get()
+def check_source(name: str) -> None:
+    """A `model.name` (or the setting `naming` says names another model: distill.teacher) that is a
+    local path must be a model folder: say what it is instead when it is not (a missing path, a run
+    folder, a folder without config.json) rather than let it be taken for a Hub id."""
+    setting = _SETTING.get()
     if name in (BUNDLED, TINY, TINY_VLM, BUNDLED_VLM):
         return
     path = Path(name).expanduser()

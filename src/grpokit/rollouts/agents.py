@@ -322,18 +322,14 @@ class Agents:
                                         environment=outcome, prompt=t.first_messages or example.prompt)
             if chain:
                 sequence = RolloutTokens(chain[0].prompt, {}, conversation, finish=chain[-1].finish)
-                texts = [list(chain[0].prompt)]  # each sequence's tokens, for its record
                 for previous, exchange in zip([None, *chain], chain):
                     if previous is not None and exchange.extends:
                         sequence.add(exchange.prompt[len(previous.prompt) + len(previous.sampled):], False)
-                        texts[-1] += exchange.prompt[len(previous.prompt) + len(previous.sampled):]
                     elif previous is not None:
                         sequence.begin_sequence(exchange.prompt)
-                        texts.append(list(exchange.prompt))
                     sequence.add(exchange.sampled, True, exchange.logps, exchange.entropies)
-                    texts[-1] += exchange.sampled
-                if len(texts) > 1:  # (one sequence: the record's completion is all of it)
-                    outcome.sequences = [self.tokenizer.decode(ids) for ids in texts]
+                if sequence.sequence:  # (one sequence: the record's completion is all of it)
+                    outcome.sequences = [self.tokenizer.decode(ids) for ids in sequence.sequence_tokens()]
             else:  # nothing sampled: the row's one token is context, never trained
                 prompt = self.encoder.messages(example.prompt)
                 sequence = RolloutTokens(prompt, {}, conversation, finish="stop")

@@ -104,6 +104,16 @@ class RolloutTokens:
         sequence's shared prompt tokens and its own."""
         return self.prompt + self.ids if self.sequence == 0 else self.prompt[:self.shared] + self.ids[self.start:]
 
+    def sequence_tokens(self) -> list[list[int]]:
+        """Each sequence's tokens in order: the first's prompt, a later one's shared part of it
+        (`prefix`), then its own tokens."""
+        out = []
+        for k in range(self.sequence + 1):
+            first = self.sequence_ids.index(k) if k else 0
+            out.append((self.prompt if k == 0 else self.prompt[:self.prefix[first]]) +
+                       [t for t, s in zip(self.ids, self.sequence_ids) if s == k])
+        return out
+
     def spent(self) -> int:
         """The tokens of the current sequence after the prompt (rollout.max_completion_length's count)."""
         return len(self.ids) - self.start
